@@ -1,0 +1,1 @@
+"""Capture: TorchDynamo frames -> FX graphs -> AOTAutograd forward/backward ATen graphs."""

@@ -1,0 +1,88 @@
+"""The decomposition table: which ATen ops are rewritten into Ember's small core op set.
+
+Starts from PyTorch's core ATen decompositions and adds the composite ops whose forward
+passes core ATen keeps whole (batch/layer/instance norm, softmax, gelu ...), so that
+every normalisation and activation reaches the scheduler as pointwise ops plus
+sum/amax reductions it can fuse. ``var_mean`` gets a two-pass decomposition written in
+ATen ops (instead of the ``prims.var`` the reference uses) so it fuses like any reduction.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+import torch
+from torch._decomp import core_aten_decompositions, get_decompositions
+
+aten = torch.ops.aten
+
+_EXTRA = [
+    aten._native_batch_norm_legit_functional,
+    aten._native_batch_norm_legit,
+    aten._native_batch_norm_legit_no_training,
+    aten.native_batch_norm,
+    aten.native_layer_norm,
+    aten.native_group_norm,
+    aten._softmax,
+    aten._log_softmax,
+    aten.gelu,
+    aten.hardswish,
+    aten.hardsigmoid,
+    aten.silu,
+    aten.mean,
+]
+
+# Kept whole: library calls and ops whose decompositions only add work.
+_KEEP = [
+    aten.native_dropout,  # one RNG call, same stream as eager
+    aten.embedding,
+    aten.embedding_dense_backward,
+    aten.max_pool2d_with_indices,
+    aten.max_pool2d_with_indices_backward,
+    aten.avg_pool2d,
+    aten.avg_pool2d_backward,
+    aten.convolution_backward,
+]
+
+
+def _reduced_count(x: torch.Tensor, dims: Sequence[int] | None) -> int:
+    if dims is None or len(dims) == 0:
+        return x.numel()
+    count = 1
+    for d in dims:
+        count *= x.shape[d]
+    return count
+
+
+def _var_mean(x: torch.Tensor, dims: Sequence[int] | None = None, *, correction: float | None = None,
+              keepdim: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    # Two passes (mean, then centred squares) in the input's compute dtype: as exact as
+    # eager's Welford and fusable into one kernel.
+    dims = list(range(x.dim())) if dims is None or len(dims) == 0 else list(dims)
+    n = _reduced_count(x, dims)
+    corr = 1.0 if correction is None else float(correction)
+    xf = x.float() if x.dtype in (torch.float16, torch.bfloat16) else x
+    mean = aten.sum.dim_IntList(xf, dims, True) * (1.0 / n)
+    centred = xf - mean
+    var = aten.sum.dim_IntList(centred * centred, dims, True) * (1.0 / max(n - corr, 0))
+    if not keepdim:
+        mean = aten.squeeze.dims(mean, dims)
+        var = aten.squeeze.dims(var, dims)
+    return var.to(x.dtype), mean.to(x.dtype)
+
+
+def _var(x: torch.Tensor, dims: Sequence[int] | None = None, *, correction: float | None = None,
+         keepdim: bool = False) -> torch.Tensor:
+    return _var_mean(x, dims, correction=correction, keepdim=keepdim)[0]
+
+
+def decomposition_table() -> dict[object, Callable]:
+    """The table handed to AOTAutograd."""
+    table = dict(core_aten_decompositions())
+    table.update(get_decompositions(_EXTRA))
+    for op in _KEEP:
+        for overload in op.overloads():
+            table.pop(getattr(op, overload), None)
+    for op, fn in ((aten.var_mean, _var_mean), (aten.var, _var)):
+        table[op.correction] = fn
+    return table

@@ -1,0 +1,1 @@
+"""Codegen: Fused groups -> Triton source; kernel plans -> a readable Python program."""

@@ -1,0 +1,200 @@
+"""A KernelPlan -> the source of a plain Python program that runs it.
+
+The program is readable on purpose: every line carries the ATen op(s) it came from, buffers
+are freed right after their last use, and library calls, fallbacks and kernel launches are
+ordinary calls. ``exec`` of the text in the namespace ``Program.namespace`` gives ``run``.
+"""
+
+from __future__ import annotations
+
+import math
+import operator
+from dataclasses import dataclass, field
+
+import torch
+import torch.fx as fx
+
+from ember.codegen.triton_kernel import KernelSource
+from ember.schedule.plan import FusedGroup, KernelPlan, Step
+
+_RESERVED = {"torch", "aten", "prims", "run", "args", "_empty", "_expect", "_consts", "operator"}
+
+
+@dataclass
+class ProgramSource:
+    text: str
+    namespace: dict = field(default_factory=dict)
+
+
+class _Writer:
+    def __init__(self, gm: fx.GraphModule, plan: KernelPlan, kernels: dict[int, KernelSource],
+                 title: str) -> None:
+        self.gm = gm
+        self.plan = plan
+        self.kernels = kernels  # step index -> kernel (fused groups that run generated code)
+        self.title = title
+        self.ns: dict = {"torch": torch, "aten": torch.ops.aten, "prims": torch.ops.prims,
+                         "operator": operator, "_empty": torch.empty_strided}
+        self.consts: list = []
+        self.names: dict[fx.Node, str] = {}
+        self.lines: list[str] = []
+
+    def name(self, node: fx.Node) -> str:
+        if node not in self.names:
+            base = node.name
+            self.names[node] = f"{base}_" if base in _RESERVED or base.startswith("ember_") else base
+        return self.names[node]
+
+    def const(self, value: object) -> str:
+        self.consts.append(value)
+        return f"_consts[{len(self.consts) - 1}]"
+
+    def arg(self, a: object) -> str:
+        if isinstance(a, fx.Node):
+            return self.name(a)
+        if isinstance(a, (list, tuple)):
+            inner = ", ".join(self.arg(x) for x in a)
+            return f"[{inner}]" if isinstance(a, list) else f"({inner}{',' if len(a) == 1 else ''})"
+        if isinstance(a, bool) or a is None or isinstance(a, int | str):
+            return repr(a)
+        if isinstance(a, float):
+            if math.isnan(a) or math.isinf(a):
+                return f"float('{a}')"
+            return repr(a)
+        if isinstance(a, torch.dtype):
+            return str(a)
+        if isinstance(a, (torch.layout, torch.memory_format)):
+            return str(a)
+        return self.const(a)
+
+    def call(self, node: fx.Node) -> str:
+        target = node.target
+        if target is operator.getitem:
+            return f"{self.arg(node.args[0])}[{node.args[1]!r}]"
+        args = [self.arg(a) for a in node.args] + [f"{k}={self.arg(v)}" for k, v in node.kwargs.items()]
+        return f"{_qualname(target)}({', '.join(args)})"
+
+    def write(self, expect: set[fx.Node]) -> ProgramSource:
+        graph = self.plan.graph
+        placeholders = [n for n in graph.nodes if n.op == "placeholder"]
+        output = next(n for n in graph.nodes if n.op == "output")
+        last_use = self._last_use(output)
+        counts: dict[str, int] = {}
+        for s in self.plan.steps:
+            kind = "generated" if s.index in self.kernels else ("fused-aten" if s.kind == "fused" else s.kind)
+            counts[kind] = counts.get(kind, 0) + 1
+        summary = ", ".join(f"{v} {k}" for k, v in sorted(counts.items()))
+        out = [f"# Ember program: {self.title}", f"# steps: {summary}", "", "def run(args):"]
+        body = []
+        if placeholders:
+            body.append(f"{', '.join(self.name(p) for p in placeholders)}, = args")
+        body.append("args.clear()")
+        for n in graph.nodes:
+            if n.op == "get_attr":
+                self.ns[self.name(n)] = _get_attr(self.gm, n.target)
+        for p in placeholders:
+            if p in expect:
+                body.append(self._expect_line(p))
+        used_constants = self._used_constants()
+        for step in self.plan.steps:
+            if step.kind == "constant" and step.node not in used_constants:
+                continue
+            body += self._step_lines(step, expect)
+            dead = sorted((n for n, last in last_use.items() if last == step.index), key=lambda n: n.name)
+            if dead:
+                body.append(f"del {', '.join(self.name(n) for n in dead)}")
+        body.append(f"return {self.arg(output.args[0])}")
+        out += ["    " + line for line in body]
+        self.ns["_consts"] = self.consts
+        return ProgramSource("\n".join(out) + "\n", self.ns)
+
+    def _expect_line(self, node: fx.Node) -> str:
+        val = node.meta["val"]
+        return f"{self.name(node)} = _expect({self.name(node)}, {tuple(val.stride())})"
+
+    def _used_constants(self) -> set[fx.Node]:
+        used = set()
+        for c in self.plan.constants:
+            for u in c.users:
+                step = self.plan.step_of.get(u)
+                if step is None or step.index not in self.kernels:
+                    used.add(c)
+        return used
+
+    def _last_use(self, output: fx.Node) -> dict[fx.Node, int]:
+        """Index of the last step that reads each value (values the program returns live on)."""
+        last: dict[fx.Node, int] = {}
+        for step in self.plan.steps:
+            reads = (step.inputs if step.index in self.kernels else
+                     [a for n in step.nodes for a in n.all_input_nodes])
+            for a in reads:
+                if a.op in ("placeholder", "call_function") and self.plan.step_of.get(a) is not step:
+                    last[a] = step.index
+        for a in output.all_input_nodes:
+            last.pop(a, None)
+        # Buffers no step reads and the program does not return: free right after creation.
+        for step in self.plan.steps:
+            outs = step.outputs if step.index in self.kernels else step.nodes
+            for n in outs:
+                if n not in last and n not in output.all_input_nodes:
+                    last[n] = step.index
+        return last
+
+    def _step_lines(self, step: Step, expect: set[fx.Node]) -> list[str]:
+        if step.index in self.kernels:
+            return self._kernel_lines(step, self.kernels[step.index])
+        lines = []
+        if step.kind == "fused":
+            ops = ", ".join(_short(n) for n in step.nodes)
+            lines.append(f"# [fused via ATen: no code generation for this device] {ops}")
+        for n in step.nodes:
+            note = {"extern": "library", "fallback": f"fallback: {step.reason}", "view": "view",
+                    "constant": "constant", "getitem": None, "fused": None}[step.kind]
+            line = f"{self.name(n)} = {self.call(n)}"
+            if note:
+                line += f"  # [{note}]"
+            lines.append(line)
+            if n in expect:
+                lines.append(self._expect_line(n))
+        return lines
+
+    def _kernel_lines(self, group: FusedGroup, ks: KernelSource) -> list[str]:
+        self.ns.setdefault("_kernels", {})
+        lines = [f"# [generated {ks.name}] {len(group.nodes)} ops: {', '.join(_short(n) for n in group.nodes)}"]
+        for n in group.outputs:
+            val = n.meta["val"]
+            dev = self.arg(val.device)
+            lines.append(f"{self.name(n)} = _empty({tuple(val.shape)}, {tuple(val.stride())}, "
+                         f"dtype={val.dtype}, device={dev})")
+        args = ", ".join(self.name(a) for a in ks.args)
+        meta = ", ".join(f"{k}={v}" for k, v in ks.meta.items())
+        lines.append(f"{ks.name}[({ks.grid},)]({args}, {meta})")
+        return lines
+
+
+def _get_attr(gm: fx.GraphModule, target: str) -> object:
+    obj: object = gm
+    for part in target.split("."):
+        obj = getattr(obj, part)
+    return obj
+
+
+def _qualname(target: object) -> str:
+    if isinstance(target, torch._ops.OpOverload):
+        ns = target.namespace
+        packet = target._overloadpacket.__name__
+        return f"{'aten' if ns == 'aten' else 'prims' if ns == 'prims' else 'torch.ops.' + ns}.{packet}.{target._overloadname}"
+    raise TypeError(f"cannot name {target!r}")
+
+
+def _short(node: fx.Node) -> str:
+    target = node.target
+    if isinstance(target, torch._ops.OpOverload):
+        return target._overloadpacket.__name__
+    return getattr(target, "__name__", str(target))
+
+
+def generate_program(gm: fx.GraphModule, plan: KernelPlan, kernels: dict[int, KernelSource], title: str,
+                     expect: set[fx.Node]) -> ProgramSource:
+    """The program for ``plan``; ``kernels`` maps step index -> generated kernel."""
+    return _Writer(gm, plan, kernels, title).write(expect)

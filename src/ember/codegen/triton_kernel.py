@@ -1,0 +1,440 @@
+"""A FusedGroup -> the source of ONE Triton kernel.
+
+Iteration space: the group's reference shape S, split into kept dims K (walked by
+``xindex``) and reduced dims D (walked by ``rindex``). Pointwise groups use 1-D tiles
+``[XBLOCK]``; reduction groups use 2-D tiles ``[XBLOCK, RBLOCK]``. A value that walks
+no D dim lives in the *x domain* (``[XBLOCK, 1]``), the others in the *full domain*.
+
+Reductions are *persistent* when the reduced extent fits one block: every value is
+computed once, in registers. Otherwise the kernel runs one loop over D per reduction
+level (a reduction whose input needs another reduction's result is one level up), and a
+last loop computes and stores the full-domain outputs. Shapes and strides are baked in:
+the program checks the strides of tensors it did not allocate itself.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass
+
+import torch
+import torch.fx as fx
+
+from ember.codegen.triton_ops import POINTWISE_OPS, TL_DTYPE, Operand, compute_dtype, literal
+from ember.schedule.plan import FusedGroup, reduction_dims, reduction_keepdim
+from ember.schedule.rules import OpClass, classify
+
+aten = torch.ops.aten
+
+# Block-size rules; tests lower these to exercise the looped path on small shapes.
+PERSISTENT_RBLOCK_MAX = 2048
+LOOP_RBLOCK = 1024
+TILE_ELEMENTS = 2048
+POINTWISE_XBLOCK = 1024
+
+# Reductions go through the builtin tl.reduce with these combine functions: Triton's own
+# tl.sum/tl.max are jit functions fixed at import and unusable from the interpreter.
+_COMBINE = '''
+
+@triton.jit
+def _sum(a, b):
+    return a + b
+
+
+@triton.jit
+def _max(a, b):
+    return tl.where((a > b) | (a != a), a, b)
+
+
+@triton.jit
+def _min(a, b):
+    return tl.where((a < b) | (a != a), a, b)
+'''
+
+HEADER_GPU = '''import triton
+import triton.language as tl
+
+
+@triton.jit
+def _round_to_bf16(x):
+    return x.to(tl.bfloat16).to(tl.float32)
+
+
+@triton.jit
+def _round_to_fp16(x):
+    return x.to(tl.float16).to(tl.float32)
+''' + _COMBINE
+
+# Triton's interpreter truncates float32 -> bfloat16; round to nearest even by hand so the
+# interpreter computes exactly what the GPU computes.
+HEADER_INTERPRET = '''import triton
+import triton.language as tl
+
+
+@triton.jit
+def _round_to_bf16(x):
+    bits = x.to(tl.uint32, bitcast=True)
+    bits = bits + 0x7FFF + ((bits >> 16) & 1)
+    rounded = (bits & 0xFFFF0000).to(tl.float32, bitcast=True)
+    return tl.where(x != x, x, rounded)
+
+
+@triton.jit
+def _round_to_fp16(x):
+    return x.to(tl.float16).to(tl.float32)
+''' + _COMBINE
+
+
+def next_pow2(n: int) -> int:
+    return 1 if n <= 1 else 1 << (n - 1).bit_length()
+
+
+@dataclass
+class KernelSource:
+    """Generated source plus everything the program needs to launch it."""
+
+    name: str
+    source: str  # the kernel function alone (the module header is shared)
+    digest: str
+    args: list[fx.Node]  # pointer args in order: inputs then outputs
+    n_inputs: int
+    grid: int
+    meta: dict[str, int]
+    header: str
+
+    def module_source(self) -> str:
+        return self.header + "\n\n" + self.source
+
+
+_IDENTITY = {"sum": "0", "max": 'float("-inf")', "min": 'float("inf")'}
+_INT_IDENTITY = {"sum": "0", "max": "-9223372036854775808", "min": "9223372036854775807"}
+
+
+def _reduction_kind(node: fx.Node) -> str:
+    return {aten.amax.default: "max", aten.amin.default: "min"}.get(node.target, "sum")
+
+
+class _KernelWriter:
+    def __init__(self, group: FusedGroup, interpret: bool) -> None:
+        self.g = group
+        self.interpret = interpret
+        self.S = group.shape
+        self.D = set(group.rdims)
+        self.K = [d for d in range(len(self.S)) if d not in self.D and self.S[d] != 1]
+        self.R = [d for d in sorted(self.D) if self.S[d] != 1]
+        self.xnumel = 1
+        for d in self.K:
+            self.xnumel *= self.S[d]
+        self.rnumel = 1
+        for d in self.R:
+            self.rnumel *= self.S[d]
+        self.reduction = bool(self.R)
+        self.arg_names: dict[fx.Node, str] = {}
+        for i, n in enumerate(group.inputs):
+            self.arg_names[n] = f"in{i}"
+        for i, n in enumerate(group.outputs):
+            self.arg_names[n] = f"out{i}"
+        self.counter = 0
+        self.persistent = (not self.reduction) or next_pow2(self.rnumel) <= PERSISTENT_RBLOCK_MAX
+        self.level = self._levels()
+
+    # -- domains and levels --------------------------------------------------------------
+    def _full(self, dims: tuple) -> bool:
+        return any(d in self.D for d in dims if d is not None)
+
+    def _levels(self) -> dict[fx.Node, int]:
+        level: dict[fx.Node, int] = {}
+        members = set(self.g.nodes)
+        for n in self.g.nodes:
+            deps = [level[a] for a in n.all_input_nodes if a in members]
+            base = max(deps, default=0)
+            level[n] = base + 1 if classify(n).cls == OpClass.REDUCTION else base
+        return level
+
+    # -- index expressions ---------------------------------------------------------------
+    def _coord(self, s: int) -> str:
+        return f"{'r' if s in self.D else 'x'}_{s}"
+
+    def _coord_lines(self, dims: list[int], index: str, numel: int) -> list[str]:
+        lines = []
+        inner = 1
+        for pos in range(len(dims) - 1, -1, -1):
+            s = dims[pos]
+            size = self.S[s]
+            expr = index if inner == 1 else f"({index} // {inner})"
+            if inner * size < numel:
+                expr = f"{expr} % {size}"
+            lines.append(f"{self._coord(s)} = {expr}")
+            inner *= size
+        return lines[::-1]
+
+    def _offset(self, node: fx.Node, dims: tuple) -> str:
+        strides = node.meta["val"].stride()
+        terms = []
+        for j, s in enumerate(dims):
+            if s is None or self.S[s] == 1:
+                continue
+            st = strides[j]
+            terms.append(self._coord(s) if st == 1 else f"{self._coord(s)} * {st}")
+        full = self._full(dims)
+        if not any(t.startswith("x_") for t in terms):
+            terms.append("0 * xindex")  # keeps every load block-shaped
+        if self.reduction and full is False:
+            return " + ".join(terms)
+        return " + ".join(terms)
+
+    def _mask(self, full: bool) -> str:
+        return "xmask & rmask" if full else "xmask"
+
+    def _shape(self, full: bool) -> str:
+        if not self.reduction:
+            return "[XBLOCK]"
+        return "[XBLOCK, RBLOCK]" if full else "[XBLOCK, 1]"
+
+    # -- values --------------------------------------------------------------------------
+    def _tmp(self) -> str:
+        self.counter += 1
+        return f"t{self.counter}"
+
+    def _load(self, node: fx.Node, dims: tuple, out: list[str], cache: dict) -> Operand:
+        key = ("load", node, dims)
+        if key in cache:
+            return cache[key]
+        full = self._full(dims)
+        dtype = node.meta["val"].dtype
+        var = self._tmp()
+        expr = f"tl.load({self.arg_names[node]} + ({self._offset(node, dims)}), {self._mask(full)}, other=0)"
+        if compute_dtype(dtype) != dtype:
+            expr += ".to(tl.float32)"
+        out.append(f"{var} = {expr}")
+        cache[key] = Operand(var, compute_dtype(dtype))
+        return cache[key]
+
+    def _constant(self, node: fx.Node) -> Operand:
+        target, args = node.target, node.args
+        if target in (aten.full.default, aten.full_like.default):
+            value = args[1]
+        elif target == aten.scalar_tensor.default:
+            value = args[0]
+        elif target in (aten.zeros_like.default, aten.zeros.default):
+            value = 0
+        else:
+            value = 1
+        dtype = node.meta["val"].dtype
+        if dtype == torch.bool:
+            value = bool(value)
+        elif dtype.is_floating_point:
+            value = float(value)
+        else:
+            value = int(value)
+        return Operand(literal(value), None)
+
+    def value(self, node: fx.Node, scope: _Scope) -> Operand:
+        dims = self.g.dims[node]
+        full = self._full(dims)
+        target_scope = scope if (full or self.persistent) else scope.outer
+        cache, out = target_scope.cache, target_scope.lines
+        if node in cache:
+            return cache[node]
+        cls = classify(node).cls
+        if cls == OpClass.VIEW:
+            result = self.value(node.args[0], scope)
+        elif cls == OpClass.REDUCTION:
+            result = self._reduce_persistent(node, scope) if self.persistent else scope.outer.cache[node]
+        else:
+            ops = []
+            for a in node.args:
+                if isinstance(a, fx.Node):
+                    if a in self.g.dims:
+                        ops.append(self.value(a, scope))
+                    elif a in self.g.input_dims[node]:
+                        ops.append(self._load(a, self.g.input_dims[node][a], out, cache))
+                    else:
+                        ops.append(self._constant(a))
+                elif a is None:
+                    ops.append(Operand("None", None))
+                elif isinstance(a, (bool, int, float)):
+                    ops.append(Operand(literal(a), None))
+                else:
+                    ops.append(Operand(repr(a), None))
+            if ops and all(o.dtype is None for o in ops if o.expr != "None"):
+                first = next(i for i, o in enumerate(ops) if o.expr != "None")
+                dt = compute_dtype(node.meta["val"].dtype)
+                ops[first] = Operand(f"tl.full({self._shape(full)}, {ops[first].as_(dt)}, {TL_DTYPE[dt]})", dt)
+            expr = POINTWISE_OPS[node.target](node, ops)
+            var = self._tmp()
+            out.append(f"{var} = {expr}  # {_src(node)}")
+            result = Operand(var, compute_dtype(node.meta["val"].dtype))
+        cache[node] = result
+        return result
+
+    def _reduce_input(self, node: fx.Node, scope: _Scope) -> tuple[str, torch.dtype]:
+        src = node.args[0]
+        out_dtype = compute_dtype(node.meta["val"].dtype)
+        if src in self.g.dims:
+            op = self.value(src, scope)
+        else:
+            op = self._load(src, self.g.input_dims[node][src], scope.lines, scope.cache)
+        return op.as_(out_dtype), out_dtype
+
+    def _finish(self, node: fx.Node, reduced: str) -> str:
+        if node.target == aten.mean.dim:
+            src_shape = node.args[0].meta["val"].shape
+            count = 1
+            for d in reduction_dims(node):
+                count *= src_shape[d]
+            return f"({reduced} * {literal(1.0 / count)})"
+        return reduced
+
+    def _identity(self, node: fx.Node, dtype: torch.dtype) -> str:
+        kind = _reduction_kind(node)
+        return (_IDENTITY if dtype.is_floating_point else _INT_IDENTITY)[kind]
+
+    def _reduce_persistent(self, node: fx.Node, scope: _Scope) -> Operand:
+        inp, dtype = self._reduce_input(node, scope)
+        kind = _reduction_kind(node)
+        var = self._tmp()
+        masked = f"tl.where(xmask & rmask, {inp}, {self._identity(node, dtype)})"
+        scope.lines.append(f"{var} = {self._finish(node, f'tl.reduce({masked}, 1, _{kind})[:, None]')}  # {_src(node)}")
+        return Operand(var, dtype)
+
+    # -- stores ----------------------------------------------------------------------------
+    def _store(self, node: fx.Node, scope: _Scope) -> None:
+        dims = self.g.dims[node]
+        full = self._full(dims)
+        op = self.value(node, scope)
+        dtype = node.meta["val"].dtype
+        covered = {d for d in dims if d is not None}
+        walked = self.K + (self.R if full else [])
+        mask = self._mask(full)
+        for s in walked:
+            if s not in covered:
+                mask += f" & ({self._coord(s)} == 0)"  # broadcast dims: store once
+        val = op.as_(compute_dtype(dtype))
+        if op.dtype is None:
+            val = f"tl.full({self._shape(full)}, {val}, {TL_DTYPE[compute_dtype(dtype)]})"
+        if dtype == torch.bfloat16:
+            val = f"_round_to_bf16({val}).to(tl.bfloat16)"
+        elif dtype != compute_dtype(dtype):
+            val = f"({val}).to({TL_DTYPE[dtype]})"
+        target = scope if (full or self.persistent) else scope.outer
+        target.lines.append(f"tl.store({self.arg_names[node]} + ({self._offset(node, dims)}), {val}, {mask})")
+
+    # -- the kernel ------------------------------------------------------------------------
+    def write(self) -> KernelSource:
+        body: list[str] = []
+        if self.reduction:
+            xblock, rblock = self._blocks()
+            body.append("xindex = tl.program_id(0) * XBLOCK + tl.arange(0, XBLOCK)[:, None]")
+            body.append(f"xmask = xindex < {self.xnumel}")
+            body += self._coord_lines(self.K, "xindex", self.xnumel)
+            body.append("rbase = tl.arange(0, RBLOCK)[None, :]")
+            body += self._reduction_body()
+            meta = {"XBLOCK": xblock, "RBLOCK": rblock}
+        else:
+            xblock = min(next_pow2(self.xnumel), POINTWISE_XBLOCK if not self.interpret else 1 << 16)
+            body.append("xindex = tl.program_id(0) * XBLOCK + tl.arange(0, XBLOCK)")
+            body.append(f"xmask = xindex < {self.xnumel}")
+            body += self._coord_lines(self.K, "xindex", self.xnumel)
+            scope = _Scope(None)
+            for n in self.g.outputs:
+                self._store(n, scope)
+            body += scope.lines
+            meta = {"XBLOCK": xblock}
+        tiles = meta["XBLOCK"] * meta.get("RBLOCK", 1)
+        meta["num_warps"] = 8 if tiles >= 4096 else 4 if tiles >= 512 else 2 if tiles >= 128 else 1
+        grid = -(-self.xnumel // meta["XBLOCK"])
+        args = list(self.g.inputs) + list(self.g.outputs)
+        params = ", ".join(self.arg_names[a] for a in args)
+        consts = "XBLOCK: tl.constexpr" + (", RBLOCK: tl.constexpr" if self.reduction else "")
+        ops = "\n".join(f"#   {_src(n)}" for n in self.g.nodes)
+        text = (f"@triton.jit\ndef KERNEL_NAME({params}, {consts}):\n"
+                f"    # S={list(self.S)} reduced={sorted(self.D)} x={self.xnumel} r={self.rnumel}\n"
+                + "\n".join("    " + line for line in body) + "\n")
+        digest = hashlib.sha256((text + repr(meta) + str(self.interpret)).encode()).hexdigest()[:16]
+        name = f"ember_{'red' if self.reduction else 'pw'}_{digest}"
+        source = f"# source ops:\n{ops}\n" + text.replace("KERNEL_NAME", name)
+        header = HEADER_INTERPRET if self.interpret else HEADER_GPU
+        return KernelSource(name, source, digest, args, len(self.g.inputs), grid, meta, header)
+
+    def _blocks(self) -> tuple[int, int]:
+        if self.persistent:
+            rblock = next_pow2(self.rnumel)
+        else:
+            rblock = LOOP_RBLOCK
+        xblock = max(1, min(next_pow2(self.xnumel), TILE_ELEMENTS // rblock if self.persistent else 1))
+        return xblock, rblock
+
+    def _reduction_body(self) -> list[str]:
+        root = _Scope(None)
+        if self.persistent:
+            root.lines.append("rindex = rbase")
+            root.lines.append(f"rmask = rindex < {self.rnumel}")
+            root.lines += self._coord_lines(self.R, "rindex", self.rnumel)
+            for n in self.g.outputs:
+                self._store(n, root)
+            return root.lines
+        reductions = [n for n in self.g.nodes if classify(n).cls == OpClass.REDUCTION]
+        levels = sorted({self.level[r] for r in reductions})
+        for lv in levels:
+            self._loop(root, [r for r in reductions if self.level[r] == lv])
+        full_outputs = [n for n in self.g.outputs if self._full(self.g.dims[n])]
+        for n in self.g.outputs:
+            if not self._full(self.g.dims[n]):
+                self._store(n, root)
+        if full_outputs:
+            self._loop(root, [], full_outputs)
+        return root.lines
+
+    def _loop(self, root: _Scope, reductions: list[fx.Node], stores: list[fx.Node] = ()) -> None:
+        inner = _Scope(root)
+        inner.lines.append("rindex = roffset + rbase")
+        inner.lines.append(f"rmask = rindex < {self.rnumel}")
+        inner.lines += self._coord_lines(self.R, "rindex", self.rnumel)
+        pre: list[str] = []
+        accs = []
+        for r in reductions:
+            inp, dtype = self._reduce_input(r, inner)
+            kind = _reduction_kind(r)
+            acc = self._tmp()
+            ident = self._identity(r, dtype)
+            pre.append(f"{acc} = tl.full([XBLOCK, RBLOCK], {ident}, {TL_DTYPE[dtype]})")
+            masked = f"tl.where(xmask & rmask, {inp}, {ident})"
+            if kind == "sum":
+                inner.lines.append(f"{acc} = {acc} + {masked}")
+            else:
+                cmp = ">" if kind == "max" else "<"
+                inner.lines.append(f"{acc} = tl.where(({masked} {cmp} {acc}) | ({masked} != {masked}), {masked}, {acc})")
+            accs.append((r, acc, kind, dtype))
+        for n in stores:
+            self._store(n, inner)
+        root.lines += pre
+        root.lines.append(f"for roffset in range(0, {self.rnumel}, RBLOCK):")
+        root.lines += ["    " + line for line in inner.lines]
+        for r, acc, kind, dtype in accs:
+            var = self._tmp()
+            root.lines.append(f"{var} = {self._finish(r, f'tl.reduce({acc}, 1, _{kind})[:, None]')}  # {_src(r)}")
+            root.cache[r] = Operand(var, dtype)
+
+
+class _Scope:
+    """Lines and value cache of one loop body (or of the kernel's top level)."""
+
+    def __init__(self, outer: _Scope | None) -> None:
+        self.lines: list[str] = []
+        self.cache: dict = {}
+        self.outer = outer if outer is not None else self
+
+
+def _src(node: fx.Node) -> str:
+    target = getattr(node.target, "__name__", str(node.target))
+    args = ", ".join(a.name if isinstance(a, fx.Node) else repr(a) for a in node.args)
+    return f"{node.name} = {target}({args})"
+
+
+def generate_triton(group: FusedGroup, interpret: bool = False) -> KernelSource:
+    """The Triton kernel for ``group``."""
+    return _KernelWriter(group, interpret).write()
+
+
+__all__ = ["generate_triton", "KernelSource", "reduction_keepdim"]

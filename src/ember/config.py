@@ -1,0 +1,79 @@
+"""Every Ember option and environment variable, in one place.
+
+Options passed to ``ember.compile(..., **options)`` override the environment; the
+environment overrides the defaults below.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from pathlib import Path
+
+# Where Fused kernels run.
+#   "auto"             Triton on CUDA tensors, ATen on CPU tensors
+#   "triton"           generated Triton kernels (CUDA)
+#   "triton-interpret" the same Triton kernels through Triton's CPU interpreter (tests, CI)
+#   "aten"             the ops of each Fused group run one by one through ATen
+TARGETS = ("auto", "triton", "triton-interpret", "aten")
+
+
+def _env_int(name: str, default: int) -> int:
+    value = os.environ.get(name, "")
+    try:
+        return int(value) if value else default
+    except ValueError as err:
+        raise ValueError(f"environment variable {name}={value!r} is not an integer") from err
+
+
+def debug_level() -> int:
+    """``DEBUG=1`` prints the kernel plan, ``DEBUG=2`` also every generated kernel and program,
+    ``DEBUG=3`` also the graph after each pass."""
+    return _env_int("DEBUG", 0)
+
+
+def default_cache_dir() -> Path:
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return Path(base) / "ember"
+
+
+@dataclasses.dataclass
+class Options:
+    """Options of one ``ember.compile`` call."""
+
+    target: str = "auto"
+    # Compare against eager on the first call of each compiled graph and raise on mismatch.
+    check: bool = False
+    # Folder that receives the graph after each pass, every kernel's source and the program.
+    debug_dir: str | None = None
+    # Folder for generated kernel modules (content-addressed).
+    cache_dir: str | None = None
+    # Shape specialisations per compiled frame before Dynamo gives up and runs eager.
+    max_recompiles: int = 8
+
+    def __post_init__(self) -> None:
+        if self.target not in TARGETS:
+            raise ValueError(f"ember: unknown target {self.target!r}; choose one of {', '.join(TARGETS)}")
+
+    @classmethod
+    def from_env(cls, **overrides: object) -> Options:
+        """Options from ``EMBER_*`` environment variables, then ``overrides``."""
+        env: dict[str, object] = {}
+        if os.environ.get("EMBER_TARGET"):
+            env["target"] = os.environ["EMBER_TARGET"]
+        if os.environ.get("EMBER_DEBUG_DIR"):
+            env["debug_dir"] = os.environ["EMBER_DEBUG_DIR"]
+        if os.environ.get("EMBER_CACHE_DIR"):
+            env["cache_dir"] = os.environ["EMBER_CACHE_DIR"]
+        if os.environ.get("EMBER_CHECK"):
+            env["check"] = os.environ["EMBER_CHECK"] not in ("0", "", "false")
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = set(overrides) - known
+        if unknown:
+            raise TypeError(f"ember.compile: unknown option(s) {sorted(unknown)}; known: {sorted(known)}")
+        env.update(overrides)
+        return cls(**env)  # type: ignore[arg-type]
+
+    def kernel_dir(self) -> Path:
+        path = Path(self.cache_dir) if self.cache_dir else default_cache_dir()
+        return path / "kernels"

@@ -1,0 +1,47 @@
+"""Graph passes: FX -> FX functions, each named, timed and printable.
+
+A pass is a plain function ``(gm: fx.GraphModule) -> int`` that rewrites the graph in
+place and returns how many nodes it changed. ``run_passes`` times each one, and records
+the graph after it (``DEBUG=3`` prints it; ``EMBER_DEBUG_DIR`` writes it to disk).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch.fx as fx
+
+from ember.passes.cleanup import eliminate_common_subexpressions, eliminate_dead_code, fold_constants
+
+GraphPass = Callable[[fx.GraphModule], int]
+
+DEFAULT_PASSES: list[GraphPass] = [eliminate_dead_code, fold_constants, eliminate_common_subexpressions,
+                                   eliminate_dead_code]
+
+
+@dataclass
+class PassResult:
+    name: str
+    seconds: float
+    changed: int
+    nodes_after: int
+    graph_after: str
+
+
+def run_passes(gm: fx.GraphModule, passes: list[GraphPass] | None = None,
+               on_result: Callable[[PassResult], None] | None = None) -> list[PassResult]:
+    """Run ``passes`` in order on ``gm``; return one PassResult per pass."""
+    results = []
+    for p in DEFAULT_PASSES if passes is None else passes:
+        start = time.perf_counter()
+        changed = p(gm)
+        gm.graph.lint()
+        gm.recompile()
+        seconds = time.perf_counter() - start
+        result = PassResult(p.__name__, seconds, changed, len(gm.graph.nodes), gm.code)
+        results.append(result)
+        if on_result is not None:
+            on_result(result)
+    return results

@@ -1,0 +1,193 @@
+"""One ATen graph through Ember's stages: passes -> schedule -> codegen -> load -> program.
+
+Each stage is timed into the graph's GraphRecord. Every artefact (graph after each pass,
+kernel plan, kernel sources, program) is printable, and is written to ``EMBER_DEBUG_DIR``
+when set.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+import traceback
+import warnings
+from collections.abc import Callable
+from collections import Counter
+from pathlib import Path
+
+import torch
+import torch.fx as fx
+
+from ember import config
+from ember.codegen.program import generate_program
+from ember.codegen.triton_kernel import KernelSource, generate_triton
+from ember.config import Options
+from ember.passes import PassResult, run_passes
+from ember.report.records import GraphRecord
+from ember.runtime.kernels import load_kernel
+from ember.runtime.program import CompiledGraph, boxed, expect_strides
+from ember.schedule.plan import FusedGroup, KernelPlan, plan_graph
+from ember.schedule.rules import OpClass
+
+_PLACEMENT = {OpClass.EXTERN: "library", OpClass.VIEW: "view", OpClass.CONSTANT: "constant",
+              OpClass.GETITEM: None, OpClass.FALLBACK: "fallback"}
+
+
+def _resolve_target(gm: fx.GraphModule, options: Options) -> str:
+    if options.target != "auto":
+        return options.target
+    for n in gm.graph.nodes:
+        val = n.meta.get("val")
+        if n.op == "placeholder" and isinstance(val, torch.Tensor) and val.device.type == "cuda":
+            return "triton"
+    return "aten"
+
+
+def _dump(options: Options, name: str, text: str) -> None:
+    if options.debug_dir:
+        path = Path(options.debug_dir) / name
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(text)
+
+
+def _op_name(node: fx.Node) -> str:
+    target = node.target
+    if isinstance(target, torch._ops.OpOverload):
+        return f"{target.namespace}.{target._overloadpacket.__name__}"
+    return getattr(target, "__name__", str(target))
+
+
+def _symbolic(gm: fx.GraphModule) -> bool:
+    for n in gm.graph.nodes:
+        val = n.meta.get("val")
+        if n.op == "placeholder" and isinstance(val, torch.Tensor):
+            if any(not isinstance(s, int) for s in val.shape):
+                return True
+        elif n.op == "placeholder" and isinstance(val, torch.SymInt):
+            return True
+    return False
+
+
+def _expect_nodes(plan: KernelPlan, kernels: dict[int, KernelSource]) -> set[fx.Node]:
+    """Tensors a generated kernel reads that Ember did not allocate: their strides get checked."""
+    expect = set()
+    for index in kernels:
+        group = plan.steps[index]
+        for a in group.inputs:
+            root = a
+            while True:
+                step = plan.step_of.get(root)
+                if step is None or step.kind != "view" or not isinstance(root.args[0], fx.Node):
+                    break
+                root = root.args[0]
+            step = plan.step_of.get(root)
+            if step is None or step.kind in ("extern", "fallback", "getitem"):
+                if root.op in ("placeholder", "call_function"):
+                    expect.add(root)
+    return expect
+
+
+def _record_plan(record: GraphRecord, plan: KernelPlan, kernels: dict[int, KernelSource]) -> None:
+    for node, (cls, reason) in plan.classes.items():
+        record.op_classes[cls.value] += 1
+        step = plan.step_of.get(node)
+        if isinstance(step, FusedGroup) or (step is not None and step.kind == "fused"):
+            where = "generated" if step.index in kernels else "fused-aten"
+        else:
+            where = _PLACEMENT.get(cls)
+        if where is None:
+            continue
+        record.placement.setdefault(where, Counter())[_op_name(node)] += 1
+        if where == "fallback":
+            record.fallback_reasons[f"{_op_name(node)}: {reason}"] += 1
+    for s in plan.steps:
+        record.steps[s.kind] += 1
+
+
+def compile_graph(gm: fx.GraphModule, example_inputs: list, options: Options, record: GraphRecord) -> Callable:
+    """Compile one AOTAutograd graph; on an internal error run the graph as captured (and say so)."""
+    reference = fx.GraphModule(gm, _copy_graph(gm.graph)) if options.check else None
+    try:
+        return boxed(_compile(gm, options, record, reference))
+    except Exception as err:  # noqa: BLE001 - never fail where eager works
+        if os.environ.get("EMBER_STRICT", "0") not in ("0", ""):
+            raise
+        record.error = f"{type(err).__name__}: {err}"
+        warnings.warn(f"ember: could not compile {record.title} ({record.error}); running it through ATen as "
+                      "captured. Please report this with the traceback from EMBER_STRICT=1.", stacklevel=2)
+        if config.debug_level() >= 1:
+            traceback.print_exc()
+        fallback = fx.GraphModule(gm, _copy_graph(gm.graph))
+        return boxed(CompiledGraph(record.title, fallback.code, lambda args: fallback(*_take(args))))
+
+
+def _take(args: list) -> list:
+    out = list(args)
+    args.clear()
+    return out
+
+
+def _copy_graph(graph: fx.Graph) -> fx.Graph:
+    new = fx.Graph()
+    out = new.graph_copy(graph, {})
+    new.output(out)
+    return new
+
+
+def _compile(gm: fx.GraphModule, options: Options, record: GraphRecord,
+             reference: fx.GraphModule | None) -> CompiledGraph:
+    level = config.debug_level()
+    slug = record.title.replace(" ", "_").replace("/", "-")
+    stage = record.stage_seconds
+    if _symbolic(gm):
+        raise NotImplementedError("graph has symbolic shapes; Ember compiles static shapes")
+    target = _resolve_target(gm, options)
+    record.target = target
+    _dump(options, f"{slug}/00_captured.py", gm.code)
+
+    def on_pass(result: PassResult) -> None:
+        record.passes.append((result.name, result.seconds, result.changed))
+        _dump(options, f"{slug}/{len(record.passes):02d}_{result.name}.py", result.graph_after)
+        if level >= 3:
+            print(f"# ember: {record.title} after {result.name}\n{result.graph_after}")
+
+    start = time.perf_counter()
+    run_passes(gm, on_result=on_pass)
+    stage["passes"] = time.perf_counter() - start
+
+    start = time.perf_counter()
+    plan = plan_graph(gm.graph)
+    stage["schedule"] = time.perf_counter() - start
+    record.plan_text = plan.describe()
+    _dump(options, f"{slug}/plan.txt", record.plan_text)
+    if level >= 1:
+        print(f"# ember: kernel plan of {record.title}\n{record.plan_text}")
+
+    start = time.perf_counter()
+    kernels: dict[int, KernelSource] = {}
+    if target in ("triton", "triton-interpret"):
+        for group in plan.fused():
+            kernels[group.index] = generate_triton(group, interpret=target == "triton-interpret")
+    stage["codegen"] = time.perf_counter() - start
+    record.kernels = len(kernels)
+    record.unique_kernels = len({k.name for k in kernels.values()})
+    _record_plan(record, plan, kernels)
+
+    start = time.perf_counter()
+    program = generate_program(gm, plan, kernels, record.title, _expect_nodes(plan, kernels))
+    program.namespace["_expect"] = expect_strides
+    for ks in kernels.values():
+        fn = load_kernel(ks, options.kernel_dir(), interpret=target == "triton-interpret")
+        program.namespace[ks.name] = fn
+        record.kernel_sources[ks.name] = ks.source
+        _dump(options, f"{slug}/kernels/{ks.name}.py", ks.module_source())
+        if level >= 2:
+            print(f"# ember: kernel {ks.name}\n{ks.source}")
+    code = compile(program.text, f"<ember program {record.title}>", "exec")
+    exec(code, program.namespace)
+    stage["program"] = time.perf_counter() - start
+    record.program = program.text
+    _dump(options, f"{slug}/program.py", program.text)
+    if level >= 2:
+        print(program.text)
+    return CompiledGraph(record.title, program.text, program.namespace["run"], reference, options.check)

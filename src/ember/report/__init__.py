@@ -1,0 +1,1 @@
+"""Reports: what Ember compiled, what ran where, and how long each stage took."""

@@ -1,0 +1,39 @@
+"""Records of each compiled graph, collected by the backend and read by ``ember.explain``."""
+
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass, field
+
+
+@dataclass
+class GraphRecord:
+    """What happened to one ATen graph (forward, backward or inference)."""
+
+    title: str
+    kind: str  # forward | backward | inference
+    frame: str  # Dynamo compile id, e.g. "0/1" (frame 0, its second compile)
+    target: str
+    stage_seconds: dict[str, float] = field(default_factory=dict)
+    passes: list[tuple[str, float, int]] = field(default_factory=list)  # name, seconds, changed
+    op_classes: Counter = field(default_factory=Counter)  # ops by class (pointwise, library, ...)
+    placement: dict[str, Counter] = field(default_factory=dict)  # generated|fused-aten|library|fallback|view -> op
+    fallback_reasons: Counter = field(default_factory=Counter)  # "op: reason" -> count
+    steps: Counter = field(default_factory=Counter)  # step kind -> count
+    kernels: int = 0
+    unique_kernels: int = 0
+    input_signature: list[str] = field(default_factory=list)
+    error: str | None = None  # set when Ember could not compile and ran the graph as captured
+    plan_text: str = ""
+    program: str = ""
+    kernel_sources: dict[str, str] = field(default_factory=dict)
+    first_call_s: float | None = None
+
+
+@dataclass
+class CompileLog:
+    """All graphs one backend compiled, plus Dynamo's frames."""
+
+    graphs: list[GraphRecord] = field(default_factory=list)
+    frames: list[tuple[str, list[str]]] = field(default_factory=list)  # compile id, input signature
+    recompiles: list[str] = field(default_factory=list)  # one line per recompile: id and reason

@@ -1,0 +1,1 @@
+"""Runtime: load generated kernels, run generated programs, check them against eager."""

@@ -1,0 +1,88 @@
+"""CompiledGraph: a generated program bound to its kernels, callable the way AOTAutograd calls."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+import torch.fx as fx
+
+
+class EmberMismatchError(AssertionError):
+    """``check=True`` found a compiled result that differs from eager."""
+
+
+def expect_strides(t: torch.Tensor, stride: tuple[int, ...]) -> torch.Tensor:
+    """``t`` with exactly the strides its consumers were generated for (a copy if needed)."""
+    if not isinstance(t, torch.Tensor) or t.stride() == stride or t.numel() <= 1:
+        return t
+    out = torch.empty_strided(t.shape, stride, dtype=t.dtype, device=t.device)
+    out.copy_(t)
+    return out
+
+
+def _tolerance(dtype: torch.dtype) -> tuple[float, float]:
+    if dtype in (torch.float16, torch.bfloat16):
+        return 2e-2, 2e-2
+    return 1e-3, 1e-4
+
+
+def compare_outputs(got: object, want: object, where: str) -> None:
+    """Raise EmberMismatchError naming the first output that differs beyond dtype tolerance."""
+    got_list = list(got) if isinstance(got, (list, tuple)) else [got]
+    want_list = list(want) if isinstance(want, (list, tuple)) else [want]
+    for i, (g, w) in enumerate(zip(got_list, want_list)):
+        if not isinstance(w, torch.Tensor):
+            continue
+        if not isinstance(g, torch.Tensor) or g.shape != w.shape or g.dtype != w.dtype:
+            raise EmberMismatchError(f"{where}: output {i} has shape/dtype {getattr(g, 'shape', None)}/"
+                                     f"{getattr(g, 'dtype', None)}, eager gives {w.shape}/{w.dtype}")
+        if not (w.is_floating_point() or w.is_complex()):
+            if not torch.equal(g, w):
+                raise EmberMismatchError(f"{where}: output {i} ({w.dtype}) differs from eager")
+            continue
+        rtol, atol = _tolerance(w.dtype)
+        if not torch.allclose(g.float(), w.float(), rtol=rtol, atol=atol, equal_nan=True):
+            err = (g.float() - w.float()).abs().max().item()
+            raise EmberMismatchError(f"{where}: output {i} differs from eager by up to {err:.3g} "
+                                     f"(rtol={rtol}, atol={atol})")
+
+
+@dataclass
+class CompiledGraph:
+    """One compiled ATen graph. Called with a list of tensors (boxed), returns its outputs."""
+
+    title: str
+    source: str
+    run: Callable[[list], object]
+    reference: fx.GraphModule | None = None  # the captured graph, for check=True
+    check: bool = False
+    first_call_s: float | None = None
+    calls: int = 0
+
+    def __call__(self, args: list) -> object:
+        self.calls += 1
+        if self.calls > 1 and not self.check:
+            return self.run(args)
+        saved = list(args) if self.check and self.reference is not None else None
+        start = time.perf_counter()
+        out = self.run(args)
+        if self.first_call_s is None:
+            self.first_call_s = time.perf_counter() - start
+        if saved is not None:
+            self.check = False
+            with torch.no_grad():
+                want = self.reference(*saved)
+            compare_outputs(out, want, self.title)
+        return out
+
+
+def boxed(graph: CompiledGraph) -> Callable[[list], object]:
+    """A plain function for AOTAutograd: it calls with one list of args that we may clear."""
+    def run(args: list) -> object:
+        return graph(args)
+    run._boxed_call = True  # type: ignore[attr-defined]
+    run.ember_graph = graph  # type: ignore[attr-defined]
+    return run

@@ -1,0 +1,1 @@
+"""Schedule: partition an ATen graph into Extern, Fused, View and Fallback steps."""

@@ -1,0 +1,329 @@
+"""Partition an ATen graph into a KernelPlan: an ordered list of steps.
+
+Step kinds:
+  extern    a library call (mm, conv, attention ...), run through ATen
+  fused     pointwise ops and reductions that become ONE generated kernel
+  view      a zero-copy ATen view of a materialised tensor
+  constant  a fill (full, scalar_tensor ...); inlined into the kernels that use it
+  fallback  an ATen op run as is, with the reason it was not lowered
+  getitem   picks one result of a multi-output op
+
+A fused group has a reference shape S and a set of reduced dims D of S. Every member node
+records, for each of its own dims, which dim of S it walks (None for size-1 dims). Views that
+only insert/drop size-1 dims, permute or broadcast change that record and nothing else, so
+they fuse for free. Steps are created in graph order and a node only joins a group if all its
+other inputs come from *earlier* steps, so the steps stay topologically ordered with no cycles.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+import torch.fx as fx
+
+from ember.schedule.rules import OpClass, classify
+
+aten = torch.ops.aten
+
+Dims = tuple  # per real dim: the S dim it walks, or None
+
+
+@dataclass(eq=False)
+class Step:
+    index: int
+    kind: str
+    nodes: list[fx.Node]
+    reason: str = ""
+
+    @property
+    def node(self) -> fx.Node:
+        return self.nodes[0]
+
+
+@dataclass(eq=False)
+class FusedGroup(Step):
+    shape: tuple[int, ...] = ()
+    rdims: tuple[int, ...] = ()
+    dims: dict[fx.Node, Dims] = field(default_factory=dict)
+    # For each member: dims of each *external* tensor input it reads, keyed by input node.
+    input_dims: dict[fx.Node, dict[fx.Node, Dims]] = field(default_factory=dict)
+    inputs: list[fx.Node] = field(default_factory=list)
+    outputs: list[fx.Node] = field(default_factory=list)
+
+    @property
+    def is_reduction(self) -> bool:
+        return bool(self.rdims)
+
+    def covers(self, node: fx.Node) -> set[int]:
+        return {d for d in self.dims[node] if d is not None}
+
+
+@dataclass
+class KernelPlan:
+    graph: fx.Graph
+    steps: list[Step]
+    step_of: dict[fx.Node, Step]
+    constants: dict[fx.Node, Step]
+    classes: dict[fx.Node, tuple[OpClass, str]]
+
+    def fused(self) -> list[FusedGroup]:
+        return [s for s in self.steps if isinstance(s, FusedGroup)]
+
+    def describe(self) -> str:
+        """The plan as text: one line per step."""
+        lines = []
+        for s in self.steps:
+            ops = ", ".join(_op_name(n) for n in s.nodes)
+            if isinstance(s, FusedGroup):
+                kind = "fused-reduction" if s.is_reduction else "fused-pointwise"
+                lines.append(f"{s.index:4d} {kind:16s} S={list(s.shape)} D={list(s.rdims)} "
+                             f"in={len(s.inputs)} out={len(s.outputs)} [{ops}]")
+            else:
+                extra = f"  ({s.reason})" if s.reason else ""
+                lines.append(f"{s.index:4d} {s.kind:16s} {ops}{extra}")
+        return "\n".join(lines)
+
+
+def _op_name(node: fx.Node) -> str:
+    target = node.target
+    name = getattr(target, "__name__", str(target))
+    return name.replace(".default", "")
+
+
+def _shape(node: fx.Node) -> tuple[int, ...]:
+    return tuple(node.meta["val"].shape)
+
+
+def _is_tensor(node: object) -> bool:
+    return isinstance(node, fx.Node) and isinstance(node.meta.get("val"), torch.Tensor)
+
+
+def reduction_dims(node: fx.Node) -> list[int]:
+    """The dims (of the input) a reduction node reduces, normalised to non-negative ints."""
+    rank = len(_shape(node.args[0]))
+    dims = node.args[1] if len(node.args) > 1 else node.kwargs.get("dim")
+    if node.target == aten.sum.default or dims is None or (isinstance(dims, (list, tuple)) and len(dims) == 0):
+        return list(range(rank))
+    if isinstance(dims, int):
+        dims = [dims]
+    return sorted({d % rank if rank else 0 for d in dims})
+
+
+def reduction_keepdim(node: fx.Node) -> bool:
+    if node.target == aten.sum.default:
+        return False
+    if len(node.args) > 2:
+        return bool(node.args[2])
+    return bool(node.kwargs.get("keepdim", False))
+
+
+class _Partitioner:
+    def __init__(self, graph: fx.Graph) -> None:
+        self.graph = graph
+        self.steps: list[Step] = []
+        self.step_of: dict[fx.Node, Step] = {}
+        self.constants: dict[fx.Node, Step] = {}
+        self.classes: dict[fx.Node, tuple[OpClass, str]] = {}
+
+    def _new_step(self, kind: str, node: fx.Node, reason: str = "") -> Step:
+        step = Step(len(self.steps), kind, [node], reason)
+        self.steps.append(step)
+        self.step_of[node] = step
+        return step
+
+    def _producer_index(self, node: fx.Node) -> int:
+        if node in self.constants:
+            return -1  # inlined
+        step = self.step_of.get(node)
+        return -1 if step is None else step.index
+
+    # -- mapping a node onto a group's reference shape --------------------------------------
+    def _default_dim(self, group: FusedGroup, rank: int, j: int, size: int, used: set[int]) -> int | None:
+        s = j + len(group.shape) - rank
+        if 0 <= s < len(group.shape) and group.shape[s] == size and s not in used:
+            return s
+        return None
+
+    def _complete(self, group: FusedGroup, shape: tuple[int, ...], known: dict[int, int]) -> Dims | None:
+        used = set(known.values())
+        if len(used) != len(known):
+            return None
+        out: list[int | None] = []
+        for j, size in enumerate(shape):
+            if size == 1:
+                out.append(None)
+            elif j in known:
+                out.append(known[j])
+            else:
+                s = self._default_dim(group, len(shape), j, size, used)
+                if s is None:
+                    return None
+                used.add(s)
+                out.append(s)
+        return tuple(out)
+
+    def _aligned(self, out_rank: int, arg: fx.Node, dims_of_out: Dims) -> Dims:
+        shape = _shape(arg)
+        off = out_rank - len(shape)
+        return tuple(None if size == 1 else dims_of_out[k + off] for k, size in enumerate(shape))
+
+    def _map_pointwise(self, group: FusedGroup, node: fx.Node) -> Dims | None:
+        shape = _shape(node)
+        known: dict[int, int] = {}
+        for arg in node.all_input_nodes:
+            if arg not in group.dims:
+                continue
+            a_shape = _shape(arg)
+            off = len(shape) - len(a_shape)
+            if off < 0:
+                return None
+            for k, s in enumerate(group.dims[arg]):
+                if s is None:
+                    continue
+                if shape[k + off] != a_shape[k]:
+                    return None
+                if known.setdefault(k + off, s) != s:
+                    return None
+        return self._complete(group, shape, known)
+
+    def _map_view(self, group: FusedGroup, node: fx.Node) -> Dims | None:
+        src = node.args[0]
+        if src not in group.dims:
+            return None
+        src_dims = group.dims[src]
+        src_shape, shape = _shape(src), _shape(node)
+        target = node.target
+        if target == aten.permute.default:
+            perm = [p % len(src_shape) for p in node.args[1]]
+            return tuple(src_dims[p] for p in perm)
+        if target in (aten.t.default, aten.transpose.int):
+            if len(src_shape) < 2:
+                return src_dims
+            a, b = (0, 1) if target == aten.t.default else (node.args[1] % len(src_shape), node.args[2] % len(src_shape))
+            out = list(src_dims)
+            out[a], out[b] = out[b], out[a]
+            return tuple(out)
+        if target == aten.expand.default:
+            known = {}
+            off = len(shape) - len(src_shape)
+            for k, s in enumerate(src_dims):
+                if s is not None:
+                    known[k + off] = s
+            return self._complete(group, shape, known)
+        if target in (aten.view.default, aten._unsafe_view.default, aten.reshape.default, aten.unsqueeze.default,
+                      aten.squeeze.dim, aten.squeeze.dims, aten.squeeze.default, aten.alias.default):
+            big_src = [(size, d) for size, d in zip(src_shape, src_dims) if size != 1]
+            big_out = [j for j, size in enumerate(shape) if size != 1]
+            if [size for size, _ in big_src] != [shape[j] for j in big_out]:
+                return None
+            out: list[int | None] = [None] * len(shape)
+            for j, (_, d) in zip(big_out, big_src):
+                out[j] = d
+            return tuple(out)
+        return None
+
+    def _try_join(self, group: FusedGroup, node: fx.Node, cls: OpClass) -> bool:
+        # Every input from outside the group must come from an earlier step (keeps order acyclic).
+        for arg in node.all_input_nodes:
+            if arg not in group.dims and self._producer_index(arg) >= group.index:
+                return False
+        in_dims: dict[fx.Node, Dims] = {}
+        if cls == OpClass.REDUCTION:
+            src = node.args[0]
+            if src not in group.dims:
+                return False
+            src_dims = group.dims[src]
+            rdims = reduction_dims(node)
+            red = tuple(sorted({src_dims[d] for d in rdims if src_dims[d] is not None}))
+            if not red or (group.rdims and red != group.rdims):
+                return False
+            keep = reduction_keepdim(node)
+            dims = tuple(None if d in rdims else s for d, s in enumerate(src_dims) if keep or d not in rdims)
+            group.rdims = red
+        elif cls == OpClass.VIEW:
+            dims = self._map_view(group, node)
+        else:
+            dims = self._map_pointwise(group, node)
+            if dims is not None:
+                for arg in node.all_input_nodes:
+                    if arg not in group.dims and arg not in self.constants:
+                        in_dims[arg] = self._aligned(len(_shape(node)), arg, dims)
+        if dims is None:
+            return False
+        group.nodes.append(node)
+        group.dims[node] = dims
+        group.input_dims[node] = in_dims
+        self.step_of[node] = group
+        return True
+
+    def _seed(self, node: fx.Node, cls: OpClass) -> FusedGroup | None:
+        if cls == OpClass.REDUCTION:
+            src = node.args[0]
+            shape = _shape(src)
+            rdims = tuple(d for d in reduction_dims(node) if shape[d] != 1)
+            if not rdims:
+                return None
+            src_dims = tuple(None if size == 1 else d for d, size in enumerate(shape))
+            keep = reduction_keepdim(node)
+            dims = tuple(None if d in rdims or shape[d] == 1 else d for d in range(len(shape))
+                         if keep or d not in reduction_dims(node))
+            group = FusedGroup(len(self.steps), "fused", [node], shape=shape, rdims=rdims)
+            group.dims[node] = dims
+            group.input_dims[node] = {src: src_dims}
+        else:
+            shape = _shape(node)
+            group = FusedGroup(len(self.steps), "fused", [node], shape=shape)
+            dims = tuple(None if size == 1 else d for d, size in enumerate(shape))
+            group.dims[node] = dims
+            group.input_dims[node] = {a: self._aligned(len(shape), a, dims) for a in node.all_input_nodes
+                                      if a not in self.constants}
+        self.steps.append(group)
+        self.step_of[node] = group
+        return group
+
+    def run(self) -> KernelPlan:
+        for node in self.graph.nodes:
+            if node.op != "call_function":
+                continue
+            c = classify(node)
+            cls, reason = c.cls, c.reason
+            self.classes[node] = (cls, reason)
+            if cls == OpClass.CONSTANT:
+                self.constants[node] = self._new_step("constant", node)
+                continue
+            if cls in (OpClass.POINTWISE, OpClass.REDUCTION, OpClass.VIEW):
+                candidates = sorted({self.step_of[a] for a in node.all_input_nodes
+                                     if isinstance(self.step_of.get(a), FusedGroup)},
+                                    key=lambda s: -s.index)
+                if any(self._try_join(g, node, cls) for g in candidates):
+                    continue
+                if cls == OpClass.VIEW:
+                    self._new_step("view", node)
+                    continue
+                if self._seed(node, cls) is not None:
+                    continue
+                self._new_step("fallback", node, "reduction over size-1 dims only")
+                continue
+            kind = {OpClass.EXTERN: "extern", OpClass.GETITEM: "getitem"}.get(cls, "fallback")
+            self._new_step(kind, node, reason)
+        self._finish_groups()
+        return KernelPlan(self.graph, self.steps, self.step_of, self.constants, self.classes)
+
+    def _finish_groups(self) -> None:
+        for step in self.steps:
+            if not isinstance(step, FusedGroup):
+                continue
+            members = set(step.nodes)
+            inputs: dict[fx.Node, None] = {}
+            for n in step.nodes:
+                for a in step.input_dims[n]:
+                    inputs[a] = None
+            step.inputs = list(inputs)
+            step.outputs = [n for n in step.nodes
+                            if any(u not in members for u in n.users) and _is_tensor(n)]
+
+
+def plan_graph(graph: fx.Graph) -> KernelPlan:
+    """Partition ``graph`` into steps (see the module docstring)."""
+    return _Partitioner(graph).run()

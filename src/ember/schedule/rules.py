@@ -1,0 +1,132 @@
+"""Library-vs-generated-vs-fallback decisions, as explicit rules over ATen ops.
+
+Each call_function node gets exactly one ``OpClass``. The scheduler groups POINTWISE,
+REDUCTION and fusable VIEW nodes into Fused kernels; EXTERN nodes become library calls;
+FALLBACK nodes run as ATen ops, each with the reason it was not lowered.
+"""
+
+from __future__ import annotations
+
+import enum
+import operator
+from dataclasses import dataclass
+
+import torch
+import torch.fx as fx
+
+from ember.codegen.triton_ops import POINTWISE_OPS, pointwise_supported
+
+aten = torch.ops.aten
+prims = torch.ops.prims
+
+
+class OpClass(enum.Enum):
+    EXTERN = "library"
+    POINTWISE = "pointwise"
+    REDUCTION = "reduction"
+    VIEW = "view"
+    CONSTANT = "constant"
+    GETITEM = "getitem"
+    FALLBACK = "fallback"
+
+
+# Library calls: cuBLAS / cuDNN / flash attention through ATen; the kernel vendors beat us here.
+EXTERN_OPS = {
+    aten.mm.default, aten.addmm.default, aten.bmm.default, aten.baddbmm.default,
+    aten.convolution.default, aten.convolution_backward.default,
+    aten._scaled_dot_product_flash_attention.default,
+    aten._scaled_dot_product_flash_attention_backward.default,
+    aten._scaled_dot_product_efficient_attention.default,
+    aten._scaled_dot_product_efficient_attention_backward.default,
+    aten._scaled_dot_product_cudnn_attention.default,
+    aten._scaled_dot_product_cudnn_attention_backward.default,
+    aten._scaled_dot_product_flash_attention_for_cpu.default,
+    aten._scaled_dot_product_flash_attention_for_cpu_backward.default,
+}
+
+REDUCTION_OPS = {aten.sum.dim_IntList, aten.amax.default, aten.amin.default, aten.mean.dim, aten.sum.default}
+
+# Views the fuser can follow inside a kernel (they only rename, insert or drop size-1 dims,
+# permute or broadcast); any other view runs as a zero-copy ATen view of a materialised buffer.
+VIEW_OPS = {
+    aten.view.default, aten._unsafe_view.default, aten.reshape.default, aten.unsqueeze.default,
+    aten.squeeze.dim, aten.squeeze.dims, aten.squeeze.default, aten.permute.default,
+    aten.expand.default, aten.alias.default, aten.t.default, aten.transpose.int,
+    aten.slice.Tensor, aten.select.int, aten.as_strided.default, aten.unfold.default,
+    aten.diagonal.default, aten.split.Tensor, aten.split_with_sizes.default, aten.unbind.int,
+    aten.chunk.default, aten.narrow.default, aten.view_as_real.default, aten.view_as_complex.default,
+}
+
+CONSTANT_OPS = {
+    aten.full.default, aten.scalar_tensor.default, aten.full_like.default, aten.zeros_like.default,
+    aten.ones_like.default, aten.zeros.default, aten.ones.default,
+}
+
+RANDOM_OPS = {
+    aten.native_dropout.default, aten.bernoulli.p, aten.bernoulli.default, aten.rand.default,
+    aten.rand_like.default, aten.randn.default, aten.randn_like.default, aten.randint.low,
+    aten.uniform.default, aten.normal.Tensor_float, aten.randperm.default,
+}
+
+_FUSABLE_DTYPES = {
+    torch.float32, torch.float16, torch.bfloat16, torch.float64, torch.int64, torch.int32,
+    torch.int16, torch.int8, torch.uint8, torch.bool,
+}
+
+
+@dataclass(frozen=True)
+class Classification:
+    cls: OpClass
+    reason: str = ""
+
+
+def node_value(node: fx.Node) -> object:
+    return node.meta.get("val", None)
+
+
+def _tensor_ok(value: object) -> bool:
+    return (isinstance(value, torch.Tensor) and value.dtype in _FUSABLE_DTYPES
+            and not value.is_sparse and value.layout == torch.strided)
+
+
+def _has_symbolic_shape(value: object) -> bool:
+    if not isinstance(value, torch.Tensor):
+        return False
+    return any(not isinstance(s, int) for s in value.shape) or any(not isinstance(s, int) for s in value.stride())
+
+
+def classify(node: fx.Node) -> Classification:
+    """The one rule that decides how ``node`` is executed."""
+    target = node.target
+    if target is operator.getitem:
+        return Classification(OpClass.GETITEM)
+    if target in EXTERN_OPS:
+        return Classification(OpClass.EXTERN)
+    value = node_value(node)
+    if _has_symbolic_shape(value):
+        return Classification(OpClass.FALLBACK, "symbolic shape")
+    if target in VIEW_OPS:
+        return Classification(OpClass.VIEW)
+    if target in RANDOM_OPS:
+        return Classification(OpClass.FALLBACK, "random op: runs through ATen to share eager's RNG stream")
+    tensor_inputs = [a for a in node.all_input_nodes if isinstance(node_value(a), torch.Tensor)]
+    inputs_ok = all(_tensor_ok(node_value(a)) for a in tensor_inputs)
+    if target in CONSTANT_OPS:
+        if _tensor_ok(value):
+            return Classification(OpClass.CONSTANT)
+        return Classification(OpClass.FALLBACK, "constant of unsupported dtype/layout")
+    if target in REDUCTION_OPS:
+        if not (_tensor_ok(value) and inputs_ok):
+            return Classification(OpClass.FALLBACK, "reduction over unsupported dtype")
+        if node.kwargs.get("dtype") is not None:
+            return Classification(OpClass.FALLBACK, "reduction with explicit dtype")
+        return Classification(OpClass.REDUCTION)
+    if target in POINTWISE_OPS:
+        if not (_tensor_ok(value) and inputs_ok):
+            return Classification(OpClass.FALLBACK, "pointwise op over unsupported dtype/layout")
+        why = pointwise_supported(node)
+        if why:
+            return Classification(OpClass.FALLBACK, why)
+        return Classification(OpClass.POINTWISE)
+    name = getattr(target, "__name__", str(target))
+    return Classification(OpClass.FALLBACK, f"no Ember lowering for {name}")
