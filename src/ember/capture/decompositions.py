@@ -42,6 +42,12 @@ _KEEP = [
     aten.avg_pool2d,
     aten.avg_pool2d_backward,
     aten.convolution_backward,
+    # Attention is a library call (flash / memory-efficient / cuDNN). PyTorch's decomposition of
+    # the CPU flash kernel also gives wrong gradients (seen on torch 2.14.1 with BERT).
+    aten._scaled_dot_product_flash_attention_for_cpu,
+    aten._scaled_dot_product_flash_attention,
+    aten._scaled_dot_product_efficient_attention,
+    aten._scaled_dot_product_cudnn_attention,
 ]
 
 

@@ -16,6 +16,7 @@ import torch.fx as fx
 
 from ember.codegen.triton_kernel import KernelSource
 from ember.schedule.plan import FusedGroup, KernelPlan, Step
+from ember.schedule.rules import constant_value
 
 _RESERVED = {"torch", "aten", "prims", "run", "args", "_empty", "_expect", "_consts", "operator"}
 
@@ -95,14 +96,19 @@ class _Writer:
         for p in placeholders:
             if p in expect:
                 body.append(self._expect_line(p))
-        used_constants = self._used_constants()
+        self.emitted: set[fx.Node] = set()
         for step in self.plan.steps:
-            if step.kind == "constant" and step.node not in used_constants:
-                continue
+            if step.kind == "constant":
+                continue  # materialised right before the first step that needs it
+            body += self._constants_for(step)
             body += self._step_lines(step, expect)
             dead = sorted((n for n, last in last_use.items() if last == step.index), key=lambda n: n.name)
             if dead:
                 body.append(f"del {', '.join(self.name(n) for n in dead)}")
+        for a in output.all_input_nodes:
+            if a in self.plan.constants and a not in self.emitted:
+                body += self._constants_for(Step(-1, "output", [output]))
+                break
         body.append(f"return {self.arg(output.args[0])}")
         out += ["    " + line for line in body]
         self.ns["_consts"] = self.consts
@@ -112,14 +118,21 @@ class _Writer:
         val = node.meta["val"]
         return f"{self.name(node)} = _expect({self.name(node)}, {tuple(val.stride())})"
 
-    def _used_constants(self) -> set[fx.Node]:
-        used = set()
-        for c in self.plan.constants:
-            for u in c.users:
-                step = self.plan.step_of.get(u)
-                if step is None or step.index not in self.kernels:
-                    used.add(c)
-        return used
+    def _constants_for(self, step: Step) -> list[str]:
+        # Generated kernels inline constants; everything else reads them as tensors. They are
+        # built from metadata alone, so they never wait on another step.
+        if step.index in self.kernels:
+            return []
+        lines = []
+        for n in step.nodes:
+            for a in n.all_input_nodes:
+                if a in self.plan.constants and a not in self.emitted:
+                    self.emitted.add(a)
+                    val = a.meta["val"]
+                    lines.append(f"{self.name(a)} = _empty({tuple(val.shape)}, {tuple(val.stride())}, "
+                                 f"dtype={val.dtype}, device={self.arg(val.device)})"
+                                 f".fill_({self.arg(constant_value(a))})  # [constant] {_short(a)}")
+        return lines
 
     def _last_use(self, output: fx.Node) -> dict[fx.Node, int]:
         """Index of the last step that reads each value (values the program returns live on)."""

@@ -22,7 +22,7 @@ import torch.fx as fx
 
 from ember.codegen.triton_ops import POINTWISE_OPS, TL_DTYPE, Operand, compute_dtype, literal
 from ember.schedule.plan import FusedGroup, reduction_dims, reduction_keepdim
-from ember.schedule.rules import OpClass, classify
+from ember.schedule.rules import OpClass, classify, constant_value
 
 aten = torch.ops.aten
 
@@ -211,23 +211,7 @@ class _KernelWriter:
         return cache[key]
 
     def _constant(self, node: fx.Node) -> Operand:
-        target, args = node.target, node.args
-        if target in (aten.full.default, aten.full_like.default):
-            value = args[1]
-        elif target == aten.scalar_tensor.default:
-            value = args[0]
-        elif target in (aten.zeros_like.default, aten.zeros.default):
-            value = 0
-        else:
-            value = 1
-        dtype = node.meta["val"].dtype
-        if dtype == torch.bool:
-            value = bool(value)
-        elif dtype.is_floating_point:
-            value = float(value)
-        else:
-            value = int(value)
-        return Operand(literal(value), None)
+        return Operand(literal(constant_value(node)), None)
 
     def value(self, node: fx.Node, scope: _Scope) -> Operand:
         dims = self.g.dims[node]

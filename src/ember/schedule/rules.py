@@ -130,3 +130,22 @@ def classify(node: fx.Node) -> Classification:
         return Classification(OpClass.POINTWISE)
     name = getattr(target, "__name__", str(target))
     return Classification(OpClass.FALLBACK, f"no Ember lowering for {name}")
+
+
+def constant_value(node: fx.Node) -> bool | int | float:
+    """The fill value of a CONSTANT node, as a Python scalar of the node's dtype kind."""
+    target, args = node.target, node.args
+    if target in (aten.full.default, aten.full_like.default):
+        value = args[1]
+    elif target == aten.scalar_tensor.default:
+        value = args[0]
+    elif target in (aten.zeros_like.default, aten.zeros.default):
+        value = 0
+    else:
+        value = 1
+    dtype = node.meta["val"].dtype
+    if dtype == torch.bool:
+        return bool(value)
+    if dtype.is_floating_point:
+        return float(value)
+    return int(value)

@@ -1,0 +1,406 @@
+"""Benchmark harness: eager vs ``torch.compile`` (Inductor) vs Ember in one process.
+
+Method (BENCHMARKS.md): every backend gets a fresh deep copy of one built model (identical
+initial weights) and the same rotating input batches. The first call is timed as the
+compile time, then warm-up steps, then timed steps (CUDA events on GPU, perf_counter on
+CPU). A failure in one backend is recorded in its row and the run goes on.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import gc
+import math
+import resource
+import statistics
+import sys
+import time
+import traceback
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any
+
+import torch
+from torch import nn
+
+from ember.bench.models import BenchCase, get_case, make_batches, primary_tensor
+
+__all__ = [
+    "BACKENDS",
+    "BackendUnavailable",
+    "register_backend",
+    "resolve_device",
+    "resolve_precision",
+    "run_benchmark",
+]
+
+MODES = ("train", "infer")
+PRECISIONS = ("bf16", "fp32")
+
+# A backend factory takes the model (already on its device, in train or eval mode) and
+# returns a callable with the model's signature.
+BackendFactory = Callable[[nn.Module], Callable[..., Any]]
+
+
+class BackendUnavailable(RuntimeError):
+    """The backend cannot be used in this environment (e.g. ember.compile missing)."""
+
+
+def _eager(model: nn.Module) -> Callable[..., Any]:
+    return model
+
+
+def _inductor(model: nn.Module) -> Callable[..., Any]:
+    return torch.compile(model)
+
+
+def _ember(model: nn.Module) -> Callable[..., Any]:
+    # Imported here: the compiler core may not be importable (or written) yet, and that
+    # must only fail this backend's rows.
+    try:
+        import ember
+
+        compile_fn = ember.compile
+    except (ImportError, AttributeError) as err:
+        raise BackendUnavailable(f"ember.compile is not available: {err}") from err
+    return compile_fn(model)
+
+
+BACKENDS: dict[str, BackendFactory] = {"eager": _eager, "inductor": _inductor, "ember": _ember}
+
+
+def register_backend(name: str, factory: BackendFactory) -> None:
+    """Add (or replace) a backend; tests use this to plug in fakes."""
+    BACKENDS[name] = factory
+
+
+def resolve_device(device: str = "auto") -> torch.device:
+    if device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    dev = torch.device(device)
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError("device 'cuda' requested but torch.cuda.is_available() is False")
+    return dev
+
+
+def resolve_precision(precision: str, device: torch.device) -> str:
+    """``auto`` means bf16 autocast on GPU (the headline numbers) and fp32 on CPU."""
+    if precision == "auto":
+        return "bf16" if device.type == "cuda" else "fp32"
+    if precision not in PRECISIONS:
+        raise ValueError(f"precision must be one of auto, {', '.join(PRECISIONS)}; got {precision!r}")
+    return precision
+
+
+# ---------------------------------------------------------------------------------------
+# Progress display
+# ---------------------------------------------------------------------------------------
+
+
+class _Progress:
+    """A rich live display on a terminal, one plain line per finished row otherwise
+    (so long runs in a pipe still show where they are), or nothing when disabled."""
+
+    def __init__(self, enabled: bool) -> None:
+        self.enabled = enabled
+        self.live = enabled and sys.stderr.isatty()
+        self._progress: Any = None
+        self._task: Any = None
+
+    def __enter__(self) -> _Progress:
+        if self.live:
+            from rich.console import Console
+            from rich.progress import (
+                BarColumn,
+                MofNCompleteColumn,
+                Progress,
+                SpinnerColumn,
+                TextColumn,
+                TimeElapsedColumn,
+            )
+
+            self._progress = Progress(
+                SpinnerColumn(),
+                TextColumn("{task.description}"),
+                BarColumn(),
+                MofNCompleteColumn(),
+                TimeElapsedColumn(),
+                console=Console(stderr=True),
+                transient=True,
+            )
+            self._progress.__enter__()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self._progress is not None:
+            self._progress.__exit__(None, None, None)
+
+    def phase(self, label: str, phase: str, total: int | None = None) -> None:
+        if self._progress is None:
+            return
+        desc = f"{label}: {phase}"
+        if self._task is None:
+            self._task = self._progress.add_task(desc, total=total)
+        else:
+            self._progress.reset(self._task, total=total, description=desc)
+
+    def advance(self) -> None:
+        if self._progress is not None and self._task is not None:
+            self._progress.advance(self._task)
+
+    def done(self, row: dict[str, Any]) -> None:
+        if not self.enabled:
+            return
+        label = f"{row['model']} {row['mode']} bs{row['batch']} {row['backend']}"
+        if row.get("error"):
+            line = f"{label}: ERROR {row['error']}"
+        else:
+            line = f"{label}: {row['ms_median']:.2f} ms (compile {row['compile_s']:.1f} s)"
+        if self._progress is not None:
+            self._progress.console.print(line, markup=False, highlight=False)
+        else:
+            print(f"[ember bench] {line}", file=sys.stderr, flush=True)
+
+
+# ---------------------------------------------------------------------------------------
+# One measurement
+# ---------------------------------------------------------------------------------------
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _maxrss_bytes() -> int:
+    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    # Linux reports KiB, macOS bytes.
+    return rss if sys.platform == "darwin" else rss * 1024
+
+
+def _free(device: torch.device) -> None:
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+
+
+def _make_step(
+    case: BenchCase, fn: Callable[..., Any], mode: str, precision: str, device: torch.device,
+    optimizer: torch.optim.Optimizer | None,
+) -> Callable[[tuple[torch.Tensor, ...], torch.Tensor], Any]:
+    def autocast() -> contextlib.AbstractContextManager[Any]:
+        return torch.autocast(device.type, dtype=torch.bfloat16, enabled=precision == "bf16")
+
+    if mode == "train":
+        assert optimizer is not None
+
+        def train_step(inputs: tuple[torch.Tensor, ...], target: torch.Tensor) -> Any:
+            with autocast():
+                loss = case.loss(fn(*inputs), target)
+            loss.backward()
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+            return loss.detach()
+
+        return train_step
+
+    def infer_step(inputs: tuple[torch.Tensor, ...], target: torch.Tensor) -> Any:
+        with torch.no_grad(), autocast():
+            return fn(*inputs)
+
+    return infer_step
+
+
+def _measure(
+    case: BenchCase, base: nn.Module, factory: BackendFactory, batches: list, mode: str, precision: str,
+    device: torch.device, warmup: int, iters: int, row: dict[str, Any], progress: _Progress, label: str,
+) -> torch.Tensor | None:
+    """Fill ``row`` with the measurements; returns the first output (CPU float) for checks."""
+    torch._dynamo.reset()  # each backend compiles from a clean Dynamo state
+    model = copy.deepcopy(base).to(device)
+    model.train(mode == "train")
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9) if mode == "train" else None
+    progress.phase(label, "compiling")
+    fn = factory(model)
+    step = _make_step(case, fn, mode, precision, device, optimizer)
+
+    # First call: compilation (and, for train, the lazily compiled backward) plus one step.
+    torch.manual_seed(0)
+    rss0 = _maxrss_bytes()
+    _sync(device)
+    t0 = time.perf_counter()
+    first = step(*batches[0])
+    _sync(device)
+    row["compile_s"] = time.perf_counter() - t0
+    first_out = primary_tensor(first).detach().float().cpu()
+    if mode == "train":
+        row["first_loss"] = float(first_out)
+    del first
+
+    progress.phase(label, "warm-up", total=warmup)
+    for i in range(warmup):
+        step(*batches[(i + 1) % len(batches)])
+        progress.advance()
+    _sync(device)
+
+    # Peak memory of the steady state: reset after warm-up so compile-time scratch
+    # (e.g. autotuning buffers) does not count; weights and inputs are live and do.
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+    progress.phase(label, "timing", total=iters)
+    times_ms: list[float] = []
+    if device.type == "cuda":
+        events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(iters)]
+        for i, (start, end) in enumerate(events):
+            start.record()
+            step(*batches[i % len(batches)])
+            end.record()
+            progress.advance()
+        torch.cuda.synchronize(device)
+        times_ms = [start.elapsed_time(end) for start, end in events]
+        row["timer"] = "cuda_events"
+        row["peak_mem_bytes"] = torch.cuda.max_memory_allocated(device)
+        row["peak_mem_source"] = "cuda_max_memory_allocated"
+    else:
+        for i in range(iters):
+            t = time.perf_counter()
+            step(*batches[i % len(batches)])
+            times_ms.append((time.perf_counter() - t) * 1e3)
+            progress.advance()
+        row["timer"] = "perf_counter"
+        row["peak_mem_bytes"] = max(0, _maxrss_bytes() - rss0)
+        row["peak_mem_source"] = "process_maxrss_growth"
+
+    median = statistics.median(times_ms)
+    row["ms_median"] = median
+    row["ms_min"] = min(times_ms)
+    row["ms_max"] = max(times_ms)
+    row["samples_per_s"] = row["batch"] / (median / 1e3) if median > 0 else math.inf
+    return first_out
+
+
+def _fill_comparisons(group: list[dict[str, Any]], outputs: dict[str, torch.Tensor]) -> None:
+    """Speedup over the eager row of the same model/mode/batch, and the largest output
+    difference from eager in inference (a fast but wrong backend must show up)."""
+    eager = next((r for r in group if r["backend"] == "eager" and not r.get("error")), None)
+    for row in group:
+        if row.get("error") or eager is None:
+            continue
+        row["speedup_vs_eager"] = eager["ms_median"] / row["ms_median"] if row["ms_median"] else None
+        ref, out = outputs.get("eager"), outputs.get(row["backend"])
+        if row["mode"] == "infer" and ref is not None and out is not None:
+            row["max_abs_diff_vs_eager"] = (
+                float((out - ref).abs().max()) if out.shape == ref.shape else f"shape {tuple(out.shape)} != {tuple(ref.shape)}"
+            )
+
+
+def _new_row(case: str, mode: str, backend: str, precision: str, batch: int | None, device: torch.device,
+             small: bool, warmup: int, iters: int) -> dict[str, Any]:
+    return {
+        "model": case, "mode": mode, "backend": backend, "precision": precision, "batch": batch,
+        "device": str(device), "small": small, "warmup": warmup, "iters": iters,
+        "ms_median": None, "ms_min": None, "ms_max": None, "samples_per_s": None, "compile_s": None,
+        "peak_mem_bytes": None, "peak_mem_source": None, "speedup_vs_eager": None, "error": None,
+    }
+
+
+def _record_error(row: dict[str, Any], err: BaseException) -> None:
+    row["error"] = f"{type(err).__name__}: {err}".strip()
+    # The tail of the traceback says where a compiler failed; the head is harness frames.
+    row["traceback"] = "".join(traceback.format_exception(err))[-4000:]
+
+
+@contextlib.contextmanager
+def _tf32(device: torch.device) -> Iterator[None]:
+    # fp32 on GPU is measured with TF32 matmuls allowed (BENCHMARKS.md); cuDNN convs allow
+    # TF32 by default. Restored afterwards so the caller's process is unchanged.
+    if device.type != "cuda":
+        yield
+        return
+    old = torch.get_float32_matmul_precision()
+    torch.set_float32_matmul_precision("high")
+    try:
+        yield
+    finally:
+        torch.set_float32_matmul_precision(old)
+
+
+def run_benchmark(
+    cases: Sequence[str | BenchCase],
+    modes: Sequence[str] = ("train",),
+    backends: Sequence[str] = ("eager", "inductor", "ember"),
+    precision: str = "auto",
+    device: str | torch.device = "auto",
+    batch: int | Sequence[int] | None = None,
+    warmup: int | None = None,
+    iters: int = 30,
+    progress: bool = True,
+    small: bool = False,
+    n_batches: int = 3,
+    on_result: Callable[[list[dict[str, Any]]], None] | None = None,
+) -> list[dict[str, Any]]:
+    """Measure every case x mode x batch x backend; returns one dict per measurement.
+
+    ``batch`` None uses each case's default for the mode; ``warmup`` None means 10 steps on
+    GPU and 3 on CPU. ``on_result`` is called with all rows so far after each row (the CLI
+    uses it to keep the JSON file current during long runs).
+    """
+    dev = device if isinstance(device, torch.device) else resolve_device(device)
+    prec = resolve_precision(precision, dev)
+    if warmup is None:
+        warmup = 10 if dev.type == "cuda" else 3
+    if iters < 1 or warmup < 0:
+        raise ValueError(f"need iters >= 1 and warmup >= 0, got iters={iters} warmup={warmup}")
+    for mode in modes:
+        if mode not in MODES:
+            raise ValueError(f"mode must be one of {', '.join(MODES)}; got {mode!r}")
+    unknown = [b for b in backends if b not in BACKENDS]
+    if unknown:
+        raise ValueError(f"unknown backend(s) {', '.join(unknown)}; known: {', '.join(BACKENDS)}")
+    resolved = [c if isinstance(c, BenchCase) else get_case(c) for c in cases]
+    batch_list = [batch] if isinstance(batch, int) else list(batch) if batch else None
+
+    results: list[dict[str, Any]] = []
+    with _Progress(progress) as prog, _tf32(dev):
+        for case in resolved:
+            base: nn.Module | None = None
+            build_error: BaseException | None = None
+            try:
+                torch.manual_seed(0)  # same initial weights in every run
+                base = case.build(small)
+            except Exception as err:  # e.g. a missing optional package: fail this case only
+                build_error = err
+            for mode in modes:
+                for bs in batch_list or [case.default_batch(mode)]:
+                    group: list[dict[str, Any]] = []
+                    outputs: dict[str, torch.Tensor] = {}
+                    batches: list = []
+                    if base is not None:
+                        batches = make_batches(case, bs, dev, small=small, count=n_batches)
+                    for name in backends:
+                        row = _new_row(case.name, mode, name, prec, bs, dev, small, warmup, iters)
+                        label = f"{case.name} {mode} bs{bs} [{name}]"
+                        if build_error is not None:
+                            _record_error(row, build_error)
+                        else:
+                            assert base is not None
+                            try:
+                                out = _measure(case, base, BACKENDS[name], batches, mode, prec, dev,
+                                               warmup, iters, row, prog, label)
+                                if out is not None:
+                                    outputs[name] = out
+                            except Exception as err:
+                                _record_error(row, err)
+                        _free(dev)  # the model copy, optimizer and compiled code are gone now
+                        group.append(row)
+                        results.append(row)
+                        _fill_comparisons(group, outputs)
+                        prog.done(row)
+                        if on_result is not None:
+                            on_result(results)
+                    del batches
+                    _free(dev)
+            del base
+            torch._dynamo.reset()
+            _free(dev)
+    return results

@@ -1,0 +1,257 @@
+"""Benchmark results out: environment record, JSON file, rich table, speedup bar chart."""
+
+from __future__ import annotations
+
+import datetime as _dt
+import importlib.metadata
+import json
+import os
+import platform
+import subprocess
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+__all__ = ["env_info", "plot_speedups", "print_env", "print_table", "write_json"]
+
+# What the less obvious fields mean, stored in every result file so it explains itself.
+NOTES = {
+    "ms_median": "median wall time of one step (ms); train = forward + loss + backward + SGD step",
+    "compile_s": "wall time of the first call (s), including compilation; cold or warm disk cache "
+    "as the process found it",
+    "peak_mem_bytes": "cuda_max_memory_allocated: torch.cuda.max_memory_allocated over the timed "
+    "steps (reset after warm-up); process_maxrss_growth: growth of the process's maximum RSS "
+    "during the row (CPU; 0 when the row stays below an earlier high-water mark)",
+    "speedup_vs_eager": "eager ms_median / this ms_median, same model, mode, batch and run",
+    "max_abs_diff_vs_eager": "inference only: max |output - eager output| on the first batch",
+}
+
+
+def _version(dist: str) -> str | None:
+    try:
+        return importlib.metadata.version(dist)
+    except importlib.metadata.PackageNotFoundError:
+        return None
+
+
+def _run(cmd: list[str], cwd: str | None = None) -> str | None:
+    try:
+        out = subprocess.run(cmd, cwd=cwd, capture_output=True, text=True, timeout=10, check=True)
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return out.stdout.strip() or None
+
+
+def _ember_version() -> str:
+    # The package's __init__ may not define __version__ (or import) yet; fall back to the
+    # installed metadata, then to pyproject.toml when running from a source tree.
+    try:
+        import ember
+
+        version = getattr(ember, "__version__", None)
+        if version:
+            return str(version)
+    except Exception:
+        pass
+    version = _version("ember")
+    if version:
+        return version
+    pyproject = Path(__file__).resolve().parents[3] / "pyproject.toml"
+    try:
+        import tomllib
+
+        return str(tomllib.loads(pyproject.read_text())["project"]["version"]) + " (source tree)"
+    except (OSError, KeyError, ValueError, ImportError):
+        return "unknown"
+
+
+def _cpu_name() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def _git_commit() -> dict[str, Any]:
+    here = str(Path(__file__).resolve().parent)
+    commit = _run(["git", "rev-parse", "HEAD"], cwd=here)
+    if commit is None:
+        return {"git_commit": None, "git_dirty": None}
+    status = _run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=here)
+    return {"git_commit": commit, "git_dirty": bool(status)}
+
+
+def env_info() -> dict[str, Any]:
+    """Device, driver and versions to store with every result (BENCHMARKS.md asks for GPU
+    name, driver, torch/triton versions, date and git commit)."""
+    import torch
+
+    info: dict[str, Any] = {
+        "date": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
+        "python": sys.version.split()[0],
+        "platform": platform.platform(),
+        "cpu": _cpu_name(),
+        "cpu_count": os.cpu_count(),
+        "torch": torch.__version__,
+        "torch_cuda": torch.version.cuda,
+        "triton": _version("triton") or _version("pytorch-triton"),
+        "torchvision": _version("torchvision"),
+        "timm": _version("timm"),
+        "transformers": _version("transformers"),
+        "ember": _ember_version(),
+        "cuda_available": torch.cuda.is_available(),
+    }
+    if torch.cuda.is_available():
+        idx = torch.cuda.current_device()
+        props = torch.cuda.get_device_properties(idx)
+        info["device"] = torch.cuda.get_device_name(idx)
+        info["gpu_count"] = torch.cuda.device_count()
+        info["gpu_memory_bytes"] = props.total_memory
+        info["compute_capability"] = f"{props.major}.{props.minor}"
+        smi = _run(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"])
+        info["cuda_driver"] = smi.splitlines()[0].strip() if smi else None
+        if info["cuda_driver"] is None:
+            try:
+                # torch reports the driver's CUDA API version (e.g. 13000), not the driver build.
+                info["cuda_driver"] = f"CUDA API {torch._C._cuda_getDriverVersion()}"
+            except Exception:
+                pass
+    else:
+        info["device"] = f"CPU: {info['cpu']}"
+        info["cuda_driver"] = None
+    info.update(_git_commit())
+    return info
+
+
+def write_json(
+    path: str | os.PathLike[str], results: Sequence[dict[str, Any]], env: dict[str, Any] | None = None,
+    config: dict[str, Any] | None = None,
+) -> Path:
+    """Write ``{"env", "config", "notes", "results"}``; written to a temporary file and renamed
+    so a reader (or a killed run) never sees half a file."""
+    out = Path(path)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    doc = {"env": env if env is not None else env_info(), "config": config or {}, "notes": NOTES,
+           "results": list(results)}
+    tmp = out.with_name(out.name + ".tmp")
+    tmp.write_text(json.dumps(doc, indent=2, default=str) + "\n")
+    os.replace(tmp, out)
+    return out
+
+
+def _console(file: Any = None) -> Any:
+    from rich.console import Console
+
+    stream = file if file is not None else sys.stdout
+    # In a pipe or a log file rich would wrap at 80 columns; a results table reads better wide.
+    width = None if stream.isatty() else 200
+    return Console(file=stream, width=width)
+
+
+def _fmt(value: Any, spec: str) -> str:
+    return "-" if value is None else format(value, spec)
+
+
+def _fmt_bytes(n: int | None) -> str:
+    if n is None:
+        return "-"
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if abs(n) < 1024 or unit == "GiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024  # type: ignore[assignment]
+    return str(n)
+
+
+def print_table(results: Sequence[dict[str, Any]], file: Any = None, title: str | None = None) -> None:
+    """One row per measurement; speedups above 1 in green, below in red, errors in red."""
+    from rich.table import Table
+    from rich.text import Text
+
+    table = Table(title=title or "ember bench", header_style="bold")
+    for col, justify in [
+        ("model", "left"), ("mode", "left"), ("batch", "right"), ("backend", "left"), ("prec", "left"),
+        ("ms median", "right"), ("ms min", "right"), ("samples/s", "right"), ("compile s", "right"),
+        ("peak mem", "right"), ("vs eager", "right"), ("error", "left"),
+    ]:
+        table.add_column(col, justify=justify)  # type: ignore[arg-type]
+    for r in results:
+        speedup = r.get("speedup_vs_eager")
+        sp = Text(_fmt(speedup, ".2f") + ("x" if speedup is not None else ""))
+        if speedup is not None and r["backend"] != "eager":
+            sp.stylize("green" if speedup >= 1.0 else "red")
+        err = r.get("error") or ""
+        table.add_row(
+            str(r["model"]), str(r["mode"]), str(r["batch"]), str(r["backend"]), str(r["precision"]),
+            _fmt(r.get("ms_median"), ".2f"), _fmt(r.get("ms_min"), ".2f"), _fmt(r.get("samples_per_s"), ".1f"),
+            _fmt(r.get("compile_s"), ".1f"), _fmt_bytes(r.get("peak_mem_bytes")), sp,
+            Text(err[:120] + ("..." if len(err) > 120 else ""), style="red"),
+        )
+    _console(file).print(table)
+
+
+def print_env(env: dict[str, Any], file: Any = None) -> None:
+    from rich.table import Table
+
+    table = Table(title="ember env", show_header=False)
+    table.add_column("key", style="bold")
+    table.add_column("value")
+    for key, value in env.items():
+        table.add_row(key, "-" if value is None else str(value))
+    _console(file).print(table)
+
+
+def plot_speedups(results: Sequence[dict[str, Any]], path: str | os.PathLike[str], title: str | None = None) -> Path:
+    """PNG bar chart: one group per model/mode/batch, one bar per backend (speedup vs eager).
+
+    Rows without a speedup (failed, or no eager row) get no bar but an "n/a" mark, so a
+    missing bar is never mistaken for a slow one.
+    """
+    import matplotlib
+
+    matplotlib.use("Agg")  # no display on servers; must precede pyplot
+    import matplotlib.pyplot as plt
+
+    groups: list[tuple[str, str, Any]] = []
+    backends: list[str] = []
+    for r in results:
+        key = (r["model"], r["mode"], r["batch"])
+        if key not in groups:
+            groups.append(key)
+        if r["backend"] not in backends:
+            backends.append(r["backend"])
+    lookup = {(r["model"], r["mode"], r["batch"], r["backend"]): r for r in results}
+
+    n = max(len(backends), 1)
+    width = 0.8 / n
+    fig, ax = plt.subplots(figsize=(max(6.0, 1.2 * len(groups) * n / 2 + 3), 4.5))
+    for i, backend in enumerate(backends):
+        xs, ys, missing = [], [], []
+        for g, key in enumerate(groups):
+            x = g - 0.4 + width * (i + 0.5)
+            r = lookup.get((*key, backend))
+            sp = r.get("speedup_vs_eager") if r else None
+            if sp is None:
+                missing.append(x)
+            else:
+                xs.append(x)
+                ys.append(sp)
+        bars = ax.bar(xs, ys, width=width, label=backend)
+        ax.bar_label(bars, fmt="%.2f", fontsize=7)
+        for x in missing:
+            ax.text(x, 0.02, "n/a", rotation=90, ha="center", va="bottom", fontsize=7, color="red")
+    ax.axhline(1.0, color="black", linewidth=0.8, linestyle="--")
+    ax.set_xticks(range(len(groups)))
+    ax.set_xticklabels([f"{m}\n{mode} bs{b}" for m, mode, b in groups], fontsize=8)
+    ax.set_ylabel("speedup vs eager (higher is better)")
+    ax.set_title(title or "ember bench: speedup vs eager")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    out = Path(path)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(out, dpi=120, format="png")
+    plt.close(fig)
+    return out

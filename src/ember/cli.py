@@ -1,0 +1,248 @@
+"""The ``ember`` command line: ``bench``, ``env``, ``explain``, ``cache``.
+
+The compiler core (``ember.compile``, ``ember.explain``, ``ember.runtime.cache``) is
+imported only by the subcommands that need it, so ``ember env`` and ``ember bench
+--backend eager`` work even when the core is missing or broken.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections.abc import Sequence
+from typing import Any
+
+GPU_DEFAULT_MODELS = ["resnet50", "bert"]
+CPU_DEFAULT_MODELS = ["resnet18", "tiny_transformer"]
+DEFAULT_BACKENDS = ["eager", "inductor", "ember"]
+
+
+def _split(values: Sequence[str] | None) -> list[str]:
+    """Flatten repeatable, comma-separated options: ``--mode train --mode infer,train``."""
+    out: list[str] = []
+    for value in values or []:
+        for item in value.split(","):
+            item = item.strip()
+            if item and item not in out:
+                out.append(item)
+    return out
+
+
+def _positive_int(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text}")
+    return value
+
+
+def _nonneg_int(text: str) -> int:
+    value = int(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {text}")
+    return value
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="ember", description="Ember: compile PyTorch models and see what ran where.")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+
+    b = sub.add_parser("bench", help="benchmark eager vs torch.compile vs ember on the model suite",
+                       description="Benchmark models in one process: eager, Inductor and Ember. "
+                       "Without MODELS: resnet50 and bert on GPU, resnet18 and tiny_transformer on CPU.")
+    b.add_argument("models", nargs="*", metavar="MODEL", help="registry models (see --list)")
+    b.add_argument("--list", action="store_true", help="list the registry models and exit")
+    b.add_argument("--mode", action="append", metavar="MODE", help="train|infer, repeatable or comma list (default train)")
+    b.add_argument("--backend", action="append", metavar="NAME",
+                   help=f"repeatable or comma list (default {','.join(DEFAULT_BACKENDS)})")
+    b.add_argument("--precision", default="auto", choices=["auto", "bf16", "fp32"],
+                   help="bf16 autocast or fp32 (auto: bf16 on GPU, fp32 on CPU)")
+    b.add_argument("--device", default="auto", help="auto|cuda|cpu (auto: cuda if available)")
+    b.add_argument("--batch", action="append", metavar="N",
+                   help="batch size(s), repeatable or comma list (default: the model's batch for the mode)")
+    b.add_argument("--warmup", type=_nonneg_int, default=None, help="warm-up steps (default 10 on GPU, 3 on CPU)")
+    b.add_argument("--iters", type=_positive_int, default=None, help="timed steps (default 30)")
+    b.add_argument("--json", metavar="PATH", help="write results (with environment) as JSON")
+    b.add_argument("--plot", metavar="PATH", help="write a PNG bar chart of speedup vs eager")
+    b.add_argument("--small", action="store_true", help="small inputs (64x64 images, seq 32), for quick checks")
+    b.add_argument("--no-progress", action="store_true", help="no progress display")
+
+    e = sub.add_parser("env", help="print the device and versions")
+    e.add_argument("--json", action="store_true", help="print as JSON")
+
+    x = sub.add_parser("explain", help="print ember.explain() for a registry model")
+    x.add_argument("model", metavar="MODEL")
+    x.add_argument("--mode", default="infer", choices=["train", "infer"])
+    x.add_argument("--small", action="store_true", help="small inputs (64x64 images, seq 32)")
+    x.add_argument("--batch", type=_positive_int, default=None, help="batch size (default: the model's)")
+    x.add_argument("--device", default="auto", help="auto|cuda|cpu")
+    x.add_argument("--html", metavar="PATH", help="also write the report as HTML")
+
+    c = sub.add_parser("cache", help="show or clear Ember's compile cache")
+    c.add_argument("action", choices=["info", "clear"])
+    return parser
+
+
+def _err(msg: str) -> None:
+    print(f"ember: {msg}", file=sys.stderr)
+
+
+# ---------------------------------------------------------------------------------------
+# bench
+# ---------------------------------------------------------------------------------------
+
+
+def _cmd_bench(args: argparse.Namespace) -> int:
+    from ember.bench import harness, models, report
+
+    if args.list:
+        for name, case in models.CASES.items():
+            print(f"{name:18s} train bs{case.batch_train:<4d} infer bs{case.batch_infer:<4d} {case.description}")
+        return 0
+    try:
+        device = harness.resolve_device(args.device)
+        precision = harness.resolve_precision(args.precision, device)
+        batches = [int(b) for b in _split(args.batch)] or None
+    except ValueError as err:
+        _err(str(err))
+        return 2
+    if batches and min(batches) < 1:
+        _err("batch sizes must be positive")
+        return 2
+    names = list(args.models) or (GPU_DEFAULT_MODELS if device.type == "cuda" else CPU_DEFAULT_MODELS)
+    modes = _split(args.mode) or ["train"]
+    backends = _split(args.backend) or DEFAULT_BACKENDS
+    problems = [f"unknown model {n!r}" for n in names if n not in models.CASES]
+    problems += [f"unknown mode {m!r} (train|infer)" for m in modes if m not in harness.MODES]
+    problems += [f"unknown backend {b!r}" for b in backends if b not in harness.BACKENDS]
+    if problems:
+        _err("; ".join(problems))
+        _err(f"models: {', '.join(models.CASES)}; backends: {', '.join(harness.BACKENDS)}")
+        return 2
+
+    iters = args.iters if args.iters is not None else 30  # >= 30 unless asked otherwise
+    config: dict[str, Any] = {
+        "argv": sys.argv[1:] if args.argv is None else list(args.argv),
+        "models": names, "modes": modes, "backends": backends, "precision": precision,
+        "device": str(device), "batch": batches, "warmup": args.warmup, "iters": iters, "small": args.small,
+    }
+    env = report.env_info()
+    print(f"ember bench on {env['device']} | torch {env['torch']} | {precision} | "
+          f"models {', '.join(names)} | modes {', '.join(modes)} | backends {', '.join(backends)}",
+          flush=True)
+
+    def save(rows: list[dict[str, Any]]) -> None:
+        # Rewritten after every row: a run cut short by a time limit keeps what it measured.
+        if args.json:
+            report.write_json(args.json, rows, env=env, config=config)
+
+    results = harness.run_benchmark(
+        names, modes=modes, backends=backends, precision=precision, device=device, batch=batches,
+        warmup=args.warmup, iters=iters, progress=not args.no_progress, small=args.small, on_result=save,
+    )
+    report.print_table(results)
+    if args.json:
+        save(results)
+        print(f"results written to {args.json}")
+    if args.plot:
+        report.plot_speedups(results, args.plot)
+        print(f"plot written to {args.plot}")
+    # A failing backend is a result, not a crash; only a run where nothing worked fails.
+    return 0 if any(not r.get("error") for r in results) else 1
+
+
+# ---------------------------------------------------------------------------------------
+# env, explain, cache
+# ---------------------------------------------------------------------------------------
+
+
+def _cmd_env(args: argparse.Namespace) -> int:
+    from ember.bench import report
+
+    env = report.env_info()
+    if args.json:
+        print(json.dumps(env, indent=2, default=str))
+    else:
+        report.print_env(env)
+    return 0
+
+
+def _cmd_explain(args: argparse.Namespace) -> int:
+    import torch
+
+    from ember.bench import harness, models
+
+    try:
+        case = models.get_case(args.model)
+        device = harness.resolve_device(args.device)
+    except ValueError as err:
+        _err(str(err))
+        return 2
+    try:
+        from ember import explain
+    except ImportError as err:
+        _err(f"ember.explain is not available ({err})")
+        return 1
+    try:
+        torch.manual_seed(0)
+        model = case.build(args.small).to(device)
+    except models.MissingDependencyError as err:
+        _err(str(err))
+        return 1
+    model.train(args.mode == "train")
+    batch = args.batch or case.default_batch(args.mode)
+    (inputs, _target), *_ = models.make_batches(case, batch, device, small=args.small, count=1)
+    grad = torch.enable_grad() if args.mode == "train" else torch.no_grad()
+    with grad:
+        result = explain(model, *inputs)
+    print(result)
+    if args.html:
+        to_html = getattr(result, "to_html", None)
+        if to_html is None:
+            _err("this explain report has no to_html()")
+            return 1
+        to_html(args.html)
+        print(f"HTML report written to {args.html}")
+    return 0
+
+
+def _cmd_cache(args: argparse.Namespace) -> int:
+    try:
+        from ember.runtime import cache
+    except ImportError as err:
+        _err(f"the compile cache is not available: ember.runtime.cache cannot be imported ({err})")
+        return 1
+    fn_name = "cache_info" if args.action == "info" else "clear_cache"
+    fn = getattr(cache, fn_name, None)
+    if fn is None:
+        _err(f"the compile cache is not available: ember.runtime.cache has no {fn_name}()")
+        return 1
+    result = fn()
+    if args.action == "info":
+        if isinstance(result, dict):
+            width = max((len(str(k)) for k in result), default=0)
+            for key, value in result.items():
+                print(f"{str(key):{width}s}  {value}")
+        else:
+            print(result)
+    else:
+        print("ember cache cleared" + (f": {result}" if result not in (None, True) else ""))
+    return 0
+
+
+_COMMANDS = {"bench": _cmd_bench, "env": _cmd_env, "explain": _cmd_explain, "cache": _cmd_cache}
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of the ``ember`` console script and ``python -m ember``; returns the exit code."""
+    parser = _parser()
+    args = parser.parse_args(argv)
+    args.argv = None if argv is None else list(argv)
+    if args.command is None:
+        parser.print_help()
+        return 2
+    return _COMMANDS[args.command](args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
