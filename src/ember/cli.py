@@ -193,8 +193,13 @@ def _cmd_explain(args: argparse.Namespace) -> int:
     batch = args.batch or case.default_batch(args.mode)
     (inputs, _target), *_ = models.make_batches(case, batch, device, small=args.small, count=1)
     grad = torch.enable_grad() if args.mode == "train" else torch.no_grad()
-    with grad:
-        result = explain(model, *inputs)
+    try:
+        with grad:
+            result = explain(model, *inputs)
+    except ImportError as err:
+        # ember.explain exists but a module it needs does not (the core is still growing).
+        _err(f"ember.explain is not available ({type(err).__name__}: {err})")
+        return 1
     print(result)
     if args.html:
         to_html = getattr(result, "to_html", None)

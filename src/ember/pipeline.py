@@ -11,8 +11,8 @@ import os
 import time
 import traceback
 import warnings
-from collections.abc import Callable
 from collections import Counter
+from collections.abc import Callable
 from pathlib import Path
 
 import torch

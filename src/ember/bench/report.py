@@ -91,7 +91,7 @@ def env_info() -> dict[str, Any]:
     import torch
 
     info: dict[str, Any] = {
-        "date": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
+        "date": _dt.datetime.now(_dt.UTC).isoformat(timespec="seconds"),
         "python": sys.version.split()[0],
         "platform": platform.platform(),
         "cpu": _cpu_name(),

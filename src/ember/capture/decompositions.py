@@ -29,7 +29,6 @@ _EXTRA = [
     aten.hardswish,
     aten.hardsigmoid,
     aten.silu,
-    aten.mean,
 ]
 
 # Kept whole: library calls and ops whose decompositions only add work.
@@ -70,7 +69,8 @@ def _var_mean(x: torch.Tensor, dims: Sequence[int] | None = None, *, correction:
     xf = x.float() if x.dtype in (torch.float16, torch.bfloat16) else x
     mean = aten.sum.dim_IntList(xf, dims, True) * (1.0 / n)
     centred = xf - mean
-    var = aten.sum.dim_IntList(centred * centred, dims, True) * (1.0 / max(n - corr, 0))
+    # Divide (not multiply by 1/n): eager divides, and n - corr <= 0 must give inf/nan, not raise.
+    var = aten.sum.dim_IntList(centred * centred, dims, True) / float(max(n - corr, 0))
     if not keepdim:
         mean = aten.squeeze.dims(mean, dims)
         var = aten.squeeze.dims(var, dims)
@@ -82,6 +82,23 @@ def _var(x: torch.Tensor, dims: Sequence[int] | None = None, *, correction: floa
     return _var_mean(x, dims, correction=correction, keepdim=keepdim)[0]
 
 
+def _mean(x: torch.Tensor, dims: Sequence[int] | None = None, keepdim: bool = False, *,
+          dtype: torch.dtype | None = None) -> torch.Tensor:
+    # PyTorch's reference decomposes mean into prims; this keeps it in ATen sum + div, accumulated
+    # in fp32 for half inputs like eager, so the scheduler fuses it as any reduction.
+    out_dtype = dtype or x.dtype
+    xf = x.to(out_dtype)
+    if xf.dtype in (torch.float16, torch.bfloat16):
+        xf = xf.float()
+    dims = list(range(x.dim())) if dims is None or len(dims) == 0 else list(dims)
+    total = aten.sum.dim_IntList(xf, dims, keepdim)
+    return (total / float(_reduced_count(x, dims))).to(out_dtype)
+
+
+def _mean_all(x: torch.Tensor, *, dtype: torch.dtype | None = None) -> torch.Tensor:
+    return _mean(x, None, False, dtype=dtype)
+
+
 def decomposition_table() -> dict[object, Callable]:
     """The table handed to AOTAutograd."""
     table = dict(core_aten_decompositions())
@@ -91,4 +108,6 @@ def decomposition_table() -> dict[object, Callable]:
             table.pop(getattr(op, overload), None)
     for op, fn in ((aten.var_mean, _var_mean), (aten.var, _var)):
         table[op.correction] = fn
+    table[aten.mean.dim] = _mean
+    table[aten.mean.default] = _mean_all
     return table

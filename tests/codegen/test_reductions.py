@@ -1,0 +1,197 @@
+"""Generated reduction kernels vs eager ATen: sum/mean/amax/amin over any dims with keepdim
+both ways and pointwise prologues/epilogues, var/var_mean/std, several reductions in one
+kernel; each in both reduction modes (persistent, and looped via tiny block constants).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from ember_check import FLOAT_DTYPES, check, layouts, make_input, shapes
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+pytestmark = pytest.mark.filterwarnings("ignore:.*encountered in:RuntimeWarning")
+
+MODES = [pytest.param(False, id="persistent"), pytest.param(True, id="looped")]
+REDUCE = {"sum": torch.sum, "mean": torch.mean, "amax": torch.amax, "amin": torch.amin}
+EXPECT = {"sum": "aten.sum", "mean": "aten.sum", "amax": "aten.amax", "amin": "aten.amin"}
+
+
+@st.composite
+def dim_spec(draw, rank: int):
+    """How the reduced dims are written: one dim, several (any sign), all (None) or []."""
+    form = draw(st.sampled_from(["single", "multiple", "all", "empty"]))
+    if form == "all":
+        return None
+    if form == "empty":
+        return []
+    if form == "single":
+        d = draw(st.integers(0, rank - 1))
+        return d - rank if draw(st.booleans()) else d
+    picked = draw(st.lists(st.integers(0, rank - 1), min_size=1, max_size=rank, unique=True))
+    return [d - rank if draw(st.booleans()) else d for d in picked]
+
+
+def _reduce(name: str, x: torch.Tensor, dims, keepdim: bool) -> torch.Tensor:
+    op = REDUCE[name]
+    if dims is None:
+        return op(x) if not keepdim else op(x, dim=list(range(x.dim())), keepdim=True)
+    if name == "mean" and dims == []:
+        return op(x, dim=dims, keepdim=keepdim)
+    return op(x, dims, keepdim=keepdim)
+
+
+def _tol(dtype: torch.dtype) -> dict:
+    if dtype == torch.float32:
+        return {"norm_rtol": 1e-5}
+    return {}
+
+
+@pytest.mark.parametrize("looped", MODES)
+@pytest.mark.parametrize("name", sorted(REDUCE))
+@settings(max_examples=12, deadline=None)
+@given(data=st.data())
+def test_reduce_with_prologue_epilogue(name, looped, data):
+    shape = data.draw(shapes(max_rank=4, max_numel=2048))
+    layout = data.draw(layouts(shape))
+    dtype = data.draw(st.sampled_from(FLOAT_DTYPES))
+    dims = data.draw(dim_spec(len(shape)))
+    keepdim = data.draw(st.booleans())
+    form = data.draw(st.sampled_from(["plain", "prologue", "epilogue", "both"]))
+    fp32 = dtype == torch.float32
+    x = make_input(shape, dtype=dtype, requires_grad=fp32, **layout)
+
+    def fn(x):
+        v = x * 2 + 1 if form in ("prologue", "both") else x
+        r = _reduce(name, v, dims, keepdim)
+        return r * 3 - 0.5 if form in ("epilogue", "both") else r
+
+    check(fn, [x], looped=looped, expect_ops=[EXPECT[name]] if shape and min(shape) > 1 else [], **_tol(dtype))
+
+
+@pytest.mark.parametrize("looped", MODES)
+@pytest.mark.parametrize("name", ["sum", "amax", "amin"])
+@settings(max_examples=8, deadline=None)
+@given(data=st.data())
+def test_reduce_int64(name, looped, data):
+    shape = data.draw(shapes(max_numel=1024))
+    x = make_input(shape, dtype=torch.int64, kind="int", **data.draw(layouts(shape)))
+    dims = data.draw(dim_spec(len(shape)))
+    if dims == [] and name != "sum":
+        dims = None
+    keepdim = data.draw(st.booleans())
+    check(lambda x: _reduce(name, x * 3 - 1, dims, keepdim), [x], looped=looped, exact=True)
+
+
+@pytest.mark.parametrize("looped", MODES)
+@settings(max_examples=12, deadline=None)
+@given(data=st.data())
+def test_centred_by_own_reduction(looped, data):
+    # x - reduce(x, keepdim) * ...: a full-domain output that needs a reduction first
+    # (two phases in the looped mode).
+    shape = data.draw(shapes(min_rank=2, max_numel=2048))
+    layout = data.draw(layouts(shape))
+    dtype = data.draw(st.sampled_from(FLOAT_DTYPES))
+    dims = data.draw(dim_spec(len(shape)).filter(lambda d: d not in (None, [])))
+    name = data.draw(st.sampled_from(sorted(REDUCE)))
+    x = make_input(shape, dtype=dtype, requires_grad=dtype == torch.float32, **layout)
+    check(lambda x: (x - _reduce(name, x, dims, True)) * 2, [x], looped=looped, **_tol(dtype))
+
+
+@pytest.mark.parametrize("looped", MODES)
+@settings(max_examples=12, deadline=None)
+@given(data=st.data())
+def test_several_reductions_one_input(looped, data):
+    shape = data.draw(shapes(min_rank=1, max_numel=2048))
+    layout = data.draw(layouts(shape))
+    dtype = data.draw(st.sampled_from(FLOAT_DTYPES))
+    dim = data.draw(st.integers(-len(shape), len(shape) - 1))
+    keepdim = data.draw(st.booleans())
+    x = make_input(shape, dtype=dtype, requires_grad=dtype == torch.float32, **layout)
+
+    def fn(x):
+        s = x.sum(dim, keepdim=keepdim)
+        m = x.amax(dim, keepdim=keepdim)
+        n = (x * x).amin(dim, keepdim=keepdim)
+        return s, m - n, (x.exp() - 1).mean(dim, keepdim=keepdim)
+
+    check(fn, [x], looped=looped, **_tol(dtype))
+
+
+@pytest.mark.parametrize("looped", MODES)
+@settings(max_examples=12, deadline=None)
+@given(data=st.data())
+def test_reduction_of_broadcast_product(looped, data):
+    # (x * w).sum(dim) with w broadcast along some dims: the load of w walks fewer dims.
+    shape = data.draw(shapes(min_rank=2, max_rank=3, max_numel=2048))
+    layout = data.draw(layouts(shape))
+    wshape = tuple(s if data.draw(st.booleans()) else 1 for s in shape)
+    w = make_input(wshape, requires_grad=True, **data.draw(layouts(wshape)))
+    x = make_input(shape, requires_grad=True, **layout)
+    dims = data.draw(dim_spec(len(shape)).filter(lambda d: d not in (None, [])))
+    check(lambda x, w: (x * w + w).sum(dims), [x, w], looped=looped, norm_rtol=1e-5)
+
+
+VAR = {
+    "var": lambda x, dims, c, k: torch.var(x, dims, correction=c, keepdim=k),
+    "std": lambda x, dims, c, k: torch.std(x, dims, correction=c, keepdim=k),
+    "var_mean": lambda x, dims, c, k: torch.var_mean(x, dims, correction=c, keepdim=k),
+    "std_mean": lambda x, dims, c, k: torch.std_mean(x, dims, correction=c, keepdim=k),
+}
+
+
+@pytest.mark.parametrize("looped", MODES)
+@pytest.mark.parametrize("name", sorted(VAR))
+@settings(max_examples=10, deadline=None)
+@given(data=st.data())
+def test_variance(name, looped, data):
+    shape = data.draw(shapes(min_side=2, max_numel=2048))
+    layout = data.draw(layouts(shape))
+    dtype = data.draw(st.sampled_from(FLOAT_DTYPES))
+    dims = data.draw(dim_spec(len(shape)).filter(lambda d: d != []))
+    correction = data.draw(st.sampled_from([0, 1]))
+    keepdim = data.draw(st.booleans())
+    shift = data.draw(st.sampled_from([0.0, 3.0]))  # a mean far from zero
+    x = make_input(shape, dtype=dtype, requires_grad=dtype == torch.float32, **layout)
+    fn = VAR[name]
+    check(lambda x: fn(x + shift, dims, correction, keepdim), [x], looped=looped, **_tol(dtype))
+
+
+@pytest.mark.parametrize("correction", [0, 1])
+def test_variance_of_single_element_groups(correction):
+    # Reducing a size-1 dim: correction=1 divides 0 by 0 (eager: nan, with a warning).
+    x = make_input((4, 1, 6), "contiguous")
+    with pytest.warns(UserWarning) if correction else _nothing():
+        want = torch.var(x, 1, correction=correction)
+    assert want.isnan().all() == bool(correction)
+    check(lambda x: torch.var(x, 1, correction=correction) + x.sum(1), [x])
+
+
+@pytest.mark.parametrize("correction", [0, 1])
+def test_var_mean_of_single_element(correction):
+    # var_mean over a dim of size 1 next to others: n == correction gives nan in eager.
+    x = make_input((5, 1), "contiguous")
+    check(lambda x: torch.var_mean(x * 2, 1, correction=correction), [x])
+
+
+class _nothing:
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
+
+
+@pytest.mark.parametrize("looped", MODES)
+def test_long_reduction_many_loop_iterations(looped):
+    # rnumel 1000 >> LOOP_RBLOCK 8: 125 loop iterations; a masked tail on the last one.
+    x = make_input((3, 1000), "transposed", requires_grad=True)
+    check(lambda x: (x.sum(1), x.amax(1), torch.var_mean(x, 1, correction=1), x.softmax(1)), [x],
+          looped=looped, norm_rtol=1e-5)
+
+
+def test_full_reduction_to_scalar():
+    x = make_input((7, 11, 5), "permuted", perm=[2, 0, 1], requires_grad=True)
+    check(lambda x: ((x * x).sum() + x.amax() - x.amin(), x.mean()), [x], norm_rtol=1e-5)
+    check(lambda x: ((x * x).sum() + x.amax() - x.amin(), x.mean()), [x], norm_rtol=1e-5, looped=True)
