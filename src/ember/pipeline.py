@@ -24,7 +24,8 @@ from ember.codegen.triton_kernel import KernelSource, generate_triton
 from ember.config import Options
 from ember.passes import PassResult, run_passes
 from ember.report.records import GraphRecord
-from ember.runtime.kernels import load_kernel
+from ember.runtime.kernels import kernel_file, load_kernel
+from ember.runtime.precompile import job_for, precompile
 from ember.runtime.program import CompiledGraph, boxed, expect_strides
 from ember.schedule.plan import FusedGroup, KernelPlan, plan_graph
 from ember.schedule.rules import OpClass
@@ -173,6 +174,15 @@ def _compile(gm: fx.GraphModule, options: Options, record: GraphRecord,
     record.unique_kernels = len({k.name for k in kernels.values()})
     _record_plan(record, plan, kernels)
 
+    if target == "triton" and kernels:
+        start = time.perf_counter()
+        jobs = [job_for(kernel_file(ks, options.kernel_dir()), ks.name, [a.meta["val"].dtype for a in ks.args],
+                        ks.meta) for ks in kernels.values()]
+        for err in precompile(jobs):
+            if level >= 1:
+                print(f"# ember: precompile: {err}")
+        stage["kernel_compile"] = time.perf_counter() - start
+
     start = time.perf_counter()
     program = generate_program(gm, plan, kernels, record.title, _expect_nodes(plan, kernels))
     program.namespace["_expect"] = expect_strides
@@ -180,7 +190,7 @@ def _compile(gm: fx.GraphModule, options: Options, record: GraphRecord,
         fn = load_kernel(ks, options.kernel_dir(), interpret=target == "triton-interpret")
         program.namespace[ks.name] = fn
         record.kernel_sources[ks.name] = ks.source
-        _dump(options, f"{slug}/kernels/{ks.name}.py", ks.module_source())
+        _dump(options, f"{slug}/kernels/{ks.name}.py", ks.annotated_source())
         if level >= 2:
             print(f"# ember: kernel {ks.name}\n{ks.source}")
     code = compile(program.text, f"<ember program {record.title}>", "exec")

@@ -15,6 +15,7 @@ the program checks the strides of tensors it did not allocate itself.
 from __future__ import annotations
 
 import hashlib
+import re
 from dataclasses import dataclass
 
 import torch
@@ -94,15 +95,22 @@ class KernelSource:
     """Generated source plus everything the program needs to launch it."""
 
     name: str
-    source: str  # the kernel function alone (the module header is shared)
+    source: str  # the kernel function annotated with the graph nodes it came from (for people)
     digest: str
     args: list[fx.Node]  # pointer args in order: inputs then outputs
     n_inputs: int
     grid: int
     meta: dict[str, int]
     header: str
+    canonical: str = ""  # the function without node names: what is hashed, written and compiled
 
     def module_source(self) -> str:
+        """The module Triton compiles: identical for identical kernels of any graph, so the
+        file, the name and Triton's own cache entry are shared."""
+        return self.header + "\n\n" + self.canonical
+
+    def annotated_source(self) -> str:
+        """The module with every line's source node, as dumped to EMBER_DEBUG_DIR."""
         return self.header + "\n\n" + self.source
 
 
@@ -335,11 +343,15 @@ class _KernelWriter:
         text = (f"@triton.jit\ndef KERNEL_NAME({params}, {consts}):\n"
                 f"    # S={list(self.S)} reduced={sorted(self.D)} x={self.xnumel} r={self.rnumel}\n"
                 + "\n".join("    " + line for line in body) + "\n")
-        digest = hashlib.sha256((text + repr(meta) + str(self.interpret)).encode()).hexdigest()[:16]
+        # Node names differ between graphs (and between blocks of one model); the kernel's identity
+        # must not, so hash and compile the text with each line's node annotation reduced to its op.
+        canonical = _TRAILING_NODE.sub(r"  # \1", text)
+        digest = hashlib.sha256((canonical + repr(meta) + str(self.interpret)).encode()).hexdigest()[:16]
         name = f"ember_{'red' if self.reduction else 'pw'}_{digest}"
         source = f"# source ops:\n{ops}\n" + text.replace("KERNEL_NAME", name)
         header = HEADER_INTERPRET if self.interpret else HEADER_GPU
-        return KernelSource(name, source, digest, args, len(self.g.inputs), grid, meta, header)
+        return KernelSource(name, source, digest, args, len(self.g.inputs), grid, meta, header,
+                            canonical.replace("KERNEL_NAME", name))
 
     def _blocks(self) -> tuple[int, int]:
         if self.persistent:
@@ -408,6 +420,9 @@ class _Scope:
         self.lines: list[str] = []
         self.cache: dict = {}
         self.outer = outer if outer is not None else self
+
+
+_TRAILING_NODE = re.compile(r"(?<=\S)  # \w+ = ([\w.]+)\(.*$", re.MULTILINE)
 
 
 def _src(node: fx.Node) -> str:

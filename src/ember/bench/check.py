@@ -89,8 +89,9 @@ def run_seed_step(name: str, compile_fn, device: str = "cpu", batch: int = 2, sm
     infer = SeedResult(name, "infer")
     for m in (ref, eager, ours):
         m.eval()
-    with torch.no_grad(), torch.autocast(dev_type, dtype=autocast or torch.bfloat16, enabled=autocast is not None):
+    with torch.no_grad():
         r = primary_tensor(ref(*_to(inputs, device, ref_dtype)))
+    with torch.no_grad(), torch.autocast(dev_type, dtype=autocast or torch.bfloat16, enabled=autocast is not None):
         e = primary_tensor(eager(*_to(inputs, device, None)))
         c = primary_tensor(compiled(*_to(inputs, device, None)))
     infer.errors["output"] = (_rel(c, r), _rel(e, r))
