@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 from ember_check import FLOAT_DTYPES, check, layouts, make_input, shapes
-from hypothesis import given, settings
+from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
 pytestmark = pytest.mark.filterwarnings("ignore:.*encountered in:RuntimeWarning")
@@ -154,6 +154,11 @@ def test_variance(name, looped, data):
     keepdim = data.draw(st.booleans())
     shift = data.draw(st.sampled_from([0.0, 3.0]))  # a mean far from zero
     x = make_input(shape, dtype=dtype, requires_grad=dtype == torch.float32, **layout)
+    if name.startswith("std") and x.requires_grad:
+        # d std / dx = (x - mean) / (n std): at zero spread (a reduced dim that is a stride-0
+        # broadcast of one value) it is a ratio of rounding errors in eager and Ember alike.
+        spread = torch.var(x.detach(), dims, correction=0)
+        assume(bool((spread > 1e-3).all()))
     fn = VAR[name]
     check(lambda x: fn(x + shift, dims, correction, keepdim), [x], looped=looped, **_tol(dtype))
 

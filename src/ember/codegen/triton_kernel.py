@@ -32,6 +32,8 @@ PERSISTENT_RBLOCK_MAX = 2048
 LOOP_RBLOCK = 1024
 TILE_ELEMENTS = 2048
 POINTWISE_XBLOCK = 1024
+# The interpreter pays per program, not per element: far larger tiles there.
+INTERPRET_TILE_ELEMENTS = 1 << 16
 
 # Reductions go through the builtin tl.reduce with these combine functions: Triton's own
 # tl.sum/tl.max are jit functions fixed at import and unusable from the interpreter.
@@ -324,7 +326,7 @@ class _KernelWriter:
             body += self._reduction_body()
             meta = {"XBLOCK": xblock, "RBLOCK": rblock}
         else:
-            xblock = min(next_pow2(self.xnumel), POINTWISE_XBLOCK if not self.interpret else 1 << 16)
+            xblock = min(next_pow2(self.xnumel), POINTWISE_XBLOCK if not self.interpret else INTERPRET_TILE_ELEMENTS)
             body.append("xindex = tl.program_id(0) * XBLOCK + tl.arange(0, XBLOCK)")
             body.append(f"xmask = xindex < {self.xnumel}")
             body += self._coord_lines(self.K, "xindex", self.xnumel)
@@ -358,7 +360,10 @@ class _KernelWriter:
             rblock = next_pow2(self.rnumel)
         else:
             rblock = LOOP_RBLOCK
-        xblock = max(1, min(next_pow2(self.xnumel), TILE_ELEMENTS // rblock if self.persistent else 1))
+        if self.interpret:
+            xblock = max(1, min(next_pow2(self.xnumel), INTERPRET_TILE_ELEMENTS // rblock))
+        else:
+            xblock = max(1, min(next_pow2(self.xnumel), TILE_ELEMENTS // rblock if self.persistent else 1))
         return xblock, rblock
 
     def _reduction_body(self) -> list[str]:

@@ -1,0 +1,50 @@
+"""The eight seed models of BENCHMARKS.md, at small input sizes, through Ember on the CPU.
+
+One training step (output, loss, every parameter gradient, every float buffer such as BN
+running stats) and one inference call, Ember vs eager, both measured against a float64
+eager reference. The fused groups run as generated Triton kernels through Triton's
+interpreter (``target="triton-interpret"``): the kernels the GPU runs, on CPU tensors.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+
+import pytest
+import torch
+from core_helpers import assert_compiled_cleanly
+
+import ember
+from ember.bench.check import acceptable, run_seed_step
+
+SEED_MODELS = ["resnet50", "vgg16", "mobilenet_v3", "densenet121", "resnet50v2", "bert", "cyclegan",
+               "style_transfer"]
+# fp32 against a float64 reference: Ember may be 4x as far off as eager, or under this floor.
+FLOOR = 1e-5
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", SEED_MODELS)
+def test_seed_model_train_and_infer_match_eager(name: str) -> None:
+    compiled = []
+
+    def compile_fn(model: torch.nn.Module):
+        fn = ember.compile(model, target="triton-interpret")
+        compiled.append(fn)
+        return fn
+
+    train, infer = run_seed_step(name, compile_fn, device="cpu", batch=2, small=True)
+    for result in (train, infer):
+        bad = {k: v for k, v in result.errors.items() if not acceptable(v[0], v[1], FLOOR)}
+        assert not bad, f"{name} {result.mode}: (ember, eager) error vs float64: {bad}"
+    n_grads = sum(1 for k in train.errors if k.startswith("grad "))
+    assert n_grads > 0 and "loss" in train.errors and "output" in infer.errors
+
+    log = compiled[0]._ember_backend.log
+    assert_compiled_cleanly(log)
+    kinds = Counter(g.kind for g in log.graphs)
+    assert kinds["forward"] >= 1 and kinds["backward"] >= 1 and kinds["inference"] >= 1, kinds
+    for g in log.graphs:
+        assert g.target == "triton-interpret"
+        assert g.kernels >= 1, f"{g.title}: no generated kernel"
+        assert not g.placement.get("fused-aten"), f"{g.title}: fused groups ran through ATen"
