@@ -14,7 +14,6 @@ from __future__ import annotations
 import argparse
 import datetime as dt
 import json
-import subprocess
 import sys
 import time
 import traceback
@@ -23,18 +22,11 @@ import torch
 
 import ember
 from ember.bench.check import acceptable, run_seed_step
+from ember.bench.report import git_commit
 
 SEED_MODELS = ["resnet50", "vgg16", "mobilenet_v3", "densenet121", "resnet50v2", "bert", "cyclegan",
                "style_transfer"]
 FLOOR = {"train": 3e-2, "infer": 2e-2}  # bf16 has 8 mantissa bits: 2^-8 = 3.9e-3 per rounding
-
-
-def _commit() -> str:
-    try:
-        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-                              check=True).stdout.strip()
-    except (OSError, subprocess.CalledProcessError):
-        return "unknown"
 
 
 def main() -> int:
@@ -75,7 +67,7 @@ def main() -> int:
         torch._dynamo.reset()
         torch.cuda.empty_cache()
     meta = {"device": torch.cuda.get_device_name(), "torch": torch.__version__,
-            "triton": __import__("triton").__version__, "ember": ember.__version__, "commit": _commit(),
+            "triton": __import__("triton").__version__, "ember": ember.__version__, "commit": git_commit()["git_commit"],
             "date": dt.datetime.now(dt.UTC).isoformat(timespec="seconds"), "batch": args.batch,
             "small": args.small, "precision": "bf16 autocast, reference fp32 eager (TF32 off)",
             "floor": FLOOR, "command": " ".join(sys.argv)}

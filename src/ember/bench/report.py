@@ -76,7 +76,11 @@ def _cpu_name() -> str:
     return platform.processor() or platform.machine()
 
 
-def _git_commit() -> dict[str, Any]:
+def git_commit() -> dict[str, Any]:
+    """The source tree's commit. ``EMBER_GIT_COMMIT`` overrides it for runs from a copy of the
+    working tree whose ``.git`` is not the one the tree was committed in (the device machine)."""
+    if os.environ.get("EMBER_GIT_COMMIT"):
+        return {"git_commit": os.environ["EMBER_GIT_COMMIT"], "git_dirty": False}
     here = str(Path(__file__).resolve().parent)
     commit = _run(["git", "rev-parse", "HEAD"], cwd=here)
     if commit is None:
@@ -123,7 +127,7 @@ def env_info() -> dict[str, Any]:
     else:
         info["device"] = f"CPU: {info['cpu']}"
         info["cuda_driver"] = None
-    info.update(_git_commit())
+    info.update(git_commit())
     return info
 
 
