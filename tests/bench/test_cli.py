@@ -213,3 +213,17 @@ def test_inductor_backend_runs(tmp_path: Path) -> None:
                                  device="cpu", batch=2, warmup=1, iters=3, progress=False, small=True)
     assert [r["error"] for r in rows] == [None, None], rows[1].get("traceback")
     assert rows[1]["max_abs_diff_vs_eager"] < 1e-3
+
+
+def test_markdown_table_compares_with_inductor() -> None:
+    from ember.bench import report
+
+    rows = [{"model": "m", "mode": "train", "batch": 2, "backend": b, "ms_median": ms, "ms_min": ms,
+             "samples_per_s": 2000 / ms, "compile_s": 1.0, "peak_mem_bytes": 1 << 20,
+             "speedup_vs_eager": 10.0 / ms, "error": None} for b, ms in [("eager", 10.0), ("inductor", 5.0),
+                                                                       ("ember", 4.0)]]
+    rows.append({**rows[2], "backend": "broken", "ms_median": None, "speedup_vs_eager": None, "error": "boom"})
+    lines = report.markdown_table(rows).splitlines()
+    assert lines[0].startswith("| model |") and len(lines) == 2 + len(rows)
+    assert lines[4].endswith("| 2.50x | 1.25x |")  # ember: 10/4 vs eager, 5/4 vs inductor
+    assert "error: boom" in lines[5] and lines[5].endswith("| - | - |")

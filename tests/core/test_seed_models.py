@@ -21,6 +21,10 @@ SEED_MODELS = ["resnet50", "vgg16", "mobilenet_v3", "densenet121", "resnet50v2",
                "style_transfer"]
 # fp32 against a float64 reference: Ember may be 4x as far off as eager, or under this floor.
 FLOOR = 1e-5
+# At batch 2 and 64x64 inputs resnetv2's last stages normalise 8 values per channel: ReLU masks
+# flip under fp32 rounding and even eager is 4e-4 off float64, so the comparison is noise.
+# Batch 4 keeps that model well conditioned.
+BATCH = {"resnet50v2": 4}
 
 
 @pytest.mark.slow
@@ -33,7 +37,7 @@ def test_seed_model_train_and_infer_match_eager(name: str) -> None:
         compiled.append(fn)
         return fn
 
-    train, infer = run_seed_step(name, compile_fn, device="cpu", batch=2, small=True)
+    train, infer = run_seed_step(name, compile_fn, device="cpu", batch=BATCH.get(name, 2), small=True)
     for result in (train, infer):
         bad = {k: v for k, v in result.errors.items() if not acceptable(v[0], v[1], FLOOR)}
         assert not bad, f"{name} {result.mode}: (ember, eager) error vs float64: {bad}"

@@ -197,6 +197,26 @@ def print_table(results: Sequence[dict[str, Any]], file: Any = None, title: str 
     _console(file).print(table)
 
 
+def _times(ratio: float | None) -> str:
+    return "-" if ratio is None else f"{ratio:.2f}x"
+
+
+def markdown_table(results: Sequence[dict[str, Any]]) -> str:
+    """The results as a GitHub-markdown table, with Ember's speed relative to Inductor."""
+    lookup = {(r["model"], r["mode"], r["batch"], r["backend"]): r for r in results}
+    lines = ["| model | mode | batch | backend | ms median | ms min | samples/s | compile s | peak mem "
+             "| vs eager | vs inductor |", "|" + "---|" * 11]
+    for r in results:
+        ind = lookup.get((r["model"], r["mode"], r["batch"], "inductor"))
+        vs_ind = (ind["ms_median"] / r["ms_median"]) if ind and ind.get("ms_median") and r.get("ms_median") else None
+        err = f" error: {r['error'][:80]}" if r.get("error") else ""
+        lines.append(
+            f"| {r['model']} | {r['mode']} | {r['batch']} | {r['backend']}{err} | {_fmt(r.get('ms_median'), '.2f')} "
+            f"| {_fmt(r.get('ms_min'), '.2f')} | {_fmt(r.get('samples_per_s'), '.1f')} | {_fmt(r.get('compile_s'), '.1f')} "
+            f"| {_fmt_bytes(r.get('peak_mem_bytes'))} | {_times(r.get('speedup_vs_eager'))} | {_times(vs_ind)} |")
+    return "\n".join(lines) + "\n"
+
+
 def print_env(env: dict[str, Any], file: Any = None) -> None:
     from rich.table import Table
 

@@ -35,8 +35,8 @@ POINTWISE_XBLOCK = 1024
 # The interpreter pays per program, not per element: far larger tiles there.
 INTERPRET_TILE_ELEMENTS = 1 << 16
 
-# Reductions go through the builtin tl.reduce with these combine functions: Triton's own
-# tl.sum/tl.max are jit functions fixed at import and unusable from the interpreter.
+# Reductions go through the builtin tl.reduce with these combine functions (max/min propagate
+# NaN as torch does); float sums use tl.standard._sum_combine (see _KernelWriter._combine).
 _COMBINE = '''
 
 @triton.jit
@@ -284,12 +284,19 @@ class _KernelWriter:
         kind = _reduction_kind(node)
         return (_IDENTITY if dtype.is_floating_point else _INT_IDENTITY)[kind]
 
+    @staticmethod
+    def _combine(kind: str, dtype: torch.dtype) -> str:
+        # Float sums use Triton's own combine function: the interpreter recognises it and sums
+        # with numpy (pairwise, exact to fp32 rounding) instead of a sequential element loop,
+        # which is both slow and loses digits on large tiles; on the GPU it is the same a + b.
+        return "tl.standard._sum_combine" if kind == "sum" and dtype.is_floating_point else f"_{kind}"
+
     def _reduce_persistent(self, node: fx.Node, scope: _Scope) -> Operand:
         inp, dtype = self._reduce_input(node, scope)
         kind = _reduction_kind(node)
         var = self._tmp()
         masked = f"tl.where(xmask & rmask, {inp}, {self._identity(node, dtype)})"
-        scope.lines.append(f"{var} = {self._finish(node, f'tl.reduce({masked}, 1, _{kind})[:, None]')}  # {_src(node)}")
+        scope.lines.append(f"{var} = {self._finish(node, f'tl.reduce({masked}, 1, {self._combine(kind, dtype)})[:, None]')}  # {_src(node)}")
         return Operand(var, dtype)
 
     # -- stores ----------------------------------------------------------------------------
@@ -414,7 +421,7 @@ class _KernelWriter:
         root.lines += ["    " + line for line in inner.lines]
         for r, acc, kind, dtype in accs:
             var = self._tmp()
-            root.lines.append(f"{var} = {self._finish(r, f'tl.reduce({acc}, 1, _{kind})[:, None]')}  # {_src(r)}")
+            root.lines.append(f"{var} = {self._finish(r, f'tl.reduce({acc}, 1, {self._combine(kind, dtype)})[:, None]')}  # {_src(r)}")
             root.cache[r] = Operand(var, dtype)
 
 
