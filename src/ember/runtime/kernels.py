@@ -16,7 +16,7 @@ from pathlib import Path
 
 from ember.codegen.triton_kernel import KernelSource
 
-_LOADED: dict[tuple[str, str], Callable] = {}
+_LOADED: dict[tuple[str, str, bool], Callable] = {}
 
 
 def _write_atomic(path: Path, text: str) -> None:
@@ -40,9 +40,14 @@ def kernel_file(ks: KernelSource, kernel_dir: Path) -> Path:
     return path
 
 
+def forget_loaded() -> None:
+    """Drop the in-process kernel table, so the next load reads (and verifies) the files again."""
+    _LOADED.clear()
+
+
 def load_kernel(ks: KernelSource, kernel_dir: Path, interpret: bool) -> Callable:
     """The launchable Triton function for ``ks`` (interpreted on CPU when ``interpret``)."""
-    key = (str(kernel_dir), ks.name)
+    key = (str(kernel_dir), ks.name, interpret)
     if key in _LOADED:
         return _LOADED[key]
     path = kernel_file(ks, kernel_dir)

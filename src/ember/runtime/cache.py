@@ -1,0 +1,47 @@
+"""Ember's on-disk cache: ``ember cache info|clear``.
+
+Today the cache holds the generated kernel modules (``<cache>/kernels/<name>.py``, named by
+content hash, written atomically and verified on every load, see ``runtime.kernels``).
+The folder is ``EMBER_CACHE_DIR``, else ``$XDG_CACHE_HOME/ember``, else ``~/.cache/ember``.
+Triton keeps its compiled binaries in its own cache (``TRITON_CACHE_DIR``, default
+``~/.triton/cache``); ``info`` reports it too but ``clear`` leaves it alone.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+from pathlib import Path
+from typing import Any
+
+from ember.config import Options
+from ember.runtime import kernels
+
+
+def cache_dir(path: str | os.PathLike[str] | None = None) -> Path:
+    """The cache folder in use (``path`` overrides the environment)."""
+    return Path(path) if path else Options.from_env().kernel_dir().parent
+
+
+def _usage(folder: Path, pattern: str = "*") -> tuple[int, int]:
+    files = [p for p in folder.rglob(pattern) if p.is_file()] if folder.is_dir() else []
+    return len(files), sum(p.stat().st_size for p in files)
+
+
+def cache_info(path: str | os.PathLike[str] | None = None) -> dict[str, Any]:
+    """Where the cache is and what it holds."""
+    root = cache_dir(path)
+    n_kernels, kernel_bytes = _usage(root / "kernels", "ember_*.py")
+    triton_dir = Path(os.environ.get("TRITON_CACHE_DIR") or Path.home() / ".triton" / "cache")
+    n_triton, triton_bytes = _usage(triton_dir)
+    return {"path": str(root), "kernel modules": n_kernels, "kernel module bytes": kernel_bytes,
+            "triton cache": str(triton_dir), "triton cache files": n_triton, "triton cache bytes": triton_bytes}
+
+
+def clear_cache(path: str | os.PathLike[str] | None = None) -> str:
+    """Delete Ember's cached kernel modules; returns what was removed."""
+    root = cache_dir(path)
+    n, size = _usage(root / "kernels")
+    shutil.rmtree(root / "kernels", ignore_errors=True)
+    kernels.forget_loaded()
+    return f"removed {n} files ({size} bytes) from {root / 'kernels'}"
