@@ -50,6 +50,8 @@ class Options:
     cache_dir: str | None = None
     # Shape specialisations per compiled frame before Dynamo gives up and runs eager.
     max_recompiles: int = 8
+    # Replay CUDA programs as CUDA graphs where runtime.cudagraph allows (EMBER_CUDAGRAPHS=0: off).
+    cudagraphs: bool = True
 
     def __post_init__(self) -> None:
         if self.target not in TARGETS:

@@ -24,6 +24,7 @@ from ember.codegen.triton_kernel import KernelSource, generate_triton
 from ember.config import Options
 from ember.passes import PassResult, run_passes
 from ember.report.records import GraphRecord
+from ember.runtime.cudagraph import CudaGraphRunner, cudagraph_blocker
 from ember.runtime.kernels import kernel_file, load_kernel
 from ember.runtime.precompile import job_for, precompile
 from ember.runtime.program import CompiledGraph, boxed, expect_strides
@@ -109,7 +110,7 @@ def compile_graph(gm: fx.GraphModule, example_inputs: list, options: Options, re
     """Compile one AOTAutograd graph; on an internal error run the graph as captured (and say so)."""
     reference = fx.GraphModule(gm, _copy_graph(gm.graph)) if options.check else None
     try:
-        return boxed(_compile(gm, options, record, reference))
+        return boxed(_compile(gm, example_inputs, options, record, reference))
     except Exception as err:  # noqa: BLE001 - never fail where eager works
         if os.environ.get("EMBER_STRICT", "0") not in ("0", ""):
             raise
@@ -135,7 +136,7 @@ def _copy_graph(graph: fx.Graph) -> fx.Graph:
     return new
 
 
-def _compile(gm: fx.GraphModule, options: Options, record: GraphRecord,
+def _compile(gm: fx.GraphModule, example_inputs: list, options: Options, record: GraphRecord,
              reference: fx.GraphModule | None) -> CompiledGraph:
     level = config.debug_level()
     slug = record.title.replace(" ", "_").replace("/", "-")
@@ -200,4 +201,10 @@ def _compile(gm: fx.GraphModule, options: Options, record: GraphRecord,
     _dump(options, f"{slug}/program.py", program.text)
     if level >= 2:
         print(program.text)
-    return CompiledGraph(record.title, program.text, program.namespace["run"], reference, options.check)
+    run = program.namespace["run"]
+    blocker = cudagraph_blocker(gm, example_inputs, record.kind, target, options.cudagraphs)
+    if blocker is None:
+        run = CudaGraphRunner(run, record.title, on_status=lambda text: setattr(record, "cudagraph", text))
+    else:
+        record.cudagraph = f"not captured: {blocker}"
+    return CompiledGraph(record.title, program.text, run, reference, options.check)

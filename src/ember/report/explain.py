@@ -193,6 +193,7 @@ class ExplainReport:
         if not self.kernels and any(g.placement.get("fused-aten") for g in self.graphs):
             hint = "; fused groups ran op by op through ATen (target aten)"
         lines.append(f"Kernels generated: {self.kernels} (unique after dedupe: {self.unique_kernels}){hint}")
+        lines += [f"CUDA graph, {g.title}: {g.cudagraph}" for g in self.graphs if g.cudagraph]
         lines.append(f"First call: {_ms(self.total_s)} (capture ~{_ms(self.capture_s)}, Ember stages "
                      f"{_ms(self.ember_s)}, first run {_ms(self.first_run_s)})")
         return Section("Summary", lines)

@@ -28,6 +28,7 @@ class GraphRecord:
     program: str = ""
     kernel_sources: dict[str, str] = field(default_factory=dict)
     first_call_s: float | None = None
+    cudagraph: str = ""  # "captured ..." or why the program runs without a CUDA graph
 
 
 @dataclass
