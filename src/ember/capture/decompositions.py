@@ -41,6 +41,15 @@ _KEEP = [
     aten.avg_pool2d,
     aten.avg_pool2d_backward,
     aten.convolution_backward,
+    # Padding and nearest upsampling are one gather kernel each in ATen; their decompositions
+    # are index ops with clamped aranges, and the backward ones dozens of index/index_put ops
+    # per layer (171 per CycleGAN training step).
+    aten.reflection_pad1d, aten.reflection_pad2d, aten.reflection_pad3d,
+    aten.reflection_pad1d_backward, aten.reflection_pad2d_backward, aten.reflection_pad3d_backward,
+    aten.replication_pad1d, aten.replication_pad2d, aten.replication_pad3d,
+    aten.replication_pad1d_backward, aten.replication_pad2d_backward, aten.replication_pad3d_backward,
+    aten.upsample_nearest1d, aten.upsample_nearest2d, aten.upsample_nearest3d,
+    aten.upsample_nearest1d_backward, aten.upsample_nearest2d_backward, aten.upsample_nearest3d_backward,
     # Attention is a library call (flash / memory-efficient / cuDNN). PyTorch's decomposition of
     # the CPU flash kernel also gives wrong gradients (seen on torch 2.14.1 with BERT).
     aten._scaled_dot_product_flash_attention_for_cpu,
