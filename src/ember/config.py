@@ -52,6 +52,8 @@ class Options:
     max_recompiles: int = 8
     # Replay CUDA programs as CUDA graphs where runtime.cudagraph allows (EMBER_CUDAGRAPHS=0: off).
     cudagraphs: bool = True
+    # Keep compiled programs in <cache_dir>/programs.sqlite for the next process (EMBER_CACHE=0: off).
+    cache: bool = True
 
     def __post_init__(self) -> None:
         if self.target not in TARGETS:

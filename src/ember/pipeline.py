@@ -19,11 +19,12 @@ import torch
 import torch.fx as fx
 
 from ember import config
-from ember.codegen.program import generate_program
+from ember.codegen.program import base_namespace, generate_program, get_attr
 from ember.codegen.triton_kernel import KernelSource, generate_triton
 from ember.config import Options
 from ember.passes import PassResult, run_passes
 from ember.report.records import GraphRecord
+from ember.runtime.artifacts import ProgramStore, caching_enabled, graph_key, restore_record, stored_program
 from ember.runtime.cudagraph import CudaGraphRunner, cudagraph_blocker
 from ember.runtime.kernels import kernel_file, load_kernel
 from ember.runtime.precompile import job_for, precompile
@@ -146,6 +147,27 @@ def _compile(gm: fx.GraphModule, example_inputs: list, options: Options, record:
     target = _resolve_target(gm, options)
     record.target = target
     _dump(options, f"{slug}/00_captured.py", gm.code)
+    # Decided on the captured graph, before the passes rewrite it in place.
+    blocker = cudagraph_blocker(gm, example_inputs, record.kind, target, options.cudagraphs)
+    store = ProgramStore(options.kernel_dir().parent) if caching_enabled(options.cache) else None
+    key = graph_key(gm, example_inputs, target, record.kind) if store is not None else None
+    record.cache = "off" if store is None else "not cacheable (large constant tensor)" if key is None else "miss"
+    # With a debug folder or DEBUG set the user wants every stage: compile, do not look up.
+    if store is not None and key is not None and not options.debug_dir and level == 0:
+        start = time.perf_counter()
+        hit = store.load(key)
+        if hit is not None:
+            try:
+                run = _link(record, hit.text, hit.kernels, hit.consts,
+                            {name: get_attr(gm, attr) for name, attr in hit.attrs.items()}, options, target)
+            except Exception:  # noqa: BLE001 - a stale or damaged entry: rebuild it
+                store.discard(key)
+            else:
+                restore_record(record, hit.record)
+                record.cache = "hit"
+                stage["cache_load"] = time.perf_counter() - start
+                _dump(options, f"{slug}/program.py", hit.text)
+                return _finish(record, run, hit.text, blocker, reference, options)
 
     def on_pass(result: PassResult) -> None:
         record.passes.append((result.name, result.seconds, result.changed))
@@ -186,25 +208,44 @@ def _compile(gm: fx.GraphModule, example_inputs: list, options: Options, record:
 
     start = time.perf_counter()
     program = generate_program(gm, plan, kernels, record.title, _expect_nodes(plan, kernels))
-    program.namespace["_expect"] = expect_strides
-    for ks in kernels.values():
-        fn = load_kernel(ks, options.kernel_dir(), interpret=target == "triton-interpret")
-        program.namespace[ks.name] = fn
+    unique = list({ks.name: ks for ks in kernels.values()}.values())
+    for ks in unique:
         record.kernel_sources[ks.name] = ks.source
         _dump(options, f"{slug}/kernels/{ks.name}.py", ks.annotated_source())
         if level >= 2:
             print(f"# ember: kernel {ks.name}\n{ks.source}")
-    code = compile(program.text, f"<ember program {record.title}>", "exec")
-    exec(code, program.namespace)
+    consts = program.namespace["_consts"]
+    attrs = {name: program.namespace[name] for name in program.attrs}
+    run = _link(record, program.text, unique, consts, attrs, options, target)
     stage["program"] = time.perf_counter() - start
     record.program = program.text
     _dump(options, f"{slug}/program.py", program.text)
     if level >= 2:
         print(program.text)
-    run = program.namespace["run"]
-    blocker = cudagraph_blocker(gm, example_inputs, record.kind, target, options.cudagraphs)
+    if store is not None and key is not None:
+        kept = [(ks.name, ks.module_source()) for ks in unique]
+        saved = store.save(key, stored_program(program.text, kept, consts, program.attrs, record), record.title)
+        record.cache = "stored" if saved else "not cacheable (constants cannot be stored)"
+    return _finish(record, run, program.text, blocker, reference, options)
+
+
+def _link(record: GraphRecord, text: str, kernels: list, consts: list, attrs: dict[str, object],
+          options: Options, target: str) -> Callable[[list], object]:
+    """Execute a program's text in a fresh namespace with its kernels loaded; returns ``run``."""
+    namespace = base_namespace()
+    namespace.update(attrs)
+    namespace["_consts"] = consts
+    namespace["_expect"] = expect_strides
+    for k in kernels:
+        namespace[k.name] = load_kernel(k, options.kernel_dir(), interpret=target == "triton-interpret")
+    exec(compile(text, f"<ember program {record.title}>", "exec"), namespace)
+    return namespace["run"]
+
+
+def _finish(record: GraphRecord, run: Callable[[list], object], text: str, blocker: str | None,
+            reference: fx.GraphModule | None, options: Options) -> CompiledGraph:
     if blocker is None:
-        run = CudaGraphRunner(run, record.title, on_status=lambda text: setattr(record, "cudagraph", text))
+        run = CudaGraphRunner(run, record.title, on_status=lambda status: setattr(record, "cudagraph", status))
     else:
         record.cudagraph = f"not captured: {blocker}"
-    return CompiledGraph(record.title, program.text, run, reference, options.check)
+    return CompiledGraph(record.title, text, run, reference, options.check)

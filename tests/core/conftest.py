@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 
-_ENV = ("EMBER_TARGET", "EMBER_DEBUG_DIR", "EMBER_CACHE_DIR", "EMBER_CHECK", "DEBUG", "TRITON_INTERPRET")
+_ENV = ("EMBER_TARGET", "EMBER_DEBUG_DIR", "EMBER_CACHE_DIR", "EMBER_CHECK", "EMBER_CACHE", "EMBER_CUDAGRAPHS",
+        "DEBUG", "TRITON_INTERPRET")
 
 
 def _limit_name() -> str:
@@ -14,13 +17,14 @@ def _limit_name() -> str:
 
 
 @pytest.fixture(autouse=True)
-def clean_ember(monkeypatch: pytest.MonkeyPatch, tmp_path_factory: pytest.TempPathFactory):
+def clean_ember(monkeypatch: pytest.MonkeyPatch, tmp_path: Path):
     """Reset Dynamo around each test; no EMBER_* variables leak in; internal errors raise."""
     for name in _ENV:
         monkeypatch.delenv(name, raising=False)
     monkeypatch.setenv("EMBER_STRICT", "1")
-    # Kernel modules go to a per-session folder, never the user's ~/.cache.
-    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path_factory.getbasetemp() / "xdg-cache"))
+    # Kernels and compiled programs go to a folder of this test, never the user's ~/.cache:
+    # every test compiles from scratch unless it shares a cache on purpose.
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg-cache"))
     # ember.compile sets Dynamo's (process-global) recompile limit: restore it after each test.
     limit = getattr(torch._dynamo.config, _limit_name())
     torch._dynamo.reset()

@@ -25,6 +25,13 @@ _RESERVED = {"torch", "aten", "prims", "run", "args", "_empty", "_expect", "_con
 class ProgramSource:
     text: str
     namespace: dict = field(default_factory=dict)
+    attrs: dict[str, str] = field(default_factory=dict)  # namespace name -> graph attribute it holds
+
+
+def base_namespace() -> dict:
+    """The names every generated program uses besides its own kernels and constants."""
+    return {"torch": torch, "aten": torch.ops.aten, "prims": torch.ops.prims, "operator": operator,
+            "_empty": torch.empty_strided, "_kernels": {}}
 
 
 class _Writer:
@@ -34,9 +41,9 @@ class _Writer:
         self.plan = plan
         self.kernels = kernels  # step index -> kernel (fused groups that run generated code)
         self.title = title
-        self.ns: dict = {"torch": torch, "aten": torch.ops.aten, "prims": torch.ops.prims,
-                         "operator": operator, "_empty": torch.empty_strided}
+        self.ns: dict = base_namespace()
         self.consts: list = []
+        self.attrs: dict[str, str] = {}
         self.names: dict[fx.Node, str] = {}
         self.lines: list[str] = []
 
@@ -92,7 +99,8 @@ class _Writer:
         body.append("args.clear()")
         for n in graph.nodes:
             if n.op == "get_attr":
-                self.ns[self.name(n)] = _get_attr(self.gm, n.target)
+                self.ns[self.name(n)] = get_attr(self.gm, n.target)
+                self.attrs[self.name(n)] = n.target
         for p in placeholders:
             if p in expect:
                 body.append(self._expect_line(p))
@@ -112,7 +120,7 @@ class _Writer:
         body.append(f"return {self.arg(output.args[0])}")
         out += ["    " + line for line in body]
         self.ns["_consts"] = self.consts
-        return ProgramSource("\n".join(out) + "\n", self.ns)
+        return ProgramSource("\n".join(out) + "\n", self.ns, self.attrs)
 
     def _expect_line(self, node: fx.Node) -> str:
         val = node.meta["val"]
@@ -185,7 +193,7 @@ class _Writer:
         return lines
 
 
-def _get_attr(gm: fx.GraphModule, target: str) -> object:
+def get_attr(gm: fx.GraphModule, target: str) -> object:
     obj: object = gm
     for part in target.split("."):
         obj = getattr(obj, part)

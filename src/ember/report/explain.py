@@ -33,7 +33,7 @@ from ember.report.html import Section, Table, render_html
 from ember.report.records import CompileLog, GraphRecord
 from ember.schedule.rules import CONSTANT_OPS, VIEW_OPS
 
-STAGES = ("passes", "schedule", "codegen", "program")
+STAGES = ("cache_load", "passes", "schedule", "codegen", "kernel_compile", "program")
 PLACEMENTS = ("generated", "fused-aten", "library", "fallback", "view", "constant")
 COMPUTE = ("generated", "fused-aten", "library", "fallback")  # what coverage is a share of
 CAPTURE_LABEL = "Dynamo + AOTAutograd capture (approx.)"
@@ -194,6 +194,7 @@ class ExplainReport:
             hint = "; fused groups ran op by op through ATen (target aten)"
         lines.append(f"Kernels generated: {self.kernels} (unique after dedupe: {self.unique_kernels}){hint}")
         lines += [f"CUDA graph, {g.title}: {g.cudagraph}" for g in self.graphs if g.cudagraph]
+        lines += [f"Compile cache, {g.title}: {g.cache}" for g in self.graphs if g.cache]
         lines.append(f"First call: {_ms(self.total_s)} (capture ~{_ms(self.capture_s)}, Ember stages "
                      f"{_ms(self.ember_s)}, first run {_ms(self.first_run_s)})")
         return Section("Summary", lines)

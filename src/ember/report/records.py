@@ -28,7 +28,8 @@ class GraphRecord:
     program: str = ""
     kernel_sources: dict[str, str] = field(default_factory=dict)
     first_call_s: float | None = None
-    cudagraph: str = ""  # "captured ..." or why the program runs without a CUDA graph
+    cudagraph: str = ""
+    cache: str = ""  # compiled-program cache: hit | stored | miss | off | not cacheable (...)  # "captured ..." or why the program runs without a CUDA graph
 
 
 @dataclass
