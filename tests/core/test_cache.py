@@ -18,6 +18,8 @@ def _fn(x: torch.Tensor) -> torch.Tensor:
 def _run(tmp: Path, x: torch.Tensor) -> torch.Tensor:
     torch._dynamo.reset()
     kernels.forget_loaded()
+    # The second run is a program-cache hit: it loads the kernel files, which are verified
+    # against the stored sources and rewritten when damaged.
     return ember.compile(_fn, target="triton-interpret", cache_dir=str(tmp))(x)
 
 
@@ -28,6 +30,7 @@ def test_cache_info_clear_and_damaged_entries(tmp_path: Path, monkeypatch, capsy
     files = sorted((tmp_path / "kernels").glob("ember_*.py"))
     info = cache.cache_info(tmp_path)
     assert files and info["kernel modules"] == len(files) and info["kernel module bytes"] > 0
+    assert info["compiled programs"] == 1 and info["program database bytes"] > 0
 
     # A truncated entry and one overwritten with garbage: detected by content, rewritten.
     good = {f: f.read_text() for f in files}
@@ -42,5 +45,5 @@ def test_cache_info_clear_and_damaged_entries(tmp_path: Path, monkeypatch, capsy
     assert str(tmp_path) in capsys.readouterr().out
     assert main(["cache", "clear"]) == 0
     assert "removed" in capsys.readouterr().out
-    assert not list(tmp_path.rglob("ember_*.py"))
+    assert not list(tmp_path.rglob("ember_*.py")) and cache.cache_info(tmp_path)["compiled programs"] == 0
     torch.testing.assert_close(_run(tmp_path, x), want)  # rebuilt after clear

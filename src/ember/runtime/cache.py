@@ -1,7 +1,8 @@
 """Ember's on-disk cache: ``ember cache info|clear``.
 
-Today the cache holds the generated kernel modules (``<cache>/kernels/<name>.py``, named by
-content hash, written atomically and verified on every load, see ``runtime.kernels``).
+The cache holds the generated kernel modules (``<cache>/kernels/<name>.py``, named by content
+hash, written atomically and verified on every load, see ``runtime.kernels``) and the compiled
+programs (``<cache>/programs.sqlite``, see ``runtime.artifacts``).
 The folder is ``EMBER_CACHE_DIR``, else ``$XDG_CACHE_HOME/ember``, else ``~/.cache/ember``.
 Triton keeps its compiled binaries in its own cache (``TRITON_CACHE_DIR``, default
 ``~/.triton/cache``); ``info`` reports it too but ``clear`` leaves it alone.
@@ -16,6 +17,7 @@ from typing import Any
 
 from ember.config import Options
 from ember.runtime import kernels
+from ember.runtime.artifacts import ProgramStore
 
 
 def cache_dir(path: str | os.PathLike[str] | None = None) -> Path:
@@ -34,14 +36,20 @@ def cache_info(path: str | os.PathLike[str] | None = None) -> dict[str, Any]:
     n_kernels, kernel_bytes = _usage(root / "kernels", "ember_*.py")
     triton_dir = Path(os.environ.get("TRITON_CACHE_DIR") or Path.home() / ".triton" / "cache")
     n_triton, triton_bytes = _usage(triton_dir)
-    return {"path": str(root), "kernel modules": n_kernels, "kernel module bytes": kernel_bytes,
+    store = ProgramStore(root)
+    db_bytes = store.path.stat().st_size if store.path.exists() else 0
+    return {"path": str(root), "compiled programs": store.count(), "program database bytes": db_bytes,
+            "kernel modules": n_kernels, "kernel module bytes": kernel_bytes,
             "triton cache": str(triton_dir), "triton cache files": n_triton, "triton cache bytes": triton_bytes}
 
 
 def clear_cache(path: str | os.PathLike[str] | None = None) -> str:
-    """Delete Ember's cached kernel modules; returns what was removed."""
+    """Delete Ember's compiled programs and kernel modules; returns what was removed."""
     root = cache_dir(path)
     n, size = _usage(root / "kernels")
+    store = ProgramStore(root)
+    programs = store.count()
+    store.clear()
     shutil.rmtree(root / "kernels", ignore_errors=True)
     kernels.forget_loaded()
-    return f"removed {n} files ({size} bytes) from {root / 'kernels'}"
+    return f"removed {programs} compiled programs and {n} kernel files ({size} bytes) from {root}"
