@@ -1,0 +1,64 @@
+"""Warm start: the first call of a model in a new process, with a cold and then a warm cache.
+
+Run on the device (from the repo root):
+    PYTHONPATH=src python benchmarks/gpu_warm_start.py resnet50 bert --json $OUT/warm_start.json
+
+For each model, two fresh processes share one new EMBER_CACHE_DIR (and one new Triton cache):
+the first compiles cold, the second should find every graph in the cache. Each process runs
+``ember.explain`` on one bf16 training step at the benchmark batch size and reports the first
+call split into Dynamo + AOTAutograd capture, Ember's own compile work (all stages, cache
+lookups included) and running the graphs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+
+CHILD = r"""
+import json, sys, torch, ember
+from ember.bench import models
+case = models.get_case(sys.argv[1])
+torch.manual_seed(0)
+model = case.build(False).cuda().train()
+(inputs, _t), = models.make_batches(case, case.default_batch("train"), torch.device("cuda"), count=1)
+with torch.autocast("cuda", dtype=torch.bfloat16):
+    r = ember.explain(model, *inputs)
+print("RESULT " + json.dumps({"first_call_s": r.total_s, "capture_s": r.capture_s, "ember_s": r.ember_s,
+      "first_run_s": r.first_run_s, "stages": r.stage_totals(), "cache": [g.cache for g in r.graphs]}))
+"""
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("models", nargs="*", default=["resnet50", "bert"])
+    parser.add_argument("--json", default=None)
+    args = parser.parse_args()
+    rows = []
+    print(f"{'model':<10}{'run':<6}{'first call s':>13}{'capture s':>11}{'ember s':>9}{'run s':>8}  cache")
+    for name in args.models:
+        with tempfile.TemporaryDirectory() as cache, tempfile.TemporaryDirectory() as triton_cache:
+            env = {**os.environ, "EMBER_CACHE_DIR": cache, "TRITON_CACHE_DIR": triton_cache}
+            for run in ("cold", "warm"):
+                proc = subprocess.run([sys.executable, "-c", CHILD, name], env=env, capture_output=True, text=True)
+                line = next((x for x in proc.stdout.splitlines() if x.startswith("RESULT ")), None)
+                if line is None:
+                    print(f"{name:<10}{run:<6}ERROR {proc.stderr[-500:]}")
+                    rows.append({"model": name, "run": run, "error": proc.stderr[-3000:]})
+                    continue
+                r = json.loads(line[7:])
+                print(f"{name:<10}{run:<6}{r['first_call_s']:>13.2f}{r['capture_s']:>11.2f}{r['ember_s']:>9.2f}"
+                      f"{r['first_run_s']:>8.2f}  {','.join(r['cache'])}", flush=True)
+                rows.append({"model": name, "run": run, **r})
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(rows, f, indent=1)
+    return 1 if any("error" in r for r in rows) else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
