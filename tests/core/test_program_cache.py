@@ -101,3 +101,24 @@ def test_concurrent_writers_share_one_database(tmp_path: Path) -> None:
         assert set(r["cache"].values()) <= {"stored", "hit"}
     assert ProgramStore(tmp_path).count() == 3
     assert set(_run(tmp_path)["cache"].values()) == {"hit"}
+
+
+def test_key_covers_code_generator_settings() -> None:
+    import torch
+    from torch import fx
+
+    from ember.codegen import triton_kernel
+    from ember.runtime.artifacts import graph_key
+
+    gm = fx.symbolic_trace(lambda x: torch.ops.aten.sum.default(x))
+    x = torch.randn(4)
+    key = graph_key(gm, [x], "triton-interpret", "inference")
+    assert key == graph_key(gm, [x], "triton-interpret", "inference")
+    assert key != graph_key(gm, [torch.randn(5)], "triton-interpret", "inference")
+    assert key != graph_key(gm, [x], "aten", "inference")
+    saved = triton_kernel.LOOP_RBLOCK
+    try:
+        triton_kernel.LOOP_RBLOCK = saved // 2
+        assert key != graph_key(gm, [x], "triton-interpret", "inference")
+    finally:
+        triton_kernel.LOOP_RBLOCK = saved

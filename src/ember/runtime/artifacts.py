@@ -3,7 +3,8 @@
 One SQLite database, ``<cache>/programs.sqlite``, one row per compiled graph. The key hashes
 everything the result depends on: the captured graph's code, every input's shape, strides,
 dtype, device and requires_grad, the values of small constant tensors in the graph, the
-target, the device name and the torch/triton/ember versions. A row holds the program text,
+target, the device name, the torch/triton/ember versions, a hash of Ember's source files and
+the code generator's block-size constants. A row holds the program text,
 its generated kernels' module sources, its constants (``torch.save``, loaded with
 ``weights_only=True``), the graph attributes it reads, and the explain record; a SHA-256 of
 the payload is checked on every load.
@@ -63,11 +64,33 @@ class StoredProgram:
     record: dict[str, Any]
 
 
+_SOURCE_DIGEST: str | None = None
+
+
+def _source_digest() -> str:
+    """Hash of Ember's own source: a development build whose code changed never reuses programs
+    an older build compiled, even though the version number is the same."""
+    global _SOURCE_DIGEST
+    if _SOURCE_DIGEST is None:
+        root = Path(__file__).resolve().parents[1]
+        h = hashlib.sha256()
+        for path in sorted(root.rglob("*.py")):
+            h.update(str(path.relative_to(root)).encode())
+            h.update(path.read_bytes())
+        _SOURCE_DIGEST = h.hexdigest()[:16]
+    return _SOURCE_DIGEST
+
+
 def _versions() -> str:
     import triton
 
     from ember import __version__
-    return f"torch {torch.__version__} triton {triton.__version__} ember {__version__} schema {SCHEMA}"
+    from ember.codegen import triton_kernel as tk
+    # Block-size constants are module globals that tests and tuning change at run time.
+    tuning = (tk.PERSISTENT_RBLOCK_MAX, tk.LOOP_RBLOCK, tk.TILE_ELEMENTS, tk.POINTWISE_XBLOCK,
+              tk.INTERPRET_TILE_ELEMENTS)
+    return (f"torch {torch.__version__} triton {triton.__version__} ember {__version__} "
+            f"source {_source_digest()} tuning {tuning} schema {SCHEMA}")
 
 
 def _device_name(inputs: list) -> str:
