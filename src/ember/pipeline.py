@@ -105,6 +105,7 @@ def _record_plan(record: GraphRecord, plan: KernelPlan, kernels: dict[int, Kerne
             record.fallback_reasons[f"{_op_name(node)}: {reason}"] += 1
     for s in plan.steps:
         record.steps[s.kind] += 1
+    record.fusion_decisions.update(plan.fusion_decisions())
 
 
 def compile_graph(gm: fx.GraphModule, example_inputs: list, options: Options, record: GraphRecord) -> Callable:

@@ -235,3 +235,19 @@ def test_sum_then_broadcast_back_stays_correct(dims: tuple[int, ...]) -> None:
     plan = plan_of(fn, x)
     assert all(s.kind == "fused" for s in plan.steps)
     run_compiled(fn, x)
+
+
+def test_each_new_fused_group_records_why_it_starts() -> None:
+    def fn(x: torch.Tensor) -> torch.Tensor:
+        y = torch.relu(x) + 1
+        return (y.sum(1, keepdim=True) * y).sum(0)  # the last sum reduces dim 0, the group reduces dim 1
+
+    plan = plan_of(fn, torch.randn(4, 8))
+    groups = plan.fused()
+    assert len(groups) == 2
+    assert groups[0].reason.startswith("no fused producer")
+    assert "reduces other dims than the group's reduction" in groups[1].reason
+    assert f"not into step {groups[0].index}" in groups[1].reason
+    decisions = plan.fusion_decisions()
+    assert sum(decisions.values()) == 2 and "not into step N: reduces other dims than the group's reduction" in decisions
+    assert "(new group: no fused producer" in plan.describe()

@@ -150,6 +150,7 @@ class ExplainReport:
             d["placement"] = {k: dict(v) for k, v in g.placement.items()}
             d["fallback_reasons"] = dict(g.fallback_reasons)
             d["steps"] = dict(g.steps)
+            d["fusion_decisions"] = dict(g.fusion_decisions)
             d["passes"] = [{"name": n, "seconds": s, "changed": c} for n, s, c in g.passes]
             d["coverage"] = self.coverage(g)
             graphs.append(d)
@@ -172,7 +173,7 @@ class ExplainReport:
         if self.problems():
             out.append(Section("Problems", self.problems(), alert=True))
         out += [self._summary(), self._times(), self._categories(), self._placement(),
-                self._fallbacks(), self._coverage_section()]
+                self._fusion_section(), self._fallbacks(), self._coverage_section()]
         return out
 
     def _summary(self) -> Section:
@@ -230,6 +231,15 @@ class ExplainReport:
                  "fused-aten: in a fused group run op by op through ATen; library: a vendor library call;",
                  "fallback: an ATen op run as is; view, constant: no compute."]
         return Section("Placement", lines, [Table(["op", *PLACEMENTS], rows)])
+
+    def _fusion_section(self) -> Section:
+        decisions: Counter = sum((g.fusion_decisions for g in self.graphs), Counter())
+        rows = [[why, str(n)] for why, n in decisions.most_common()]
+        lines = ["Why each generated kernel starts where it does: an op joins the latest fused group that",
+                 "produces one of its inputs unless a rule below forbids it (per-group detail: plan.txt in",
+                 "EMBER_DEBUG_DIR, or DEBUG=1)."] if rows else ["No fused groups."]
+        tables = [Table(["new fused group because", "groups"], rows)] if rows else []
+        return Section("Fusion decisions", lines, tables)
 
     def _fallbacks(self) -> Section:
         reasons: Counter = sum((g.fallback_reasons for g in self.graphs), Counter())

@@ -20,6 +20,7 @@ class GraphRecord:
     placement: dict[str, Counter] = field(default_factory=dict)  # generated|fused-aten|library|fallback|view -> op
     fallback_reasons: Counter = field(default_factory=Counter)  # "op: reason" -> count
     steps: Counter = field(default_factory=Counter)  # step kind -> count
+    fusion_decisions: Counter = field(default_factory=Counter)  # why a fused group starts -> count
     kernels: int = 0
     unique_kernels: int = 0
     input_signature: list[str] = field(default_factory=list)

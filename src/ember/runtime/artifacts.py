@@ -35,7 +35,7 @@ from torch import fx
 from ember.report.records import GraphRecord
 
 SCHEMA = 1
-_RECORD_FIELDS = ("op_classes", "placement", "fallback_reasons", "steps", "kernels", "unique_kernels",
+_RECORD_FIELDS = ("op_classes", "placement", "fallback_reasons", "steps", "fusion_decisions", "kernels", "unique_kernels",
                   "plan_text", "program", "kernel_sources")
 _SMALL_CONSTANT = 1 << 16  # constant tensors up to this many elements are hashed into the key
 
@@ -143,7 +143,7 @@ def restore_record(record: GraphRecord, data: dict[str, Any]) -> None:
         value = data.get(name)
         if name == "placement":
             value = {k: Counter(v) for k, v in (value or {}).items()}
-        elif name in ("op_classes", "fallback_reasons", "steps"):
+        elif name in ("op_classes", "fallback_reasons", "steps", "fusion_decisions"):
             value = Counter(value or {})
         if value is not None:
             setattr(record, name, value)

@@ -17,6 +17,7 @@ other inputs come from *earlier* steps, so the steps stay topologically ordered 
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, field
 
 import torch
@@ -67,6 +68,14 @@ class KernelPlan:
     constants: dict[fx.Node, Step]
     classes: dict[fx.Node, tuple[OpClass, str]]
 
+    def fusion_decisions(self) -> dict[str, int]:
+        """Why each fused group starts a new kernel, with counts (step numbers stripped)."""
+        out: dict[str, int] = {}
+        for g in self.fused():
+            key = re.sub(r"step \d+", "step N", g.reason)
+            out[key] = out.get(key, 0) + 1
+        return out
+
     def fused(self) -> list[FusedGroup]:
         return [s for s in self.steps if isinstance(s, FusedGroup)]
 
@@ -78,7 +87,7 @@ class KernelPlan:
             if isinstance(s, FusedGroup):
                 kind = "fused-reduction" if s.is_reduction else "fused-pointwise"
                 lines.append(f"{s.index:4d} {kind:16s} S={list(s.shape)} D={list(s.rdims)} "
-                             f"in={len(s.inputs)} out={len(s.outputs)} [{ops}]")
+                             f"in={len(s.inputs)} out={len(s.outputs)} [{ops}]  (new group: {s.reason})")
             else:
                 extra = f"  ({s.reason})" if s.reason else ""
                 lines.append(f"{s.index:4d} {s.kind:16s} {ops}{extra}")
@@ -223,21 +232,24 @@ class _Partitioner:
             return tuple(out)
         return None
 
-    def _try_join(self, group: FusedGroup, node: fx.Node, cls: OpClass) -> bool:
+    def _try_join(self, group: FusedGroup, node: fx.Node, cls: OpClass) -> str | None:
+        """Add ``node`` to ``group``; None when it joined, else why it could not."""
         # Every input from outside the group must come from an earlier step (keeps order acyclic).
         for arg in node.all_input_nodes:
             if arg not in group.dims and self._producer_index(arg) >= group.index:
-                return False
+                return "an input is computed after the group starts (joining would reorder steps)"
         in_dims: dict[fx.Node, Dims] = {}
         if cls == OpClass.REDUCTION:
             src = node.args[0]
             if src not in group.dims:
-                return False
+                return "the reduced tensor is not computed in the group"
             src_dims = group.dims[src]
             rdims = reduction_dims(node)
             red = tuple(sorted({src_dims[d] for d in rdims if src_dims[d] is not None}))
-            if not red or (group.rdims and red != group.rdims):
-                return False
+            if not red:
+                return "reduces only dims the group broadcasts"
+            if group.rdims and red != group.rdims:
+                return "reduces other dims than the group's reduction"
             keep = reduction_keepdim(node)
             dims = tuple(None if d in rdims else s for d, s in enumerate(src_dims) if keep or d not in rdims)
             group.rdims = red
@@ -250,12 +262,13 @@ class _Partitioner:
                     if arg not in group.dims and arg not in self.constants:
                         in_dims[arg] = self._aligned(len(_shape(node)), arg, dims)
         if dims is None:
-            return False
+            what = "view" if cls == OpClass.VIEW else "shape"
+            return f"{what} does not map onto the group's iteration space"
         group.nodes.append(node)
         group.dims[node] = dims
         group.input_dims[node] = in_dims
         self.step_of[node] = group
-        return True
+        return None
 
     def _seed(self, node: fx.Node, cls: OpClass) -> FusedGroup | None:
         if cls == OpClass.REDUCTION:
@@ -282,6 +295,26 @@ class _Partitioner:
         self.step_of[node] = group
         return group
 
+    def _place_fusible(self, node: fx.Node, cls: OpClass) -> None:
+        """Join the latest fused producer group that can take ``node``, else start a group (and
+        record why: the fusion decision explain reports)."""
+        candidates = sorted({self.step_of[a] for a in node.all_input_nodes
+                             if isinstance(self.step_of.get(a), FusedGroup)}, key=lambda s: -s.index)
+        refusals = []
+        for g in candidates:
+            why = self._try_join(g, node, cls)
+            if why is None:
+                return
+            refusals.append(f"not into step {g.index}: {why}")
+        if cls == OpClass.VIEW:
+            self._new_step("view", node)
+            return
+        seeded = self._seed(node, cls)
+        if seeded is None:
+            self._new_step("fallback", node, "reduction over size-1 dims only")
+            return
+        seeded.reason = "; ".join(refusals) or "no fused producer (inputs come from library calls, fallbacks or graph inputs)"
+
     def run(self) -> KernelPlan:
         for node in self.graph.nodes:
             if node.op != "call_function":
@@ -293,17 +326,7 @@ class _Partitioner:
                 self.constants[node] = self._new_step("constant", node)
                 continue
             if cls in (OpClass.POINTWISE, OpClass.REDUCTION, OpClass.VIEW):
-                candidates = sorted({self.step_of[a] for a in node.all_input_nodes
-                                     if isinstance(self.step_of.get(a), FusedGroup)},
-                                    key=lambda s: -s.index)
-                if any(self._try_join(g, node, cls) for g in candidates):
-                    continue
-                if cls == OpClass.VIEW:
-                    self._new_step("view", node)
-                    continue
-                if self._seed(node, cls) is not None:
-                    continue
-                self._new_step("fallback", node, "reduction over size-1 dims only")
+                self._place_fusible(node, cls)
                 continue
             kind = {OpClass.EXTERN: "extern", OpClass.GETITEM: "getitem"}.get(cls, "fallback")
             self._new_step(kind, node, reason)
