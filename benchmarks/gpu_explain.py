@@ -21,9 +21,9 @@ import torch
 
 import ember
 from ember.bench import models
+from ember.bench.models import SEED_SUITE
 
-SEED_MODELS = ["resnet50", "vgg16", "mobilenet_v3", "densenet121", "resnet50v2", "bert", "cyclegan",
-               "style_transfer"]
+SEED_MODELS = SEED_SUITE
 
 
 def explain_case(name: str, mode: str, device: torch.device) -> ember.report.explain.ExplainReport:

@@ -64,6 +64,13 @@ def cases(device: torch.device) -> list[tuple[str, str, Callable, tuple]]:
     ]
 
 
+def _ember_with_loop_rblock(fn: Callable, rblock: int) -> Callable:
+    # The block size is read at code generation, which happens on the first call.
+    triton_kernel.LOOP_RBLOCK = rblock
+    torch._dynamo.reset()
+    return ember.compile(fn)
+
+
 def _nbytes(args: tuple, out: torch.Tensor) -> int:
     return sum(a.numel() * a.element_size() for a in args) + out.numel() * out.element_size()
 
@@ -89,25 +96,16 @@ def main() -> int:
     print(f"copy bandwidth (256 MiB clone): {copy_gbs:.0f} GB/s")
     buf = None
     rows = []
+    backends = args.backends.split(",")
     print(f"{'case':<20}{'shape':<16}{'backend':<18}{'us':>9}{'GB/s':>8}{'% copy':>8}")
     for name, shape, fn, fargs in cases(device):
         want = fn(*fargs)
-        variants: list[tuple[str, Callable, Callable | None]] = []
-        for b in args.backends.split(","):
-            if b == "eager":
-                variants.append(("eager", fn, None))
-            elif b == "inductor":
-                variants.append(("inductor", torch.compile(fn), None))
-            elif b == "ember":
-                for rb in args.loop_rblock.split(","):
-                    def setup(rb: int = int(rb)) -> None:
-                        triton_kernel.LOOP_RBLOCK = rb
-                    variants.append((f"ember rb{rb}", ember.compile(fn), setup))
-        for label, compiled, setup in variants:
-            if setup is not None:
-                setup()
-                torch._dynamo.reset()
-                compiled = ember.compile(fn)
+        variants = [("eager", None)] if "eager" in backends else []
+        variants += [("inductor", None)] if "inductor" in backends else []
+        variants += [(f"ember rb{rb}", int(rb)) for rb in args.loop_rblock.split(",")] if "ember" in backends else []
+        for label, rblock in variants:
+            compiled = (fn if label == "eager" else torch.compile(fn) if label == "inductor"
+                        else _ember_with_loop_rblock(fn, rblock))
             try:
                 got = compiled(*fargs)
                 err = ((got.float() - want.float()).norm() / want.float().norm()).item()

@@ -78,6 +78,9 @@ class Options:
         env.update(overrides)
         return cls(**env)  # type: ignore[arg-type]
 
+    def cache_root(self) -> Path:
+        """Ember's cache folder: kernel modules and the compiled-program database."""
+        return Path(self.cache_dir) if self.cache_dir else default_cache_dir()
+
     def kernel_dir(self) -> Path:
-        path = Path(self.cache_dir) if self.cache_dir else default_cache_dir()
-        return path / "kernels"
+        return self.cache_root() / "kernels"

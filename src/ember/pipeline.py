@@ -150,7 +150,7 @@ def _compile(gm: fx.GraphModule, example_inputs: list, options: Options, record:
     _dump(options, f"{slug}/00_captured.py", gm.code)
     # Decided on the captured graph, before the passes rewrite it in place.
     blocker = cudagraph_blocker(gm, example_inputs, record.kind, target, options.cudagraphs)
-    store = ProgramStore(options.kernel_dir().parent) if caching_enabled(options.cache) else None
+    store = ProgramStore(options.cache_root()) if caching_enabled(options.cache) else None
     key = graph_key(gm, example_inputs, target, record.kind) if store is not None else None
     record.cache = "off" if store is None else "not cacheable (large constant tensor)" if key is None else "miss"
     # With a debug folder or DEBUG set the user wants every stage: compile, do not look up.

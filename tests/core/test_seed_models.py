@@ -16,9 +16,9 @@ from core_helpers import assert_compiled_cleanly
 
 import ember
 from ember.bench.check import acceptable, run_seed_step
+from ember.bench.models import SEED_SUITE
 
-SEED_MODELS = ["resnet50", "vgg16", "mobilenet_v3", "densenet121", "resnet50v2", "bert", "cyclegan",
-               "style_transfer"]
+SEED_MODELS = SEED_SUITE
 # fp32 against a float64 reference: Ember may be 4x as far off as eager, or under this floor.
 FLOOR = 1e-5
 # At batch 2 and 64x64 inputs resnetv2's last stages normalise 8 values per channel: ReLU masks

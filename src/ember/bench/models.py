@@ -242,6 +242,9 @@ _CASE_LIST = [
 ]
 
 CASES: dict[str, BenchCase] = {case.name: case for case in _CASE_LIST}
+# The eight models of BENCHMARKS.md's seed suite (the rest of CASES are quick cases).
+SEED_SUITE = ["resnet50", "vgg16", "mobilenet_v3", "densenet121", "resnet50v2", "bert", "cyclegan",
+              "style_transfer"]
 
 
 def list_cases() -> list[str]:

@@ -32,6 +32,7 @@ from typing import Any
 import torch
 from torch import fx
 
+from ember.codegen.program import get_attr
 from ember.report.records import GraphRecord
 
 SCHEMA = 1
@@ -114,9 +115,7 @@ def graph_key(gm: fx.GraphModule, inputs: list, target: str, kind: str) -> str |
     for node in gm.graph.nodes:
         if node.op != "get_attr":
             continue
-        value = gm
-        for part in node.target.split("."):
-            value = getattr(value, part)
+        value = get_attr(gm, node.target)
         if isinstance(value, torch.Tensor):
             if value.numel() > _SMALL_CONSTANT:
                 return None

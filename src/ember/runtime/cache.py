@@ -22,7 +22,7 @@ from ember.runtime.artifacts import ProgramStore
 
 def cache_dir(path: str | os.PathLike[str] | None = None) -> Path:
     """The cache folder in use (``path`` overrides the environment)."""
-    return Path(path) if path else Options.from_env().kernel_dir().parent
+    return Path(path) if path else Options.from_env().cache_root()
 
 
 def _usage(folder: Path, pattern: str = "*") -> tuple[int, int]:
