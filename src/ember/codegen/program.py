@@ -188,8 +188,11 @@ class _Writer:
             lines.append(f"{self.name(n)} = _empty({tuple(val.shape)}, {tuple(val.stride())}, "
                          f"dtype={val.dtype}, device={dev})")
         args = ", ".join(self.name(a) for a in ks.args)
-        meta = ", ".join(f"{k}={v}" for k, v in ks.meta.items())
-        lines.append(f"{ks.name}[({ks.grid},)]({args}, {meta})")
+        if ks.backend == "cpu":
+            lines.append(f"{ks.name}({args})")
+        else:
+            meta = ", ".join(f"{k}={v}" for k, v in ks.meta.items())
+            lines.append(f"{ks.name}[({ks.grid},)]({args}, {meta})")
         return lines
 
 

@@ -107,6 +107,8 @@ class KernelSource:
     meta: dict[str, int]
     header: str
     canonical: str = ""  # the function without node names: what is hashed, written and compiled
+    # "triton": launched as ``name[(grid,)](*args, **meta)``; "cpu": called as ``name(*args)``.
+    backend: str = "triton"
 
     def module_source(self) -> str:
         """The module Triton compiles: identical for identical kernels of any graph, so the
