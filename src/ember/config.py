@@ -54,6 +54,9 @@ class Options:
     cudagraphs: bool = True
     # Keep compiled programs in <cache_dir>/programs.sqlite for the next process (EMBER_CACHE=0: off).
     cache: bool = True
+    # CPU inference: compute parameter-only values (folded batch norm, packed weights) once per
+    # parameter version (passes/freeze.py; EMBER_FREEZE=0: off).
+    freeze: bool = True
 
     def __post_init__(self) -> None:
         if self.target not in TARGETS:
@@ -69,6 +72,8 @@ class Options:
             env["debug_dir"] = os.environ["EMBER_DEBUG_DIR"]
         if os.environ.get("EMBER_CACHE_DIR"):
             env["cache_dir"] = os.environ["EMBER_CACHE_DIR"]
+        if os.environ.get("EMBER_FREEZE"):
+            env["freeze"] = os.environ["EMBER_FREEZE"] not in ("0", "false")
         if os.environ.get("EMBER_CHECK"):
             env["check"] = os.environ["EMBER_CHECK"] not in ("0", "", "false")
         known = {f.name for f in dataclasses.fields(cls)}

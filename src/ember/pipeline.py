@@ -22,7 +22,8 @@ from ember import config
 from ember.codegen.program import base_namespace, generate_program, get_attr
 from ember.codegen.triton_kernel import KernelSource, generate_triton
 from ember.config import Options
-from ember.passes import PassResult, run_passes
+from ember.passes import PassContext, PassResult, passes_for, run_passes
+from ember.passes.freeze import static_input_indices
 from ember.report.records import GraphRecord
 from ember.runtime.artifacts import ProgramStore, caching_enabled, graph_key, restore_record, stored_program
 from ember.runtime.cudagraph import CudaGraphRunner, cudagraph_blocker
@@ -33,7 +34,7 @@ from ember.schedule.plan import FusedGroup, KernelPlan, plan_graph
 from ember.schedule.rules import OpClass
 
 _PLACEMENT = {OpClass.EXTERN: "library", OpClass.VIEW: "view", OpClass.CONSTANT: "constant",
-              OpClass.GETITEM: None, OpClass.FALLBACK: "fallback"}
+              OpClass.GETITEM: None, OpClass.FALLBACK: "fallback", OpClass.FROZEN: "frozen"}
 
 
 def _resolve_target(gm: fx.GraphModule, options: Options) -> str:
@@ -84,7 +85,7 @@ def _expect_nodes(plan: KernelPlan, kernels: dict[int, KernelSource]) -> set[fx.
                     break
                 root = root.args[0]
             step = plan.step_of.get(root)
-            if step is None or step.kind in ("extern", "fallback", "getitem"):
+            if step is None or step.kind in ("extern", "fallback", "getitem", "frozen"):
                 if root.op in ("placeholder", "call_function"):
                     expect.add(root)
     return expect
@@ -177,7 +178,8 @@ def _compile(gm: fx.GraphModule, example_inputs: list, options: Options, record:
             print(f"# ember: {record.title} after {result.name}\n{result.graph_after}")
 
     start = time.perf_counter()
-    run_passes(gm, on_result=on_pass)
+    context = PassContext(record.kind, target, static_input_indices(), options.freeze)
+    run_passes(gm, passes_for(context), on_result=on_pass)
     stage["passes"] = time.perf_counter() - start
 
     start = time.perf_counter()

@@ -19,14 +19,20 @@ from ember.config import Options
 from ember.pipeline import compile_graph
 from ember.report.records import CompileLog, GraphRecord
 
-_DECOMPOSITIONS: dict | None = None
+_DECOMPOSITIONS: dict[bool, dict] = {}
 
 
-def _decompositions() -> dict:
-    global _DECOMPOSITIONS
-    if _DECOMPOSITIONS is None:
-        _DECOMPOSITIONS = decomposition_table()
-    return _DECOMPOSITIONS
+def _decompositions(cpu_inference: bool = False) -> dict:
+    if cpu_inference not in _DECOMPOSITIONS:
+        _DECOMPOSITIONS[cpu_inference] = decomposition_table(cpu_inference)
+    return _DECOMPOSITIONS[cpu_inference]
+
+
+def _cpu_inference(example_inputs: list, options: Options) -> bool:
+    """Whether this frame becomes a CPU inference graph (grad off, every tensor on the CPU)."""
+    tensors = [x for x in example_inputs if isinstance(x, torch.Tensor)]
+    return (not torch.is_grad_enabled() and options.target in ("auto", "cpu", "aten") and options.freeze
+            and all(t.device.type == "cpu" for t in tensors))
 
 
 def _signature(inputs: list) -> list[str]:
@@ -79,7 +85,7 @@ class EmberBackend:
             return compiler
 
         backend = aot_autograd(fw_compiler=make("forward"), bw_compiler=make("backward"),
-                               inference_compiler=make("inference"), decompositions=_decompositions())
+                               inference_compiler=make("inference"), decompositions=_decompositions(_cpu_inference(example_inputs, self.options)))
         return backend(gm, example_inputs)
 
 

@@ -108,10 +108,19 @@ def _mean_all(x: torch.Tensor, *, dtype: torch.dtype | None = None) -> torch.Ten
     return _mean(x, None, False, dtype=dtype)
 
 
-def decomposition_table() -> dict[object, Callable]:
-    """The table handed to AOTAutograd."""
+# CPU inference keeps these activations whole: oneDNN runs them as post-ops of the convolution
+# or linear layer before them (passes/cpu_library.py), and ATen's own kernels are vectorised.
+CPU_INFERENCE_WHOLE = [aten.gelu, aten.hardswish, aten.hardsigmoid, aten.silu]
+
+
+def decomposition_table(cpu_inference: bool = False) -> dict[object, Callable]:
+    """The table handed to AOTAutograd (``cpu_inference``: activations stay whole, see above)."""
     table = dict(core_aten_decompositions())
-    table.update(get_decompositions(_EXTRA))
+    table.update(get_decompositions([op for op in _EXTRA if not (cpu_inference and op in CPU_INFERENCE_WHOLE)]))
+    if cpu_inference:
+        for op in CPU_INFERENCE_WHOLE:
+            for overload in op.overloads():
+                table.pop(getattr(op, overload), None)
     for op in _KEEP:
         for overload in op.overloads():
             table.pop(getattr(op, overload), None)

@@ -15,10 +15,12 @@ import torch
 import torch.fx as fx
 
 from ember.codegen.triton_kernel import KernelSource
+from ember.runtime.frozen import FrozenValues
 from ember.schedule.plan import FusedGroup, KernelPlan, Step
 from ember.schedule.rules import constant_value
 
-_RESERVED = {"torch", "aten", "prims", "run", "args", "_empty", "_expect", "_consts", "operator"}
+_RESERVED = {"torch", "aten", "prims", "run", "args", "_empty", "_expect", "_consts", "operator", "_frozen",
+             "_prepare"}
 
 
 @dataclass
@@ -31,7 +33,7 @@ class ProgramSource:
 def base_namespace() -> dict:
     """The names every generated program uses besides its own kernels and constants."""
     return {"torch": torch, "aten": torch.ops.aten, "prims": torch.ops.prims, "operator": operator,
-            "_empty": torch.empty_strided, "_kernels": {}}
+            "_empty": torch.empty_strided, "_kernels": {}, "_frozen": FrozenValues()}
 
 
 class _Writer:
@@ -92,7 +94,8 @@ class _Writer:
             kind = "generated" if s.index in self.kernels else ("fused-aten" if s.kind == "fused" else s.kind)
             counts[kind] = counts.get(kind, 0) + 1
         summary = ", ".join(f"{v} {k}" for k, v in sorted(counts.items()))
-        out = [f"# Ember program: {self.title}", f"# steps: {summary}", "", "def run(args):"]
+        self.prelude: list[str] = []
+        out = [f"# Ember program: {self.title}", f"# steps: {summary}", ""]
         body = []
         if placeholders:
             body.append(f"{', '.join(self.name(p) for p in placeholders)}, = args")
@@ -118,7 +121,7 @@ class _Writer:
                 body += self._constants_for(Step(-1, "output", [output]))
                 break
         body.append(f"return {self.arg(output.args[0])}")
-        out += ["    " + line for line in body]
+        out += self.prelude + ["def run(args):"] + ["    " + line for line in body]
         self.ns["_consts"] = self.consts
         return ProgramSource("\n".join(out) + "\n", self.ns, self.attrs)
 
@@ -155,7 +158,8 @@ class _Writer:
             last.pop(a, None)
         # Buffers no step reads and the program does not return: free right after creation.
         for step in self.plan.steps:
-            outs = step.outputs if step.index in self.kernels else step.nodes
+            outs = (step.outputs if step.index in self.kernels else
+                    _frozen_outputs(step) if step.kind == "frozen" else step.nodes)
             for n in outs:
                 if n not in last and n not in output.all_input_nodes:
                     last[n] = step.index
@@ -164,6 +168,8 @@ class _Writer:
     def _step_lines(self, step: Step, expect: set[fx.Node]) -> list[str]:
         if step.index in self.kernels:
             return self._kernel_lines(step, self.kernels[step.index])
+        if step.kind == "frozen":
+            return self._frozen_lines(step)
         lines = []
         if step.kind == "fused":
             ops = ", ".join(_short(n) for n in step.nodes)
@@ -178,6 +184,22 @@ class _Writer:
             if n in expect:
                 lines.append(self._expect_line(n))
         return lines
+
+    def _frozen_lines(self, step: Step) -> list[str]:
+        """``_prepare``: the parameter-only values, as a function of its own; ``run`` calls it
+        through ``_frozen``, which recomputes only when a parameter's address or version changed."""
+        members = set(step.nodes)
+        params = list(dict.fromkeys(a for n in step.nodes for a in n.all_input_nodes
+                                    if a not in members and a.op == "placeholder"))
+        outs = _frozen_outputs(step)
+        body = [f"{self.name(n)} = {self.call(n)}" for n in step.nodes]
+        ret = ", ".join(self.name(n) for n in outs)
+        self.prelude += [f"def _prepare({', '.join(self.name(p) for p in params)}):",
+                         f"    # {len(step.nodes)} ops computed from parameters only",
+                         *("    " + line for line in body), f"    return ({ret}{',' if len(outs) == 1 else ''})", ""]
+        target = f"{ret}{',' if len(outs) == 1 else ''}"
+        return [f"{target} = _frozen(_prepare, {', '.join(self.name(p) for p in params)})"
+                f"  # [frozen] {len(step.nodes)} ops, recomputed when a parameter changes"]
 
     def _kernel_lines(self, group: FusedGroup, ks: KernelSource) -> list[str]:
         self.ns.setdefault("_kernels", {})
@@ -194,6 +216,11 @@ class _Writer:
             meta = ", ".join(f"{k}={v}" for k, v in ks.meta.items())
             lines.append(f"{ks.name}[({ks.grid},)]({args}, {meta})")
         return lines
+
+
+def _frozen_outputs(step: Step) -> list[fx.Node]:
+    members = set(step.nodes)
+    return [n for n in step.nodes if any(u not in members for u in n.users)]
 
 
 def get_attr(gm: fx.GraphModule, target: str) -> object:

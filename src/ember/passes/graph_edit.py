@@ -1,0 +1,52 @@
+"""Small helpers for passes that insert nodes: metadata by fake execution, frozen marks."""
+
+from __future__ import annotations
+
+import torch
+import torch.fx as fx
+from torch._guards import detect_fake_mode
+
+from ember.passes.freeze import FROZEN
+
+
+def fake_mode_of(gm: fx.GraphModule) -> object:
+    vals = [n.meta.get("val") for n in gm.graph.nodes if n.op == "placeholder"]
+    return detect_fake_mode([v for v in vals if isinstance(v, torch.Tensor)])
+
+
+def _fake_args(args: object) -> object:
+    return fx.node.map_arg(args, lambda n: n.meta.get("val"))
+
+
+def add_node(graph: fx.Graph, mode: object, target: object, args: tuple, kwargs: dict | None = None,
+             frozen: bool = False, val: object = None) -> fx.Node:
+    """A call_function node (at the graph's current insertion point) with ``meta['val']``."""
+    node = graph.call_function(target, args, kwargs or {})
+    if val is None:
+        with mode:
+            val = target(*_fake_args(args), **_fake_args(kwargs or {}))
+    node.meta["val"] = val
+    node.meta[FROZEN] = frozen
+    return node
+
+
+def refresh_metadata(gm: fx.GraphModule, mode: object) -> int:
+    """Recompute ``meta['val']`` of every non-frozen node from its inputs (layouts change when a
+    pass swaps an op for one that returns channels_last). Nodes the fake mode cannot run keep
+    their value. Returns how many values changed strides."""
+    changed = 0
+    for node in gm.graph.nodes:
+        if node.op != "call_function" or node.meta.get(FROZEN):
+            continue
+        old = node.meta.get("val")
+        try:
+            with mode:
+                new = node.target(*_fake_args(node.args), **_fake_args(node.kwargs))
+        except Exception:  # noqa: BLE001 - ops without fake kernels keep what capture recorded
+            continue
+        if isinstance(old, torch.Tensor) and isinstance(new, torch.Tensor):
+            if old.shape != new.shape or old.dtype != new.dtype:
+                continue  # never trust a re-run that disagrees on more than layout
+            changed += old.stride() != new.stride()
+        node.meta["val"] = new
+    return changed
