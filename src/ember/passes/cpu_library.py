@@ -138,7 +138,8 @@ def lower_cpu_library_calls(gm: fx.GraphModule) -> int:
     if mode is None or not available():
         return 0
     graph = gm.graph
-    outputs = {n: n.meta.get("val") for n in next(n for n in graph.nodes if n.op == "output").all_input_nodes}
+    output = next(n for n in graph.nodes if n.op == "output")
+    before = [a.meta.get("val") if isinstance(a, fx.Node) else None for a in _flat(output.args[0])]
     lowered = 0
     for node in list(graph.nodes):
         if node.op != "call_function":
@@ -149,15 +150,18 @@ def lower_cpu_library_calls(gm: fx.GraphModule) -> int:
             lowered += _linear(graph, mode, node)
     if lowered:
         refresh_metadata(gm, mode)
-        _keep_output_layouts(graph, mode, outputs)
+        _keep_output_layouts(graph, mode, output, before)
     return lowered
 
 
-def _keep_output_layouts(graph: fx.Graph, mode: object, before: dict[fx.Node, object]) -> None:
+def _flat(value: object) -> list:
+    return [x for v in value for x in _flat(v)] if isinstance(value, (list, tuple)) else [value]
+
+
+def _keep_output_layouts(graph: fx.Graph, mode: object, output: fx.Node, before: list) -> None:
     """The program returns what eager returns: outputs that became channels_last are copied back."""
-    output = next(n for n in graph.nodes if n.op == "output")
-    for node in list(output.all_input_nodes):
-        old, new = before.get(node), node.meta.get("val")
+    for node, old in zip(_flat(output.args[0]), before):
+        new = node.meta.get("val") if isinstance(node, fx.Node) else None
         if not (isinstance(old, torch.Tensor) and isinstance(new, torch.Tensor)) or old.stride() == new.stride():
             continue
         if not old.is_contiguous():

@@ -34,7 +34,7 @@ from ember.report.records import CompileLog, GraphRecord
 from ember.schedule.rules import CONSTANT_OPS, VIEW_OPS
 
 STAGES = ("cache_load", "passes", "schedule", "codegen", "kernel_compile", "program")
-PLACEMENTS = ("generated", "fused-aten", "library", "fallback", "view", "constant")
+PLACEMENTS = ("generated", "fused-aten", "library", "fallback", "frozen", "view", "constant")
 COMPUTE = ("generated", "fused-aten", "library", "fallback")  # what coverage is a share of
 CAPTURE_LABEL = "Dynamo + AOTAutograd capture (approx.)"
 
@@ -229,7 +229,8 @@ class ExplainReport:
         rows = [[op, *(str(placed[p].get(op, 0) or "") for p in PLACEMENTS)] for op in ops]
         lines = ["Where each ATen op ran, summed over graphs. generated: inside an Ember-generated kernel;",
                  "fused-aten: in a fused group run op by op through ATen; library: a vendor library call;",
-                 "fallback: an ATen op run as is; view, constant: no compute."]
+                 "fallback: an ATen op run as is; view, constant: no compute; frozen: computed from",
+                 "parameters only, once per parameter version (CPU inference, passes/freeze.py)."]
         return Section("Placement", lines, [Table(["op", *PLACEMENTS], rows)])
 
     def _fusion_section(self) -> Section:

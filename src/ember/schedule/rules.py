@@ -72,6 +72,9 @@ RANDOM_OPS = {
     aten.uniform.default, aten.normal.Tensor_float, aten.randperm.default,
 }
 
+# Activations the CPU inference decomposition keeps whole (capture/decompositions.py).
+KEPT_WHOLE_ON_CPU = {aten.gelu.default, aten.hardswish.default, aten.hardsigmoid.default, aten.silu.default}
+
 _FUSABLE_DTYPES = {
     torch.float32, torch.float16, torch.bfloat16, torch.float64, torch.int64, torch.int32,
     torch.int16, torch.int8, torch.uint8, torch.bool,
@@ -135,6 +138,9 @@ def classify(node: fx.Node) -> Classification:
             return Classification(OpClass.FALLBACK, why)
         return Classification(OpClass.POINTWISE)
     name = getattr(target, "__name__", str(target))
+    if target in KEPT_WHOLE_ON_CPU:
+        return Classification(OpClass.FALLBACK, "kept whole for CPU inference: a oneDNN post-op after a convolution "
+                                                "or linear layer, ATen's vectorised kernel elsewhere")
     return Classification(OpClass.FALLBACK, f"no Ember lowering for {name}")
 
 

@@ -1,0 +1,176 @@
+"""CPU inference: freezing, per-channel affine folding into convolutions, oneDNN library calls.
+
+Every case compares with eager on fresh random inputs; batch-norm running statistics are
+randomised so that folding them into the convolution is actually exercised.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torchvision
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from torch import nn
+
+import ember
+import ember.codegen.program as program_module
+from ember.passes.cpu_library import available as onednn_available
+from ember.runtime.frozen import FrozenValues
+
+pytestmark = pytest.mark.skipif(not onednn_available(), reason="this torch build has no oneDNN")
+
+
+def _randomise_bn(model: nn.Module) -> nn.Module:
+    gen = torch.Generator().manual_seed(1)
+    for m in model.modules():
+        if isinstance(m, nn.BatchNorm2d):
+            m.running_mean.copy_(torch.randn(m.num_features, generator=gen) * 0.2)
+            m.running_var.copy_(torch.rand(m.num_features, generator=gen) + 0.5)
+            with torch.no_grad():
+                m.weight.copy_(torch.rand(m.num_features, generator=gen) + 0.5)
+                m.bias.copy_(torch.randn(m.num_features, generator=gen) * 0.1)
+    return model.eval()
+
+
+def _graphs(compiled: object) -> list:
+    return compiled._ember_backend.log.graphs
+
+
+def _placed(compiled: object, where: str) -> dict[str, int]:
+    out: dict[str, int] = {}
+    for g in _graphs(compiled):
+        for op, n in g.placement.get(where, {}).items():
+            out[op] = out.get(op, 0) + n
+    return out
+
+
+def _close(got: torch.Tensor, want: torch.Tensor, rtol: float = 1e-4) -> None:
+    scale = want.abs().max().item() or 1.0
+    err = (got - want).abs().max().item()
+    assert err <= rtol * scale + 1e-6, f"max error {err:.3g} vs output scale {scale:.3g}"
+
+
+class ConvBlock(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv1 = nn.Conv2d(3, 8, 3, padding=1, bias=False)
+        self.bn1 = nn.BatchNorm2d(8)
+        self.conv2 = nn.Conv2d(8, 8, 3, padding=1)
+        self.bn2 = nn.BatchNorm2d(8)
+        self.head = nn.Conv2d(8, 4, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = torch.relu(self.bn1(self.conv1(x)))
+        y = torch.relu(self.bn2(self.conv2(y)) + y)
+        return self.head(y)  # a convolution's output returned as is: layout must match eager
+
+
+@pytest.mark.parametrize("name", ["resnet18", "mobilenet_v3_small"])
+def test_torchvision_models_match_eager(name: str) -> None:
+    torch.manual_seed(0)
+    model = _randomise_bn(getattr(torchvision.models, name)(num_classes=10))
+    compiled = ember.compile(model)
+    with torch.no_grad():
+        for _ in range(2):  # the second call reuses the frozen values
+            x = torch.randn(2, 3, 64, 64)
+            _close(compiled(x), model(x))
+    library = _placed(compiled, "library")
+    assert library.get("mkldnn._convolution_pointwise", 0) > 0
+    assert _placed(compiled, "frozen"), "batch-norm folding should leave frozen ops"
+    assert "aten.convolution" not in library  # every convolution went to oneDNN
+
+
+def test_bert_matches_eager_and_uses_onednn_linear() -> None:
+    transformers = pytest.importorskip("transformers")
+    config = transformers.BertConfig(hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+                                     intermediate_size=128, vocab_size=500, max_position_embeddings=64)
+    torch.manual_seed(0)
+    model = transformers.BertForSequenceClassification(config).eval()
+    compiled = ember.compile(model)
+    with torch.no_grad():
+        ids = torch.randint(0, 500, (2, 16))
+        _close(compiled(ids).logits, model(ids).logits)
+    library = _placed(compiled, "library")
+    assert library.get("mkldnn._linear_pointwise", 0) >= 12  # q, k, v, out, two FFN per layer
+    assert "aten.addmm" not in library
+
+
+def test_output_layout_and_parameter_updates(monkeypatch: pytest.MonkeyPatch) -> None:
+    caches: list[FrozenValues] = []
+
+    class Recorded(FrozenValues):
+        def __init__(self) -> None:
+            super().__init__()
+            caches.append(self)
+
+    monkeypatch.setattr(program_module, "FrozenValues", Recorded)
+    torch.manual_seed(0)
+    model = _randomise_bn(ConvBlock())
+    compiled = ember.compile(model, cache=False)
+    x = torch.randn(2, 3, 16, 16)
+    with torch.no_grad():
+        out = compiled(x)
+        _close(out, model(x))
+        assert out.stride() == model(x).stride()  # eager's layout, not oneDNN's channels_last
+        compiled(x)
+        used = [c for c in caches if c.computed]
+        assert len(used) == 1 and used[0].computed == 1  # computed once, reused after
+        # In-place updates bump parameter versions: the next call recomputes the folded weights.
+        model.conv1.weight.mul_(1.5)
+        model.bn2.running_var.add_(0.25)
+        _close(compiled(x), model(x))
+        assert used[0].computed == 2
+        model.load_state_dict(_randomise_bn(ConvBlock()).state_dict())
+        _close(compiled(x), model(x))
+        assert used[0].computed == 3
+        model.conv2.bias = nn.Parameter(torch.randn(8))  # a new tensor at a new address
+        _close(compiled(x), model(x))
+
+
+def test_freeze_off_keeps_parameters_live() -> None:
+    torch.manual_seed(0)
+    model = _randomise_bn(ConvBlock())
+    compiled = ember.compile(model, freeze=False)
+    x = torch.randn(2, 3, 16, 16)
+    with torch.no_grad():
+        _close(compiled(x), model(x))
+    assert not _placed(compiled, "frozen")
+    assert "mkldnn._convolution_pointwise" not in _placed(compiled, "library")
+
+
+class AffineChain(nn.Module):
+    def __init__(self, ops: list[tuple[str, bool, bool]]) -> None:
+        super().__init__()
+        self.conv = nn.Conv2d(4, 6, 3, padding=1)
+        self.ops = ops
+        self.params = nn.ParameterList([nn.Parameter(torch.rand(6, 1, 1) + 0.5) for _ in ops])
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.conv(x)
+        for (op, scalar, conv_first), p in zip(self.ops, self.params):
+            other = 1.75 if scalar else p
+            a, b = (y, other) if conv_first else (other, y)
+            if op == "div" and not conv_first:
+                a, b = y, other  # other / y is not affine; keep the chain foldable
+            y = {"add": torch.add, "sub": torch.sub, "mul": torch.mul, "div": torch.div}[op](a, b)
+        return y
+
+
+@settings(max_examples=12, deadline=None)
+@given(st.lists(st.tuples(st.sampled_from(["add", "sub", "mul", "div"]), st.booleans(), st.booleans()),
+                min_size=1, max_size=4))
+def test_any_per_channel_affine_chain_folds_exactly(ops: list[tuple[str, bool, bool]]) -> None:
+    torch._dynamo.reset()  # every example is a new frame for Dynamo, not a recompile of the last
+    torch.manual_seed(0)
+    model = AffineChain(ops).eval()
+    compiled = ember.compile(model, cache=False)
+    x = torch.randn(1, 4, 8, 8)
+    with torch.no_grad():
+        _close(compiled(x), model(x))
+    library = _placed(compiled, "library")
+    assert library.get("mkldnn._convolution_pointwise", 0) == 1
+    # Nothing of the chain is left per call: it all went into the frozen weight and bias. (The one
+    # copy left turns oneDNN's channels_last result back into eager's layout.)
+    per_call = {**_placed(compiled, "fused-aten"), **_placed(compiled, "generated")}
+    assert per_call == {"aten.clone": 1}
