@@ -18,6 +18,9 @@ from pathlib import Path
 TARGETS = ("auto", "triton", "triton-interpret", "aten")
 
 
+DEVICES = ("auto", "cpu", "cuda")
+
+
 def _env_int(name: str, default: int) -> int:
     value = os.environ.get(name, "")
     try:
@@ -54,11 +57,16 @@ class Options:
     cudagraphs: bool = True
     # Keep compiled programs in <cache_dir>/programs.sqlite for the next process (EMBER_CACHE=0: off).
     cache: bool = True
+    # Which device the compiled model runs on: "auto" follows the tensors (CUDA -> Triton kernels,
+    # CPU -> CPU code); "cpu" / "cuda" insist on it, and inputs elsewhere are an error that says so.
+    device: str = "auto"
     # CPU inference: compute parameter-only values (folded batch norm, packed weights) once per
     # parameter version (passes/freeze.py; EMBER_FREEZE=0: off).
     freeze: bool = True
 
     def __post_init__(self) -> None:
+        if self.device not in DEVICES:
+            raise ValueError(f"ember: unknown device {self.device!r}; choose one of {', '.join(DEVICES)}")
         if self.target not in TARGETS:
             raise ValueError(f"ember: unknown target {self.target!r}; choose one of {', '.join(TARGETS)}")
 
@@ -72,6 +80,8 @@ class Options:
             env["debug_dir"] = os.environ["EMBER_DEBUG_DIR"]
         if os.environ.get("EMBER_CACHE_DIR"):
             env["cache_dir"] = os.environ["EMBER_CACHE_DIR"]
+        if os.environ.get("EMBER_DEVICE"):
+            env["device"] = os.environ["EMBER_DEVICE"]
         if os.environ.get("EMBER_FREEZE"):
             env["freeze"] = os.environ["EMBER_FREEZE"] not in ("0", "false")
         if os.environ.get("EMBER_CHECK"):

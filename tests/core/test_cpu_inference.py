@@ -174,3 +174,14 @@ def test_any_per_channel_affine_chain_folds_exactly(ops: list[tuple[str, bool, b
     # copy left turns oneDNN's channels_last result back into eager's layout.)
     per_call = {**_placed(compiled, "fused-aten"), **_placed(compiled, "generated")}
     assert per_call == {"aten.clone": 1}
+
+
+def test_device_option() -> None:
+    model = ConvBlock().eval()
+    x = torch.randn(1, 3, 8, 8)
+    with torch.no_grad():
+        _close(ember.compile(model, device="cpu")(x), model(x))
+        with pytest.raises(Exception, match=r"device='cuda'.*is on cpu"):
+            ember.compile(model, device="cuda")(x)
+    with pytest.raises(ValueError, match="unknown device"):
+        ember.compile(model, device="tpu")
