@@ -15,6 +15,8 @@ from torch import nn
 
 import ember
 import ember.codegen.program as program_module
+from ember.bench.check import acceptable, run_seed_step
+from ember.bench.models import SEED_SUITE
 from ember.passes.cpu_library import available as onednn_available
 from ember.runtime.frozen import FrozenValues
 
@@ -185,3 +187,36 @@ def test_device_option() -> None:
             ember.compile(model, device="cuda")(x)
     with pytest.raises(ValueError, match="unknown device"):
         ember.compile(model, device="tpu")
+
+
+# densenet121's training step through the op-by-op ATen path (target "aten") has weight-gradient
+# errors of 3e-3 vs float64 where eager has 3e-5 (present before the CPU inference passes; the
+# Triton-interpreter path of test_seed_models.py is within tolerance).
+_SEED_CASES = [pytest.param(n, marks=pytest.mark.xfail(strict=True, reason="aten-path training gradients"))
+               if n == "densenet121" else n for n in SEED_SUITE]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", _SEED_CASES)
+def test_seed_models_through_the_cpu_backend(name: str) -> None:
+    """The seed suite with Ember's default CPU path: a training step, then inference in eval mode
+    (batch-norm statistics updated by that step, so folding them is exercised), vs float64 eager."""
+    compiled = []
+
+    def compile_fn(model: nn.Module):
+        compiled.append(ember.compile(model, device="cpu"))
+        return compiled[-1]
+
+    train, infer = run_seed_step(name, compile_fn, device="cpu", batch=4 if name == "resnet50v2" else 2, small=True)
+    for result in (train, infer):
+        bad = {k: v for k, v in result.errors.items() if not acceptable(v[0], v[1], 1e-5)}
+        assert not bad, f"{name} {result.mode}: (ember, eager) error vs float64: {bad}"
+    graphs = _graphs(compiled[0])
+    assert all(g.error is None for g in graphs), [g.error for g in graphs]
+    inference = [g for g in graphs if g.kind == "inference"]
+    assert inference and all(g.target in ("cpu", "aten") for g in graphs)
+    library = _placed(compiled[0], "library")
+    if name == "bert":
+        assert library.get("mkldnn._linear_pointwise", 0) > 0
+    else:
+        assert library.get("mkldnn._convolution_pointwise", 0) > 0

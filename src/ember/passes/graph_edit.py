@@ -30,6 +30,9 @@ def add_node(graph: fx.Graph, mode: object, target: object, args: tuple, kwargs:
     return node
 
 
+_VIEWS = {torch.ops.aten.view.default, torch.ops.aten._unsafe_view.default}
+
+
 def refresh_metadata(gm: fx.GraphModule, mode: object) -> int:
     """Recompute ``meta['val']`` of every non-frozen node from its inputs (layouts change when a
     pass swaps an op for one that returns channels_last). Nodes the fake mode cannot run keep
@@ -43,7 +46,13 @@ def refresh_metadata(gm: fx.GraphModule, mode: object) -> int:
             with mode:
                 new = node.target(*_fake_args(node.args), **_fake_args(node.kwargs))
         except Exception:  # noqa: BLE001 - ops without fake kernels keep what capture recorded
-            continue
+            if node.target not in _VIEWS:
+                continue
+            # A view of a tensor whose layout changed (flatten of a channels_last activation) may
+            # no longer be expressible as a view: reshape copies exactly when it must.
+            node.target = torch.ops.aten.reshape.default
+            with mode:
+                new = node.target(*_fake_args(node.args), **_fake_args(node.kwargs))
         if isinstance(old, torch.Tensor) and isinstance(new, torch.Tensor):
             if old.shape != new.shape or old.dtype != new.dtype:
                 continue  # never trust a re-run that disagrees on more than layout
