@@ -7,12 +7,14 @@ by Ember; with grad disabled AOTAutograd hands over one inference graph. Registe
 
 from __future__ import annotations
 
+import functools
 import itertools
 from collections.abc import Callable
 
 import torch
 import torch.fx as fx
 from torch._dynamo.backends.common import aot_autograd
+from torch._functorch.partitioners import min_cut_rematerialization_partition
 
 from ember.capture.decompositions import decomposition_table
 from ember.config import Options
@@ -85,8 +87,16 @@ class EmberBackend:
             return compiler
 
         backend = aot_autograd(fw_compiler=make("forward"), bw_compiler=make("backward"),
-                               inference_compiler=make("inference"), decompositions=_decompositions(_cpu_inference(example_inputs, self.options)))
+                               inference_compiler=make("inference"),
+                               decompositions=_decompositions(_cpu_inference(example_inputs, self.options)),
+                               partition_fn=_PARTITION)
         return backend(gm, example_inputs)
+
+
+# The default partitioner saves every forward value the backward reads. The min-cut partitioner
+# (what Inductor uses) saves a minimal set and recomputes cheap pointwise chains in the backward,
+# where they fuse into the backward's kernels: fewer, smaller saved activations, lower peak memory.
+_PARTITION = functools.partial(min_cut_rematerialization_partition, compiler="inductor")
 
 
 def _describe_change(old: list[str], new: list[str]) -> str:
