@@ -14,13 +14,14 @@ from dataclasses import dataclass, field
 import torch
 import torch.fx as fx
 
+from ember.codegen.memory_plan import START, SlotKey, plan_memory, reuse_storage
 from ember.codegen.triton_kernel import KernelSource
 from ember.runtime.frozen import FrozenValues
 from ember.schedule.plan import FusedGroup, KernelPlan, Step
 from ember.schedule.rules import constant_value
 
 _RESERVED = {"torch", "aten", "prims", "run", "args", "_empty", "_expect", "_consts", "operator", "_frozen",
-             "_prepare"}
+             "_prepare", "_reuse"}
 
 
 @dataclass
@@ -33,7 +34,8 @@ class ProgramSource:
 def base_namespace() -> dict:
     """The names every generated program uses besides its own kernels and constants."""
     return {"torch": torch, "aten": torch.ops.aten, "prims": torch.ops.prims, "operator": operator,
-            "_empty": torch.empty_strided, "_kernels": {}, "_frozen": FrozenValues()}
+            "_empty": torch.empty_strided, "_kernels": {}, "_frozen": FrozenValues(),
+            "_reuse": reuse_storage}
 
 
 class _Writer:
@@ -88,7 +90,7 @@ class _Writer:
         graph = self.plan.graph
         placeholders = [n for n in graph.nodes if n.op == "placeholder"]
         output = next(n for n in graph.nodes if n.op == "output")
-        last_use = self._last_use(output)
+        self.memory = plan_memory(self.plan, self.kernels, output)  # dels and storage reuse
         counts: dict[str, int] = {}
         for s in self.plan.steps:
             kind = "generated" if s.index in self.kernels else ("fused-aten" if s.kind == "fused" else s.kind)
@@ -107,15 +109,14 @@ class _Writer:
         for p in placeholders:
             if p in expect:
                 body.append(self._expect_line(p))
+        body += self._del_line(START)
         self.emitted: set[fx.Node] = set()
         for step in self.plan.steps:
             if step.kind == "constant":
                 continue  # materialised right before the first step that needs it
             body += self._constants_for(step)
             body += self._step_lines(step, expect)
-            dead = sorted((n for n, last in last_use.items() if last == step.index), key=lambda n: n.name)
-            if dead:
-                body.append(f"del {', '.join(self.name(n) for n in dead)}")
+            body += self._del_line((step.index, None))  # after a kernel launch or frozen call
         for a in output.all_input_nodes:
             if a in self.plan.constants and a not in self.emitted:
                 body += self._constants_for(Step(-1, "output", [output]))
@@ -145,25 +146,9 @@ class _Writer:
                                  f".fill_({self.arg(constant_value(a))})  # [constant] {_short(a)}")
         return lines
 
-    def _last_use(self, output: fx.Node) -> dict[fx.Node, int]:
-        """Index of the last step that reads each value (values the program returns live on)."""
-        last: dict[fx.Node, int] = {}
-        for step in self.plan.steps:
-            reads = (step.inputs if step.index in self.kernels else
-                     [a for n in step.nodes for a in n.all_input_nodes])
-            for a in reads:
-                if a.op in ("placeholder", "call_function") and self.plan.step_of.get(a) is not step:
-                    last[a] = step.index
-        for a in output.all_input_nodes:
-            last.pop(a, None)
-        # Buffers no step reads and the program does not return: free right after creation.
-        for step in self.plan.steps:
-            outs = (step.outputs if step.index in self.kernels else
-                    _frozen_outputs(step) if step.kind == "frozen" else step.nodes)
-            for n in outs:
-                if n not in last and n not in output.all_input_nodes:
-                    last[n] = step.index
-        return last
+    def _del_line(self, key: SlotKey) -> list[str]:
+        dead = self.memory.deleted_after(key)
+        return [f"del {', '.join(self.name(n) for n in dead)}"] if dead else []
 
     def _step_lines(self, step: Step, expect: set[fx.Node]) -> list[str]:
         if step.index in self.kernels:
@@ -183,6 +168,7 @@ class _Writer:
             lines.append(line)
             if n in expect:
                 lines.append(self._expect_line(n))
+            lines += self._del_line((step.index, n))  # op by op, as eager frees
         return lines
 
     def _frozen_lines(self, step: Step) -> list[str]:
@@ -207,6 +193,12 @@ class _Writer:
         for n in group.outputs:
             val = n.meta["val"]
             dev = self.arg(val.device)
+            dead = self.memory.reuse.get(n)
+            if dead is not None:
+                lines.append(f"{self.name(n)} = _reuse({self.name(dead)}, {tuple(val.shape)}, {tuple(val.stride())})"
+                             f"  # [reuse] storage of {self.name(dead)}: dead, same {val.dtype}, "
+                             f"{self.memory.nbytes[n]} bytes")
+                continue
             lines.append(f"{self.name(n)} = _empty({tuple(val.shape)}, {tuple(val.stride())}, "
                          f"dtype={val.dtype}, device={dev})")
         args = ", ".join(self.name(a) for a in ks.args)
