@@ -68,6 +68,7 @@ class EmberBackend:
         self.log = CompileLog()
 
     def __call__(self, gm: fx.GraphModule, example_inputs: list) -> Callable:
+        check_device(example_inputs, self.options.device)
         cid = _compile_id()
         sig = _signature(example_inputs)
         frame, _, nth = cid.partition("/")
@@ -97,6 +98,16 @@ class EmberBackend:
 # (what Inductor uses) saves a minimal set and recomputes cheap pointwise chains in the backward,
 # where they fuse into the backward's kernels: fewer, smaller saved activations, lower peak memory.
 _PARTITION = functools.partial(min_cut_rematerialization_partition, compiler="inductor")
+
+
+def check_device(example_inputs: list, device: str) -> None:
+    """``device="cpu"|"cuda"``: every input tensor must be there (an error naming the first that is not)."""
+    if device == "auto":
+        return
+    for i, x in enumerate(example_inputs):
+        if isinstance(x, torch.Tensor) and x.device.type != device:
+            raise ValueError(f"ember.compile(device={device!r}): graph input {i} ({list(x.shape)}) is on "
+                             f"{x.device}; move the model and its inputs to {device} or use device='auto'")
 
 
 def _describe_change(old: list[str], new: list[str]) -> str:
