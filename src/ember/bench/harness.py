@@ -12,7 +12,6 @@ import contextlib
 import copy
 import gc
 import math
-import resource
 import statistics
 import sys
 import time
@@ -23,6 +22,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from ember.bench.memory import measure_cpu_peak
 from ember.bench.models import BenchCase, get_case, make_batches, primary_tensor
 
 __all__ = [
@@ -172,12 +172,6 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def _maxrss_bytes() -> int:
-    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    # Linux reports KiB, macOS bytes.
-    return rss if sys.platform == "darwin" else rss * 1024
-
-
 def _free(device: torch.device) -> None:
     gc.collect()
     if device.type == "cuda":
@@ -226,7 +220,6 @@ def _measure(
 
     # First call: compilation (and, for train, the lazily compiled backward) plus one step.
     torch.manual_seed(0)
-    rss0 = _maxrss_bytes()
     _sync(device)
     t0 = time.perf_counter()
     first = step(*batches[0])
@@ -268,8 +261,11 @@ def _measure(
             times_ms.append((time.perf_counter() - t) * 1e3)
             progress.advance()
         row["timer"] = "perf_counter"
-        row["peak_mem_bytes"] = max(0, _maxrss_bytes() - rss0)
-        row["peak_mem_source"] = "process_maxrss_growth"
+        # Max RSS only grows and counts everything the process holds: it read 0 B for rows below an
+        # earlier row's high-water mark. One more step under the profiler gives the tensor bytes
+        # that step allocated at its peak, on top of weights, optimizer state and inputs.
+        row["peak_mem_bytes"] = measure_cpu_peak(step, *batches[iters % len(batches)])[1].peak
+        row["peak_mem_source"] = "cpu_profiler_step_peak"
 
     median = statistics.median(times_ms)
     row["ms_median"] = median

@@ -21,8 +21,9 @@ NOTES = {
     "compile_s": "wall time of the first call (s), including compilation; cold or warm disk cache "
     "as the process found it",
     "peak_mem_bytes": "cuda_max_memory_allocated: torch.cuda.max_memory_allocated over the timed "
-    "steps (reset after warm-up); process_maxrss_growth: growth of the process's maximum RSS "
-    "during the row (CPU; 0 when the row stays below an earlier high-water mark)",
+    "steps (reset after warm-up); cpu_profiler_step_peak (CPU): the most tensor memory one more step "
+    "held at once on top of what was allocated when it started (weights, optimizer state, inputs), "
+    "from the profiler's allocation events (ember.bench.memory)",
     "speedup_vs_eager": "eager ms_median / this ms_median, same model, mode, batch and run",
     "max_abs_diff_vs_eager": "inference only: max |output - eager output| on the first batch",
 }
