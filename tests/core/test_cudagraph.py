@@ -1,25 +1,47 @@
-"""When Ember replays a program as a CUDA graph, and why not: the decision rule, on CPU.
+"""CUDA graphs, on CPU: the capture rule and the replay runner.
 
-CI has no GPU, so the inputs are fake CUDA tensors (FakeTensorMode) and graphs are traced
-from small functions of ATen ops; capture itself runs in benchmarks on the device.
+CI has no GPU. ``cudagraph_blocker`` is checked on graphs with fake CUDA tensors (hand-written
+ones and real AOTAutograd training graphs moved to fake CUDA). ``CudaGraphRunner`` is checked
+with ``FakeGraphs``, a CPU stand-in with the memory semantics that matter: capture runs nothing,
+a replay reads the captured input tensors and writes its results into the captured output
+tensors, so a replay overwrites whatever a caller still holds from an earlier one unless the
+runner prevents it. Capture itself runs in benchmarks/gpu_cudagraph_check.py on the device.
 """
 
 from __future__ import annotations
 
+import copy
+import functools
+import weakref
+
 import pytest
 import torch
-from torch import fx
+from torch import fx, nn
 from torch._subclasses import FakeTensorMode
 
 import ember
-from ember.runtime.cudagraph import cudagraph_blocker
+from ember.runtime.cudagraph import (
+    MAX_CAPTURES,
+    PROMOTE_AFTER,
+    CudaBackend,
+    CudaGraphRunner,
+    cudagraph_blocker,
+)
 
 aten = torch.ops.aten
+_FAKE = FakeTensorMode(allow_non_fake_inputs=True)
 
 
-def _cuda(*shape: int) -> torch.Tensor:
-    with FakeTensorMode():
-        return torch.empty(*shape, device="cuda")
+def _cuda(*shape: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    with _FAKE:
+        return torch.empty(shape, device="cuda", dtype=dtype)
+
+
+def _cuda_like(t: object) -> object:
+    if not isinstance(t, torch.Tensor):
+        return t
+    with _FAKE:
+        return torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device="cuda")
 
 
 def _graph(fn) -> fx.GraphModule:
@@ -30,15 +52,23 @@ def _clean(x, w):
     return aten.relu.default(aten.mm.default(x, w))
 
 
-def test_clean_inference_graph_is_captured() -> None:
-    assert cudagraph_blocker(_graph(_clean), [_cuda(4, 8), _cuda(8, 2)], "inference", "triton") is None
+def _why(fn, *inputs: torch.Tensor, kind: str = "inference") -> str | None:
+    return cudagraph_blocker(_graph(fn), list(inputs), kind, "triton")
+
+
+# -- the rule ---------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("kind", ["inference", "forward", "backward"])
+def test_clean_graphs_of_every_kind_are_captured(kind: str) -> None:
+    assert _why(_clean, _cuda(4, 8), _cuda(8, 2), kind=kind) is None
 
 
 @pytest.mark.parametrize(("kwargs", "reason"), [
     ({"enabled": False}, "turned off"),
     ({"target": "triton-interpret"}, "does not run on a CUDA device"),
     ({"target": "aten"}, "does not run on a CUDA device"),
-    ({"kind": "backward"}, "backward graphs are not captured yet"),
+    ({"kind": "joint"}, "joint graphs are not captured"),
 ])
 def test_switches_and_targets(kwargs, reason) -> None:
     args = {"kind": "inference", "target": "triton", **kwargs}
@@ -54,27 +84,474 @@ def test_environment_switch(monkeypatch) -> None:
 
 
 def test_cpu_input_blocks_capture() -> None:
-    why = cudagraph_blocker(_graph(_clean), [_cuda(4, 8), torch.randn(8, 2)], "inference", "triton")
-    assert why == "input 1 is on cpu"
+    assert _why(_clean, _cuda(4, 8), torch.randn(8, 2)) == "input 1 is on cpu"
+
+
+def test_python_number_input_blocks_capture() -> None:
+    why = cudagraph_blocker(_graph(lambda x, n: aten.mul.Tensor(x, n)), [_cuda(4), 3], "forward", "triton")
+    assert why is not None and "input 1 is a Python int" in why
 
 
 def test_host_synchronisation_blocks_capture() -> None:
     def fn(x):
         return aten._local_scalar_dense.default(aten.sum.default(x))
 
-    why = cudagraph_blocker(_graph(fn), [_cuda(4)], "inference", "triton")
+    why = _why(fn, _cuda(4), kind="forward")
     assert why is not None and "synchronizes with the CPU" in why and "_local_scalar_dense" in why
 
 
-def test_mutated_input_blocks_capture() -> None:
+def test_boolean_mask_indexing_blocks_capture() -> None:
+    def fn(x, mask):
+        return aten.index.Tensor(x, [mask])
+
+    gm = _graph(fn)
+    mask = next(n for n in gm.graph.nodes if n.name == "mask")
+    mask.meta["val"] = _cuda(4, dtype=torch.bool)
+    why = cudagraph_blocker(gm, [_cuda(4), _cuda(4, dtype=torch.bool)], "backward", "triton")
+    assert why is not None and "boolean mask" in why
+
+
+def test_data_mutation_of_an_input_is_captured() -> None:
+    # Static inputs are written in place by the replay; copied ones are written back after it.
     def fn(x, y):
         aten.add_.Tensor(x, y)
         return aten.mul.Tensor(x, 2)
 
-    why = cudagraph_blocker(_graph(fn), [_cuda(4), _cuda(4)], "inference", "triton")
-    assert why is not None and "input x is mutated in place" in why
+    assert _why(fn, _cuda(4), _cuda(4)) is None
+
+
+def test_metadata_mutation_of_an_input_blocks_capture() -> None:
+    def fn(x):
+        v = aten.view.default(x, [2, 2])
+        aten.transpose_.default(v, 0, 1)
+        return aten.mul.Tensor(v, 2)
+
+    why = _why(fn, _cuda(4))
+    assert why is not None and "input x has its shape or strides changed in place" in why and "transpose_" in why
+
+
+def test_graph_safe_random_op_is_captured() -> None:
+    def fn(x):
+        return aten.native_dropout.default(x, 0.5, True)
+
+    assert _why(fn, _cuda(8), kind="forward") is None
+
+
+@pytest.mark.parametrize(("target", "args", "kwargs"), [
+    (aten.multinomial.default, ("x", 2), {}),
+    (aten.randperm.default, (8,), {"device": torch.device("cuda")}),
+])
+def test_random_op_outside_the_philox_stream_blocks_capture(target, args, kwargs) -> None:
+    graph = fx.Graph()
+    x = graph.placeholder("x")
+    graph.output(graph.call_function(target, tuple(x if a == "x" else a for a in args), kwargs))
+    why = cudagraph_blocker(fx.GraphModule({}, graph), [_cuda(8)], "forward", "triton")
+    name = target._overloadpacket.__name__
+    assert why is not None and why.startswith("random op") and name in why and "repeat its numbers" in why
+
+
+def test_random_op_with_its_own_generator_blocks_capture() -> None:
+    gen = torch.Generator()
+
+    def fn(x):
+        return aten.bernoulli.default(x, generator=gen)
+
+    why = _why(fn, _cuda(8), kind="forward")
+    assert why is not None and why.startswith("random op") and "explicit torch.Generator" in why
+
+
+def test_cpu_intermediate_blocks_capture() -> None:
+    def fn(x):
+        return aten._to_copy.default(x, device=torch.device("cpu"))
+
+    gm = _graph(fn)
+    node = next(n for n in gm.graph.nodes if n.op == "call_function")
+    node.meta["val"] = torch.empty(4)
+    why = cudagraph_blocker(gm, [_cuda(4)], "backward", "triton")
+    assert why is not None and "produces a tensor on cpu" in why
+
+
+def _aot_graphs(model: nn.Module, x: torch.Tensor, grad: bool) -> list[tuple[str, fx.GraphModule, list]]:
+    """Ember's AOTAutograd graphs of ``model(x)`` (traced on CPU), moved to fake CUDA tensors."""
+    from torch._dynamo.backends.common import aot_autograd
+
+    from ember.capture.backend import _PARTITION, _decompositions
+
+    graphs: list[tuple[str, fx.GraphModule, list]] = []
+
+    def grab(kind: str):
+        def compiler(gm: fx.GraphModule, inputs: list):
+            graphs.append((kind, gm, list(inputs)))
+            from functorch.compile import make_boxed_func
+            return make_boxed_func(gm.forward)
+        return compiler
+
+    backend = aot_autograd(fw_compiler=grab("forward"), bw_compiler=grab("backward"),
+                           inference_compiler=grab("inference"), decompositions=_decompositions(),
+                           partition_fn=_PARTITION)
+    compiled = torch.compile(model, backend=backend)
+    with torch.set_grad_enabled(grad):
+        out = compiled(x)
+    if grad:
+        out.sum().backward()
+    moved = []
+    for kind, gm, inputs in graphs:
+        for node in gm.graph.nodes:
+            val = node.meta.get("val")
+            vals = val if isinstance(val, (list, tuple)) else [val]
+            if any(isinstance(v, torch.Tensor) for v in vals):
+                cuda = [_cuda_like(v) for v in vals]
+                node.meta["val"] = type(val)(cuda) if isinstance(val, (list, tuple)) else cuda[0]
+        moved.append((kind, gm, [_cuda_like(t) for t in inputs]))
+    return moved
+
+
+def _bn_dropout_net() -> nn.Module:
+    return nn.Sequential(nn.Conv2d(3, 4, 3), nn.BatchNorm2d(4), nn.ReLU(), nn.Flatten(), nn.Dropout(0.5),
+                         nn.Linear(4 * 6 * 6, 2)).train()
+
+
+def test_training_forward_and_backward_graphs_are_captured() -> None:
+    graphs = _aot_graphs(_bn_dropout_net(), torch.randn(2, 3, 8, 8), grad=True)
+    assert [kind for kind, _, _ in graphs] == ["forward", "backward"]
+    forward = graphs[0][1]
+    assert any(n.target == aten.native_dropout.default for n in forward.graph.nodes)
+    for kind, gm, inputs in graphs:
+        assert cudagraph_blocker(gm, inputs, kind, "triton") is None, kind
+
+
+def test_inference_graph_updating_batch_norm_statistics_is_captured() -> None:
+    # Batch norm in train mode under no_grad: the new running statistics are graph outputs
+    # (AOTAutograd copies them into the buffers), and dropout draws random numbers.
+    [(kind, gm, inputs)] = _aot_graphs(_bn_dropout_net(), torch.randn(2, 3, 8, 8), grad=False)
+    assert kind == "inference"
+    assert any(n.target == aten.native_dropout.default for n in gm.graph.nodes)
+    assert cudagraph_blocker(gm, inputs, kind, "triton") is None
 
 
 def test_explain_reports_why_cpu_programs_are_not_captured() -> None:
     report = ember.explain(ember.compile(torch.nn.Linear(4, 3), target="triton-interpret"), torch.randn(2, 4))
     assert "CUDA graph" in str(report) and "does not run on a CUDA device" in str(report)
+
+
+# -- the runner, with a CPU stand-in for CUDA graphs --------------------------------------------
+
+
+class _FakeGraph:
+    """Like a CUDA graph it holds addresses, not the caller's tensors (only the runner's buffers
+    stay alive, held by the runner)."""
+
+    def __init__(self, run, inputs: list, outputs: object) -> None:
+        self.run, self.outputs = run, outputs
+        self.inputs = [weakref.ref(x) if isinstance(x, torch.Tensor) else (lambda x=x: x) for x in inputs]
+        self.ptrs = [x.data_ptr() if isinstance(x, torch.Tensor) else None for x in inputs]
+
+    def read(self, args: list) -> list:
+        """The tensors at the captured addresses: the caller's where they are there, else buffers."""
+        out = []
+        for i, (ref, ptr) in enumerate(zip(self.inputs, self.ptrs)):
+            if isinstance(args[i], torch.Tensor) and args[i].data_ptr() == ptr:
+                out.append(args[i])
+            else:
+                x = ref()
+                assert x is not None or ptr is None, f"the graph reads freed memory (input {i})"
+                out.append(x)
+        return out
+
+
+def _leaves(out: object) -> list:
+    return list(out) if isinstance(out, (list, tuple)) else [out]
+
+
+class FakeGraphs(CudaBackend):
+    """CUDA-graph memory semantics on CPU. Capture runs the program once to learn its outputs,
+    then restores every input's contents and the RNG (a real capture executes nothing). A replay
+    runs the program on the captured input tensors (fixed addresses) and copies its results
+    into the captured outputs (fixed addresses), without touching version counters."""
+
+    def __init__(self, fail: bool = False) -> None:
+        self.fail = fail
+        self.captured = 0
+
+    def new_pool(self) -> object:
+        return object()
+
+    def capture(self, run, inputs: list, pool: object, device: torch.device) -> tuple[object, object]:
+        if self.fail:
+            raise RuntimeError("operation not permitted when stream is capturing")
+        self.captured += 1
+        saved = [x.clone() if isinstance(x, torch.Tensor) else None for x in inputs]
+        rng = torch.get_rng_state()
+        outputs = run(list(inputs))
+        for x, s in zip(inputs, saved):
+            if s is not None:
+                x.data.copy_(s)  # .data: restoring contents is not a mutation
+        torch.set_rng_state(rng)
+        return _FakeGraph(run, list(inputs), outputs), outputs
+
+    def replay(self, graph: object, args: list) -> None:
+        assert isinstance(graph, _FakeGraph)
+        inputs = graph.read(args)
+        tensors = [x for x in inputs if isinstance(x, torch.Tensor)]
+        versions = [x._version for x in tensors]
+        new = graph.run(list(inputs))
+        torch._C._autograd._unsafe_set_version_counter(tensors, versions)
+        for old, fresh in zip(_leaves(graph.outputs), _leaves(new)):
+            if isinstance(old, torch.Tensor) and old.untyped_storage()._cdata != fresh.untyped_storage()._cdata:
+                old.data.copy_(fresh)
+
+    def recover(self) -> None:
+        pass
+
+
+def _runner(program, backend: FakeGraphs | None = None) -> CudaGraphRunner:
+    return CudaGraphRunner(program, "test", backend=backend or FakeGraphs())
+
+
+def _mm_relu(args: list) -> tuple:
+    x, w = args
+    args.clear()
+    return (torch.relu(x @ w),)
+
+
+def test_replays_match_uncaptured_calls() -> None:
+    w = torch.randn(8, 4)
+    runner = _runner(_mm_relu)
+    for _ in range(6):
+        x = torch.randn(3, 8)
+        (got,) = runner([x, w])  # still held during the next call: copied after one uncaptured call
+        torch.testing.assert_close(got, torch.relu(x @ w))
+    assert runner.captures == 1 and runner.replays == 4 and runner.uncaptured == 1
+    assert runner.status.startswith("captured") and "1 inputs read in place, 1 copied in" in runner.status
+    assert "outputs: 0 handed out from the graph's memory, 1 copied" in runner.status
+
+
+def test_outputs_held_by_the_caller_are_never_overwritten() -> None:
+    w = torch.randn(8, 4)
+    runner = _runner(_mm_relu)
+    kept = []
+    for _ in range(3 * MAX_CAPTURES):
+        x = torch.randn(3, 8)
+        kept.append((runner([x, w])[0], torch.relu(x @ w)))
+    for got, want in kept:
+        torch.testing.assert_close(got, want)
+    assert runner.replays > 0 and runner.uncaptured >= 1
+    assert "copied" in runner.status and "still held" in runner.status
+
+
+def test_outputs_dropped_before_the_next_call_come_from_the_graph_memory() -> None:
+    w = torch.randn(8, 4)
+    runner = _runner(_mm_relu)
+    for _ in range(5):
+        runner([torch.randn(3, 8), w])  # result dropped at once
+    assert runner.captures == 1 and runner.uncaptured == 0
+    assert "outputs: 1 handed out from the graph's memory, 0 copied" in runner.status
+
+
+def _forward(args: list) -> tuple:
+    x, w = args
+    args.clear()
+    h = x @ w
+    return torch.tanh(h).sum(), h  # the loss and a saved activation
+
+
+def _backward(args: list) -> tuple:
+    h, w, grad = args
+    args.clear()
+    return (grad * (1 - torch.tanh(h) ** 2)).sum(0) + w.sum(),
+
+
+def test_saved_activations_survive_a_second_forward_before_the_backward() -> None:
+    w = torch.randn(8, 4)
+    fw, bw = _runner(_forward), _runner(_backward)
+    for _ in range(6):
+        xs = [torch.randn(3, 8) for _ in range(2)]
+        outs = [fw([x, w]) for x in xs]  # two forwards, then both backwards
+        grads = [bw([h, w, torch.ones(3, 4)])[0] for _, h in outs]
+        for x, (loss, h), g in zip(xs, outs, grads):
+            want_h = x @ w
+            torch.testing.assert_close(h, want_h)
+            torch.testing.assert_close(loss, torch.tanh(want_h).sum())
+            torch.testing.assert_close(g, (1 - torch.tanh(want_h) ** 2).sum(0) + w.sum())
+    assert fw.replays > 0 and bw.replays > 0
+
+
+def test_parameters_are_read_in_place_and_a_moved_one_is_copied_from_then_on() -> None:
+    w = torch.randn(8, 4)
+    runner = _runner(_mm_relu)
+    x = torch.randn(3, 8)
+    runner([x, w])
+    runner([x, w])
+    w.mul_(2)  # optimizer step: same address, new values
+    torch.testing.assert_close(runner([x, w])[0], torch.relu(x @ w))
+    w = torch.randn(8, 4)  # a new parameter tensor
+    torch.testing.assert_close(runner([x, w])[0], torch.relu(x @ w))
+    assert runner.captures == 2 and "moved" in runner.status and 1 in runner.demoted
+
+
+def _bn_stats(args: list) -> tuple:
+    x, mean = args
+    args.clear()
+    aten.copy_.default(mean, mean * 0.9 + x.mean(0) * 0.1)
+    return (x - mean,)
+
+
+def test_a_mutated_static_input_is_written_once_per_call() -> None:
+    mean = torch.zeros(4)
+    want = torch.zeros(4)
+    runner = _runner(_bn_stats)
+    x = torch.randn(5, 4)
+    for _ in range(5):
+        before = mean._version
+        (got,) = runner([x, mean])
+        want = want * 0.9 + x.mean(0) * 0.1
+        torch.testing.assert_close(mean, want)
+        torch.testing.assert_close(got, x - want)
+        assert mean._version > before  # as eager: autograd's in-place checks still see it
+        del got
+    assert runner.replays == 4 and "1 input(s) mutated in place" in runner.status
+
+
+def test_a_mutated_copied_input_is_written_back() -> None:
+    mean = torch.zeros(4)
+    runner = _runner(lambda args: _bn_stats([args[1], args[0]]))  # (mean, x): the statistic moves
+    for _ in range(5):
+        x, m = torch.randn(5, 4), torch.randn(4)
+        want_m = m * 0.9 + x.mean(0) * 0.1
+        (got,) = runner([m, x])
+        torch.testing.assert_close(m, want_m)
+        torch.testing.assert_close(got, x - want_m)
+        del got
+    assert runner.replays == 4 and "1 mutated copied input(s) written back" in runner.status
+    del mean
+
+
+def _views(args: list) -> tuple:
+    x, w = args
+    args.clear()
+    y = x @ w
+    return x, x.t(), y, y[1:], None
+
+
+def test_outputs_that_alias_inputs_or_each_other_alias_as_uncaptured() -> None:
+    w = torch.randn(8, 4)
+    runner = _runner(_views)
+    kept = []
+    for _ in range(4):
+        x = torch.randn(3, 8)
+        out = runner([x, w])
+        assert out[0] is x and out[1].data_ptr() == x.data_ptr() and out[4] is None
+        assert out[3].untyped_storage().data_ptr() == out[2].untyped_storage().data_ptr()
+        kept.append((x, out))
+    for x, out in kept:  # held across calls: copies, with the alias between them kept
+        torch.testing.assert_close(out[2], x @ w)
+        out[2][1, 0] = 42.0
+        assert out[3][0, 0] == 42.0
+
+
+def _dropout(args: list) -> tuple:
+    (x,) = args
+    args.clear()
+    return aten.native_dropout.default(x, 0.5, True)
+
+
+def test_random_ops_draw_new_numbers_each_replay_as_uncaptured_calls_do() -> None:
+    x = torch.randn(64)
+    torch.manual_seed(0)
+    want = [_dropout([x])[1] for _ in range(5)]
+    torch.manual_seed(0)
+    runner = _runner(_dropout)
+    got = [runner([x])[1] for _ in range(5)]  # all kept: one uncaptured call, then copies
+    assert runner.replays == 3 and runner.uncaptured == 1
+    for g, w in zip(got, want):
+        assert torch.equal(g, w)
+    assert not torch.equal(got[-1], got[-2])
+
+
+def test_an_input_that_keeps_its_address_is_read_in_place_after_a_while() -> None:
+    w = torch.randn(8, 4)
+    runner = _runner(_mm_relu)
+    runner([torch.randn(3, 8), w])
+    x = torch.randn(3, 8)  # from the second call on the same tensor
+    for _ in range(PROMOTE_AFTER + 3):
+        x.normal_()
+        torch.testing.assert_close(runner([x, w])[0], torch.relu(x @ w))
+    assert runner.captures == 2 and "2 inputs read in place, 0 copied in" in runner.status
+    assert "kept its address" in runner.status
+
+
+def test_after_the_last_capture_everything_is_copied() -> None:
+    runner = _runner(_mm_relu)
+    for _ in range(MAX_CAPTURES + 3):
+        x, w = torch.randn(3, 8), torch.randn(8, 4)
+        keep = torch.randn(8, 4)  # noqa: F841 - keeps the freed w's memory from being reused
+        torch.testing.assert_close(runner([x, w])[0], torch.relu(x @ w))
+        del keep
+    assert runner.captures <= MAX_CAPTURES
+
+
+def test_final_capture_is_stable() -> None:
+    runner = _runner(_mm_relu)
+    runner.captures = MAX_CAPTURES - 1  # the next capture is the last
+    w = torch.randn(8, 4)
+    for _ in range(5):
+        x = torch.randn(3, 8)
+        torch.testing.assert_close(runner([x, w])[0], torch.relu(x @ w))
+    assert runner.captures == MAX_CAPTURES and "final: everything copied" in runner.status
+    assert "0 inputs read in place, 2 copied in" in runner.status and "0 handed out" in runner.status
+
+
+def test_a_failed_capture_runs_uncaptured_and_says_why() -> None:
+    w = torch.randn(8, 4)
+    runner = _runner(_mm_relu, FakeGraphs(fail=True))
+    for _ in range(3):
+        x = torch.randn(3, 8)
+        torch.testing.assert_close(runner([x, w])[0], torch.relu(x @ w))
+    assert runner.status.startswith("not captured: capture failed") and "stream is capturing" in runner.status
+
+
+# -- Ember training through the runner ----------------------------------------------------------
+
+
+def _train(model: nn.Module, fn, batches: list, accumulate: int, together: bool = False) -> list[float]:
+    opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    losses = []
+    for chunk in batches:
+        if together:  # two forwards, then one backward through both
+            loss = sum(nn.functional.cross_entropy(fn(x), y) for x, y in chunk)
+            loss.backward()
+            losses.append(loss.item())
+        else:
+            for x, y in chunk:
+                loss = nn.functional.cross_entropy(fn(x), y) / accumulate
+                loss.backward()
+                losses.append(loss.item())
+        opt.step()
+        opt.zero_grad()
+    return losses
+
+
+@pytest.mark.parametrize(("accumulate", "together"), [(1, False), (2, False), (2, True)])
+def test_ember_training_with_graphs_matches_training_without(monkeypatch, accumulate: int, together: bool) -> None:
+    torch.manual_seed(0)
+    base = _bn_dropout_net()
+    batches = [[(torch.randn(2, 3, 8, 8), torch.randint(0, 2, (2,))) for _ in range(accumulate)] for _ in range(4)]
+    runs = {}
+    for graphs in (False, True):
+        if graphs:  # every graph goes through the runner, on the CPU stand-in
+            monkeypatch.setattr(ember.pipeline, "cudagraph_blocker", lambda *a, **k: None)
+            monkeypatch.setattr(ember.pipeline, "CudaGraphRunner",
+                                functools.partial(CudaGraphRunner, backend=FakeGraphs()))
+        torch._dynamo.reset()
+        model = copy.deepcopy(base)
+        compiled = ember.compile(model, target="aten")
+        torch.manual_seed(1)
+        losses = _train(model, compiled, batches, accumulate, together)
+        statuses = [g.cudagraph for g in compiled._ember_backend.log.graphs]
+        runs[graphs] = (losses, [p.detach().clone() for p in model.state_dict().values()], statuses)
+    (l0, p0, _), (l1, p1, statuses) = runs[False], runs[True]
+    assert statuses and all(s.startswith("captured") for s in statuses), statuses
+    torch.testing.assert_close(torch.tensor(l1), torch.tensor(l0))
+    for a, b in zip(p1, p0):
+        torch.testing.assert_close(a, b)
+
