@@ -11,11 +11,14 @@ import os
 from pathlib import Path
 
 # Where Fused kernels run.
-#   "auto"             Triton on CUDA tensors, ATen on CPU tensors
+#   "auto"             Triton on CUDA tensors; on CPU tensors "cpu" when numba can be imported,
+#                      else "aten" (explain reports why)
 #   "triton"           generated Triton kernels (CUDA)
 #   "triton-interpret" the same Triton kernels through Triton's CPU interpreter (tests, CI)
+#   "cpu"              generated numba kernels on CPU tensors (codegen/cpu_kernel.py); a group the
+#                      generator does not cover (float16/bfloat16 ...) runs through ATen, with the reason
 #   "aten"             the ops of each Fused group run one by one through ATen
-TARGETS = ("auto", "triton", "triton-interpret", "aten")
+TARGETS = ("auto", "triton", "triton-interpret", "cpu", "aten")
 
 
 DEVICES = ("auto", "cpu", "cuda")

@@ -19,6 +19,7 @@ import torch
 import torch.fx as fx
 
 from ember import config
+from ember.codegen.cpu_kernel import CpuUnsupported, generate_cpu
 from ember.codegen.program import base_namespace, generate_program, get_attr
 from ember.codegen.triton_kernel import KernelSource, generate_triton
 from ember.config import Options
@@ -27,7 +28,7 @@ from ember.passes.freeze import static_input_indices
 from ember.report.records import GraphRecord
 from ember.runtime.artifacts import ProgramStore, caching_enabled, graph_key, restore_record, stored_program
 from ember.runtime.cudagraph import CudaGraphRunner, cudagraph_blocker
-from ember.runtime.kernels import kernel_file, load_kernel
+from ember.runtime.kernels import compile_cpu_kernels, kernel_file, load_kernel
 from ember.runtime.precompile import job_for, precompile
 from ember.runtime.program import CompiledGraph, boxed, expect_strides
 from ember.schedule.plan import FusedGroup, KernelPlan, plan_graph
@@ -44,7 +45,22 @@ def _resolve_target(gm: fx.GraphModule, options: Options) -> str:
         val = n.meta.get("val")
         if n.op == "placeholder" and isinstance(val, torch.Tensor) and val.device.type == "cuda":
             return "triton"
-    return "aten"
+    return "aten" if cpu_codegen_unavailable() else "cpu"
+
+
+_NUMBA_PROBLEM: list[str] = []
+
+
+def cpu_codegen_unavailable() -> str:
+    """Why CPU kernels cannot be generated in this process ("" when numba imports)."""
+    if not _NUMBA_PROBLEM:
+        try:
+            import numba  # noqa: F401 - only whether it imports
+        except Exception as err:  # noqa: BLE001 - any import failure means "use ATen"
+            _NUMBA_PROBLEM.append(f"numba cannot be imported ({type(err).__name__}: {err})")
+        else:
+            _NUMBA_PROBLEM.append("")
+    return _NUMBA_PROBLEM[0]
 
 
 def _dump(options: Options, name: str, text: str) -> None:
@@ -192,13 +208,38 @@ def _compile(gm: fx.GraphModule, example_inputs: list, options: Options, record:
 
     start = time.perf_counter()
     kernels: dict[int, KernelSource] = {}
+    on_aten: Counter = Counter()  # fused groups left on the ATen path, by reason
     if target in ("triton", "triton-interpret"):
         for group in plan.fused():
             kernels[group.index] = generate_triton(group, interpret=target == "triton-interpret")
+    elif target == "cpu":
+        for group in plan.fused():
+            try:
+                kernels[group.index] = generate_cpu(group)
+            except CpuUnsupported as why:
+                on_aten[str(why)] += 1
+            except Exception as err:  # noqa: BLE001 - a generator bug costs this group its kernel, never the graph
+                if os.environ.get("EMBER_STRICT", "0") not in ("0", ""):
+                    raise
+                on_aten[f"CPU code generator error {type(err).__name__}: {err}"] += 1
+    elif target == "aten" and options.target == "auto" and cpu_codegen_unavailable():
+        on_aten[cpu_codegen_unavailable()] += len(plan.fused())
     stage["codegen"] = time.perf_counter() - start
+    if target == "cpu" and kernels:
+        # Compile each unique kernel module now (or load numba's cached machine code), so the
+        # time shows as kernel_compile; a module that fails to compile sends its groups to ATen.
+        start = time.perf_counter()
+        failed = compile_cpu_kernels(list(kernels.values()), options.kernel_dir())
+        if failed and os.environ.get("EMBER_STRICT", "0") not in ("0", ""):
+            raise RuntimeError(f"CPU kernel compile failed: {next(iter(failed.values()))}")
+        for index in [i for i, ks in kernels.items() if ks.digest in failed]:
+            on_aten[f"CPU kernel compile error: {failed[kernels.pop(index).digest]}"] += 1
+        stage["kernel_compile"] = time.perf_counter() - start
     record.kernels = len(kernels)
     record.unique_kernels = len({k.name for k in kernels.values()})
     _record_plan(record, plan, kernels)
+    for why, count in on_aten.items():
+        record.fallback_reasons[f"fused group via ATen: {why}"] += count
 
     if target == "triton" and kernels:
         start = time.perf_counter()

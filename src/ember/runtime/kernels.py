@@ -4,19 +4,29 @@ Each kernel is written to ``<cache>/kernels/<name>.py`` (the name holds the cont
 atomically, so concurrent processes never see a half-written file. A file whose content
 does not match its hash is rewritten. Triton needs the source file to exist: it reads
 kernels back with ``inspect``.
+
+CPU kernels (names ``ember_cpu_*``, codegen/cpu_kernel.py) are numba modules shared by every
+use with the same structure: the module source of one use is the shared module plus a trailing
+line with this use's sizes, strides and constants. The shared part is written as
+``<kernel>.py`` and imported once per process (numba compiles it, or loads the machine code it
+cached in ``__pycache__`` next to the file); each use becomes a small launcher around it.
 """
 
 from __future__ import annotations
 
+import hashlib
 import importlib.util
 import os
+import sys
 import tempfile
 from collections.abc import Callable
 from pathlib import Path
+from types import ModuleType
 
 from ember.codegen.triton_kernel import KernelSource
 
 _LOADED: dict[tuple[str, str, bool], Callable] = {}
+_CPU_MODULES: dict[tuple[str, str], ModuleType] = {}
 
 
 def _write_atomic(path: Path, text: str) -> None:
@@ -29,8 +39,10 @@ def _write_atomic(path: Path, text: str) -> None:
 
 def kernel_file(ks: KernelSource, kernel_dir: Path) -> Path:
     """The kernel's module file, written (or repaired) if needed."""
-    path = kernel_dir / f"{ks.name}.py"
-    text = ks.module_source()
+    return _module_file(kernel_dir / f"{ks.name}.py", ks.module_source())
+
+
+def _module_file(path: Path, text: str) -> Path:
     try:
         ok = path.read_text() == text
     except (OSError, UnicodeDecodeError):
@@ -43,12 +55,16 @@ def kernel_file(ks: KernelSource, kernel_dir: Path) -> Path:
 def forget_loaded() -> None:
     """Drop the in-process kernel table, so the next load reads (and verifies) the files again."""
     _LOADED.clear()
+    _CPU_MODULES.clear()
 
 
 def load_kernel(ks: KernelSource, kernel_dir: Path, interpret: bool) -> Callable:
     """The launchable Triton function for ``ks`` (interpreted on CPU when ``interpret``)."""
     key = (str(kernel_dir), ks.name, interpret)
     if key in _LOADED:
+        return _LOADED[key]
+    if ks.name.startswith("ember_cpu_"):
+        _LOADED[key] = _cpu_launcher(ks.module_source(), kernel_dir)
         return _LOADED[key]
     path = kernel_file(ks, kernel_dir)
     spec = importlib.util.spec_from_file_location(f"ember_kernels.{ks.name}", path)
@@ -66,3 +82,52 @@ def load_kernel(ks: KernelSource, kernel_dir: Path, interpret: bool) -> Callable
     fn = getattr(module, ks.name)
     _LOADED[key] = fn
     return fn
+
+
+def cpu_kernel_module(text: str, kernel_dir: Path) -> ModuleType:
+    """Import (compiling or loading numba's cached machine code) the shared module of a CPU
+    kernel's module source; once per process and folder."""
+    from ember.codegen.cpu_kernel import split_module
+
+    shared, instance = split_module(text)
+    name = instance["kernel"]
+    key = (str(kernel_dir), name)
+    if key not in _CPU_MODULES:
+        path = _module_file(kernel_dir / f"{name}.py", shared)
+        # numba's cache rebuilds a function's environment by importing its module by name, so the
+        # module must be in sys.modules (under a name unique to this folder) before it runs.
+        modname = f"ember_cpu_{hashlib.sha256(str(kernel_dir).encode()).hexdigest()[:8]}_{name}"
+        spec = importlib.util.spec_from_file_location(modname, path)
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[modname] = module
+        try:
+            spec.loader.exec_module(module)
+        except BaseException:
+            sys.modules.pop(modname, None)
+            raise
+        _CPU_MODULES[key] = module
+    return _CPU_MODULES[key]
+
+
+def _cpu_launcher(text: str, kernel_dir: Path) -> Callable:
+    from ember.codegen.cpu_kernel import split_module
+    from ember.runtime.cpu_support import launcher
+
+    module = cpu_kernel_module(text, kernel_dir)
+    _, instance = split_module(text)
+    return launcher(getattr(module, instance["kernel"]).address, instance)
+
+
+def compile_cpu_kernels(kernels: list[KernelSource], kernel_dir: Path) -> dict[str, str]:
+    """Import every distinct shared module among ``kernels`` (CPU kernels only); returns the
+    kernels that failed to compile: digest -> error text."""
+    failed: dict[str, str] = {}
+    seen: set[str] = set()
+    for ks in kernels:
+        if ks.backend == "cpu" and ks.digest not in seen:
+            seen.add(ks.digest)
+            try:
+                cpu_kernel_module(ks.module_source(), kernel_dir)
+            except Exception as err:  # noqa: BLE001 - the caller runs these groups through ATen
+                failed[ks.digest] = f"{type(err).__name__}: {str(err)[:300]}"
+    return failed
