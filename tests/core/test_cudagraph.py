@@ -20,6 +20,7 @@ from torch import fx, nn
 from torch._subclasses import FakeTensorMode
 
 import ember
+from ember.runtime import cudagraph
 from ember.runtime.cudagraph import (
     MAX_CAPTURES,
     PROMOTE_AFTER,
@@ -148,6 +149,32 @@ def test_random_op_outside_the_philox_stream_blocks_capture(target, args, kwargs
     why = cudagraph_blocker(fx.GraphModule({}, graph), [_cuda(8)], "forward", "triton")
     name = target._overloadpacket.__name__
     assert why is not None and why.startswith("random op") and name in why and "repeat its numbers" in why
+
+
+@pytest.mark.parametrize("dropout_p", [0.0, 0.1])
+def test_attention_with_or_without_dropout_is_captured(dropout_p: float) -> None:
+    # Without dropout it draws nothing; with it, its kernels take philox seed and offset from
+    # the default CUDA generator in device memory while capturing.
+    graph = fx.Graph()
+    q, k, v = (graph.placeholder(n) for n in "qkv")
+    graph.output(graph.call_function(aten._scaled_dot_product_efficient_attention.default,
+                                     (q, k, v, None, True, dropout_p)))
+    inputs = [_cuda(2, 2, 8, 16) for _ in range(3)]
+    assert cudagraph_blocker(fx.GraphModule({}, graph), inputs, "forward", "triton") is None
+
+
+def test_dropout_p_of_an_unknown_attention_op_decides() -> None:
+    graph = fx.Graph()
+    q, k, v = (graph.placeholder(n) for n in "qkv")
+    graph.output(graph.call_function(aten._scaled_dot_product_fused_attention_overrideable.default, (q, k, v),
+                                     {"dropout_p": 0.5}))
+    inputs = [_cuda(2, 2, 8, 16) for _ in range(3)]
+    why = cudagraph_blocker(fx.GraphModule({}, graph), inputs, "forward", "triton")
+    assert why is not None and why.startswith("random op") and "overrideable" in why
+    graph = fx.Graph()
+    q, k, v = (graph.placeholder(n) for n in "qkv")
+    graph.output(graph.call_function(aten._scaled_dot_product_fused_attention_overrideable.default, (q, k, v)))
+    assert cudagraph_blocker(fx.GraphModule({}, graph), inputs, "forward", "triton") is None
 
 
 def test_random_op_with_its_own_generator_blocks_capture() -> None:
@@ -555,3 +582,77 @@ def test_ember_training_with_graphs_matches_training_without(monkeypatch, accumu
     for a, b in zip(p1, p0):
         torch.testing.assert_close(a, b)
 
+
+
+# -- benchmarks/gpu_cudagraph_check.py, on CPU ---------------------------------------------------
+
+
+@functools.cache
+def _check_module():
+    import importlib.util
+    import sys
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[2] / "benchmarks" / "gpu_cudagraph_check.py"
+    spec = importlib.util.spec_from_file_location("gpu_cudagraph_check", path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # its dataclasses look their module up
+    spec.loader.exec_module(module)
+    return module
+
+
+def _graphs_on_cpu(monkeypatch) -> None:
+    """Ember's programs go through CudaGraphRunner on the CPU stand-in when cudagraphs=True."""
+    monkeypatch.setattr(ember.pipeline, "cudagraph_blocker",
+                        lambda gm, inputs, kind, target, enabled=True: None if enabled else "turned off")
+    monkeypatch.setattr(ember.pipeline, "CudaGraphRunner", functools.partial(CudaGraphRunner, backend=FakeGraphs()))
+
+
+@pytest.mark.parametrize("mode", ["plain", "accumulate", "together"])
+def test_gpu_check_training_rows_pass_on_cpu(monkeypatch, mode: str) -> None:
+    check = _check_module()
+    _graphs_on_cpu(monkeypatch)
+    row = check.check_training("convnet", "fp32", mode, device="cpu", steps=3, graphs_off=mode == "plain",
+                               compile_fn=functools.partial(ember.compile, target="aten"))
+    assert row["ok"], row["problems"]
+    assert row["replays"] > 0 and len(row["statuses"]) == 2
+    assert len(row["losses"]["graphs"]) == 3 * (2 if mode == "accumulate" else 1)
+    assert "convnet" in check.table([row]) and "NO" not in check.table([row])
+
+
+def test_gpu_check_fails_when_a_replay_overwrites_held_outputs(monkeypatch) -> None:
+    check = _check_module()
+    _graphs_on_cpu(monkeypatch)
+    monkeypatch.setattr(cudagraph, "_held", lambda grp: False)  # the runner's guard, switched off
+    row = check.check_training("convnet", "fp32", "together", device="cpu", steps=3, graphs_off=False,
+                               compile_fn=functools.partial(ember.compile, target="aten"))
+    assert not row["ok"] and any("vs eager" in p for p in row["problems"]), row["problems"]
+
+
+def test_gpu_check_compare_names_the_worst_tensor() -> None:
+    check = _check_module()
+    initial = {"w": torch.zeros(3), "running_mean": torch.zeros(3)}
+    ref = check.Run(losses=[1.0, 0.5], state={"w": torch.ones(3), "running_mean": torch.ones(3)})
+    same = check.Run(losses=[1.0, 0.5], state={"w": torch.ones(3), "running_mean": torch.ones(3)})
+    errors = check.compare(same, ref, initial, {"w"})
+    assert check.problems_of(errors, check.TOL["fp32"]["eager"], "eager") == []
+    off = check.Run(losses=[1.0, 0.5], state={"w": torch.tensor([1.0, 1.0, 1.1]), "running_mean": torch.ones(3)})
+    problems = check.problems_of(check.compare(off, ref, initial, {"w"}), check.TOL["fp32"]["eager"], "eager")
+    assert len(problems) == 1 and problems[0].startswith("update vs eager") and "(w)" in problems[0]
+    short = check.Run(losses=[1.0], state=ref.state)
+    assert any(p.startswith("loss") for p in check.problems_of(check.compare(short, ref, initial, {"w"}),
+                                                               check.TOL["fp32"]["eager"], "eager"))
+    nan = check.Run(losses=[float("nan"), 0.5], state=ref.state)
+    assert any(p.startswith("loss") for p in check.problems_of(check.compare(nan, ref, initial, {"w"}),
+                                                               check.TOL["fp32"]["eager"], "eager"))
+
+
+def test_gpu_check_plan_and_output(monkeypatch, tmp_path) -> None:
+    check = _check_module()
+    rows = check.plan(None, ["convnet"], ["bert"])
+    assert ("convnet", "fp32", "accumulate") in rows and ("convnet", "fp32", "together") in rows
+    assert ("convnet", "bf16", "plain") in rows and rows[-1] == ("bert", "bf16", "infer")
+    assert check.plan("train", ["convnet"], ["bert"])[-1][2] != "infer"
+    monkeypatch.setenv("OUT", str(tmp_path))
+    assert check.output_path(None) == str(tmp_path / "cudagraph_check.json")
+    assert check.output_path("x.json") == "x.json"

@@ -69,6 +69,11 @@ GRAPH_SAFE_RANDOM = {
     "randint_like", "bernoulli", "bernoulli_", "uniform", "uniform_", "normal", "normal_",
     "exponential", "exponential_", "geometric", "geometric_", "cauchy", "cauchy_", "log_normal",
     "log_normal_", "random", "random_",
+    # Attention with dropout: the CUDA kernels take philox seed and offset from the generator in
+    # device memory while capturing; the backward reads the seed the forward returned.
+    "_scaled_dot_product_flash_attention", "_scaled_dot_product_efficient_attention",
+    "_scaled_dot_product_cudnn_attention", "_flash_attention_forward", "_efficient_attention_forward",
+    "_scaled_dot_product_efficient_attention_backward", "_efficient_attention_backward",
 }
 CAPTURED_KINDS = ("inference", "forward", "backward")
 MAX_CAPTURES = 5  # the last one copies every input and output, so it is final
@@ -155,16 +160,25 @@ def _random_reason(node: fx.Node) -> str | None:
     if torch.Tag.nondeterministic_seeded not in getattr(target, "tags", ()):
         return None
     schema = target._schema
-    names = [a.name for a in schema.arguments]
-    gen = node.kwargs.get("generator")
-    if gen is None and "generator" in names and names.index("generator") < len(node.args):
-        gen = node.args[names.index("generator")]
+    if _argument(node, schema, "dropout_p") == 0:
+        return None  # attention without dropout draws nothing
+    gen = _argument(node, schema, "generator")
     if gen is not None:
         return (f"random op {node.name} ({target}): draws from an explicit torch.Generator; only the "
                 "default CUDA generator advances between replays")
     if target._overloadpacket.__name__ not in GRAPH_SAFE_RANDOM:
         return (f"random op {node.name} ({target}): not known to draw from the default CUDA generator's "
                 "philox stream, so a replay could repeat its numbers")
+    return None
+
+
+def _argument(node: fx.Node, schema: torch.FunctionSchema, name: str) -> object:
+    """The value ``node`` passes for argument ``name`` (its default when left out; None if no such argument)."""
+    for i, sarg in enumerate(schema.arguments):
+        if sarg.name == name:
+            if name in node.kwargs:
+                return node.kwargs[name]
+            return node.args[i] if i < len(node.args) and not sarg.kwarg_only else sarg.default_value
     return None
 
 
@@ -406,6 +420,8 @@ class CudaGraphRunner:
         with torch.inference_mode(False):
             buffers = [torch.empty_strided(refs[i].shape, refs[i].stride(), dtype=refs[i].dtype,
                                            device=refs[i].device) for i in dynamic]
+        if buffers:  # the replay right after copies again; this makes the buffers hold real inputs
+            torch._foreach_copy_(buffers, [refs[i] for i in dynamic])
         inputs = list(refs)
         for i, buf in zip(dynamic, buffers):
             inputs[i] = buf
