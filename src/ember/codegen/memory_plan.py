@@ -79,8 +79,9 @@ def reuse_storage(dead: torch.Tensor, shape: Sequence[int], stride: Sequence[int
     """The program's ``_reuse``: ``dead``'s storage as a new ``shape``/``stride`` buffer, or a fresh
     buffer when anything else still refers to that storage (rule 5 of the module docstring)."""
     storage = dead.untyped_storage()
+    span = 1 + sum((s - 1) * st for s, st in zip(shape, stride)) if all(shape) else 0
     # Two references when nothing else holds it: ``dead`` itself and the ``storage`` object here.
-    if torch._C._storage_Use_Count(storage._cdata) > 2:
+    if torch._C._storage_Use_Count(storage._cdata) > 2 or storage.nbytes() < span * dead.element_size():
         return torch.empty_strided(shape, stride, dtype=dead.dtype, device=dead.device)
     # A new tensor on the same storage, not a view: a view would keep ``dead`` alive as its base.
     return torch.empty(0, dtype=dead.dtype, device=dead.device).set_(storage, 0, shape, stride)
@@ -124,6 +125,9 @@ def _allocates(slot: _Slot, plan: KernelPlan) -> bool:
     step = plan.steps[slot.key[0]]
     if step.kind == "frozen":
         return True  # recomputed (rarely) when a parameter changes: count it
+    # A constant is materialised right before the first op that reads it: count that op.
+    if any(a in plan.constants for a in slot.reads):
+        return True
     node = slot.key[1]
     return node is not None and not _aliases_input(node)
 
