@@ -16,6 +16,7 @@ they would be within one model (numba compiles ~0.1-0.3 s per kernel on this 2-c
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -32,8 +33,6 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import ember
-from ember.codegen.cpu_kernel import generate_cpu
-from ember.schedule.plan import plan_graph
 
 pytest.importorskip("numba")
 pytestmark = pytest.mark.filterwarnings("ignore:.*encountered in:RuntimeWarning")
@@ -279,3 +278,158 @@ def test_batch_norm_running_stats_update() -> None:
     assert_close(out, want, norm_rtol=1e-5)
     assert_close(bn.running_mean, ref.running_mean)
     assert_close(bn.running_var, ref.running_var)
+
+
+# -- kernel sharing, disk cache, fallbacks -----------------------------------------------------
+
+def _kernel_digests(compiled: Callable) -> list[str]:
+    return [name.split("_")[2] for g in _graphs(compiled) for name in g.kernel_sources]
+
+
+def test_same_structure_at_two_shapes_compiles_one_kernel() -> None:
+    """Sizes, strides and constants are kernel arguments: a layer-norm + GELU block at two sizes
+    (and two eps values) is one compiled kernel per group, launched with different data."""
+    def block(x, w, b, eps: float):
+        return F.gelu(F.layer_norm(x, (x.shape[-1],), w, b, eps=eps)) * 2
+
+    names = []
+    for rows, width, eps in ((16, 64, 1e-5), (40, 96, 1e-6)):
+        torch._dynamo.reset()
+        args = [torch.randn(rows, width), torch.rand(width) + 0.5, torch.randn(width)]
+        compiled = ember.compile(lambda x, w, b, eps=eps: block(x, w, b, eps), target="cpu")
+        assert_close(compiled(*args), block(*args, eps), norm_rtol=1e-5)
+        names.append(sorted(n for g in _graphs(compiled) for n in g.kernel_sources))
+    assert len(names[0]) == len(names[1]) >= 1
+    assert names[0] != names[1], "the two shapes must be different kernel uses"
+    assert [n.split("_")[2] for n in names[0]] == [n.split("_")[2] for n in names[1]], names
+
+
+def test_layers_of_one_model_share_kernels() -> None:
+    model = torch.nn.Sequential(*(torch.nn.Sequential(torch.nn.Linear(w, w2), torch.nn.LayerNorm(w2), torch.nn.GELU())
+                                  for w, w2 in ((32, 48), (48, 64), (64, 80))))
+    compiled = ember.compile(model, target="cpu")
+    x = torch.randn(8, 32)
+    assert_close(compiled(x), model(x), norm_rtol=1e-5)
+    digests = _kernel_digests(compiled)
+    assert len(digests) >= 3 and len(set(digests)) < len(digests), digests
+
+
+_WARM_SCRIPT = textwrap.dedent("""
+    import json, sys, torch, ember
+    from ember.runtime import kernels
+    f = lambda x: torch.softmax(x * 0.5, -1) + torch.erf(x)
+    x = torch.randn(17, 33)
+    out = ember.compile(f, target="cpu")(x)
+    torch.testing.assert_close(out, f(x))
+    hits = [getattr(m, n).cache_hits for m in kernels._CPU_MODULES.values() for n in dir(m) if n.startswith("ember_cpu_")]
+    print(json.dumps(hits))
+""")
+
+
+def test_second_process_loads_machine_code_from_disk(tmp_path: Path) -> None:
+    env = {**os.environ, "EMBER_CACHE_DIR": str(tmp_path), "EMBER_CACHE": "0"}  # no program cache: codegen runs
+    runs = [subprocess.run([sys.executable, "-c", _WARM_SCRIPT], env=env, capture_output=True, text=True, timeout=300)
+            for _ in range(2)]
+    for r in runs:
+        assert r.returncode == 0, r.stderr[-3000:]
+    first, second = (json.loads(r.stdout.strip().splitlines()[-1]) for r in runs)
+    assert first and all(h == 0 for h in first), first  # compiled
+    assert second and all(h == 1 for h in second), second  # loaded from numba's cache next to the module
+    assert list((tmp_path / "kernels" / "__pycache__").glob("ember_cpu_*.nbi"))
+
+
+def test_float16_groups_stay_on_aten_with_reason() -> None:
+    x = torch.randn(30, 40).half()
+    compiled = ember.compile(lambda x: (x * 2).relu() + 1, target="cpu")
+    assert_close(compiled(x), (x * 2).relu() + 1)
+    reasons = Counter()
+    for g in _graphs(compiled):
+        reasons.update(g.fallback_reasons)
+    assert any("float16" in r for r in reasons), reasons
+
+
+def test_attention_block_train() -> None:
+    """Every fused group of an attention block (layer norm, scaled masked softmax, GELU, row
+    sums and their backward) is covered by the generator: none is left on ATen."""
+    def fn(x, w, b, m):
+        h = F.layer_norm(x, (64,), w, b)
+        s = torch.softmax(h @ h.transpose(-1, -2) * 0.125 + m, -1)
+        return F.gelu(s @ h).sum(-1)
+
+    args = [torch.randn(2, 16, 64), torch.rand(64), torch.randn(64), torch.randn(2, 1, 16)]
+    check(fn, args, grad=True, norm_rtol=1e-5)
+
+
+# -- real models ---------------------------------------------------------------------------------
+
+def _rel(a: torch.Tensor, ref: torch.Tensor) -> float:
+    return ((a.double() - ref.double()).norm() / ref.double().norm().clamp_min(1e-12)).item()
+
+
+def _train_step_matches_eager(model: torch.nn.Module, inputs: tuple, loss_fn: Callable) -> Callable:
+    """One training step (forward, loss, backward) and one inference call through Ember's CPU
+    kernels: output, loss, every parameter gradient and float buffer as close to a float64 eager
+    reference as eager float32 is (4x its error, or under 1e-5)."""
+    import copy
+
+    ref = copy.deepcopy(model).double()
+    eager = copy.deepcopy(model)
+    ours = copy.deepcopy(model)
+    compiled = ember.compile(ours, target="cpu")
+
+    def step(m, fn, cast):
+        m.train()
+        out = fn(*(t.double() if cast and t.is_floating_point() else t for t in inputs))
+        out = out.last_hidden_state if hasattr(out, "last_hidden_state") else out
+        loss = loss_fn(out)
+        loss.backward()
+        return out.detach(), loss.detach()
+
+    errors = {}
+    (r_out, r_loss), (e_out, e_loss), (c_out, c_loss) = step(ref, ref, True), step(eager, eager, False), \
+        step(ours, compiled, False)
+    errors["output"] = (_rel(c_out, r_out), _rel(e_out, r_out))
+    errors["loss"] = (_rel(c_loss, r_loss), _rel(e_loss, r_loss))
+    for (name, p), pe, pr in zip(ours.named_parameters(), eager.parameters(), ref.parameters()):
+        if pr.grad is not None:
+            errors[f"grad {name}"] = (_rel(p.grad, pr.grad), _rel(pe.grad, pr.grad))
+    for (name, b), be, br in zip(ours.named_buffers(), eager.buffers(), ref.buffers()):
+        if b.is_floating_point():
+            errors[f"buffer {name}"] = (_rel(b, br), _rel(be, br))
+    for m in (ref, eager, ours):
+        m.eval()
+    with torch.no_grad():
+        r = ref(*(t.double() if t.is_floating_point() else t for t in inputs))
+        c = compiled(*inputs)
+    r = r.last_hidden_state if hasattr(r, "last_hidden_state") else r
+    c = c.last_hidden_state if hasattr(c, "last_hidden_state") else c
+    errors["inference output"] = (_rel(c, r), 0.0)
+    bad = {k: v for k, v in errors.items() if not (v[0] <= max(4 * v[1], 1e-5))}
+    assert not bad, f"(ember, eager) error vs float64: {bad}"
+    assert sum(k.startswith("grad ") for k in errors) >= 10
+    kinds = Counter(g.kind for g in _graphs(compiled))
+    assert kinds["forward"] and kinds["backward"] and kinds["inference"], kinds
+    for g in _graphs(compiled):
+        assert g.error is None and g.target == "cpu" and g.kernels >= 1, (g.title, g.error, g.target)
+        assert not g.placement.get("fused-aten"), f"{g.title}: {dict(g.fallback_reasons)}"
+    return compiled
+
+
+def test_resnet18_train_step_and_inference() -> None:
+    torchvision = pytest.importorskip("torchvision")
+    torch.manual_seed(0)
+    model = torchvision.models.resnet18(num_classes=10)
+    x = torch.randn(4, 3, 32, 32)
+    target = torch.randint(0, 10, (4,))
+    _train_step_matches_eager(model, (x,), lambda out: F.cross_entropy(out, target))
+
+
+def test_small_bert_train_step_and_inference() -> None:
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    config = transformers.BertConfig(vocab_size=120, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+                                     intermediate_size=128, max_position_embeddings=64,
+                                     hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)
+    model = transformers.BertModel(config)
+    ids = torch.randint(0, 120, (2, 24))
+    _train_step_matches_eager(model, (ids,), lambda out: (out.float() ** 2).mean())
