@@ -11,7 +11,7 @@ Layouts:
            NCHW tensors): one work unit per kept point; per reduction level one loop nest over
            the reduced dims with scalar accumulators, then a loop that stores the full outputs.
   columns  a kept dim is innermost (pointwise groups; sums over the batch of a [B, C] tensor,
-           channels-last statistics): one work unit per block of ``COLUMN_BLOCK`` points of the
+           channels-last statistics): one work unit per block of (up to ``COLUMN_BLOCK``) points of the
            innermost kept dim, accumulators in stack arrays, reduced loops outside the vector loop.
 Work units are split over threads by the driver (runtime/cpu_support.py).
 
@@ -43,8 +43,12 @@ from ember.schedule.rules import OpClass, classify, constant_value
 aten = torch.ops.aten
 
 INSTANCE_MARKER = "# ember-cpu-instance: "
-COLUMN_BLOCK = 512  # points per unit of column reductions (stack accumulators: runtime STACK_BLOCK)
-POINTWISE_BLOCK = 8192  # points per unit of pointwise groups (work granularity only)
+COLUMN_BLOCK = 512  # most points per unit of column reductions (stack accumulators: runtime STACK_BLOCK)
+POINTWISE_BLOCK = 8192  # most points per unit of pointwise groups (work granularity only)
+SCRATCH = 2048  # reduced extents up to this are persistent (runtime SCRATCH)
+# Values worth a store and a load rather than computing again in a later loop over the row.
+_COSTLY = {aten.exp.default, aten.log.default, aten.erf.default, aten.tanh.default, aten.sigmoid.default,
+           aten.sin.default, aten.cos.default}
 FASTMATH = '{"reassoc", "nsz", "contract"}'  # never nnan/ninf: NaN and inf behave as in torch
 _BIG = 1 << 62
 _SUPPORT = Path(__file__).resolve().parents[1] / "runtime" / "cpu_support.py"
@@ -125,6 +129,15 @@ class _CpuWriter:
         self.counter = 0
         self.level = self._levels()
         self.stack_arrays: list[str] = []
+        self.scalars: dict[tuple, Value] = {}
+        # Persistent rows (short reduced extent, as Triton's persistent reductions): costly values
+        # computed in one loop over the row are kept in stack scratch for the later loops.
+        rnumel = 1
+        for lp in self.loops_r:
+            rnumel *= self._size(lp)
+        self.persistent = self.layout == "rows" and rnumel <= SCRATCH
+        self.scratch: dict[fx.Node, str] = {}
+        self.final_loop = False
 
     # -- what the generator covers ----------------------------------------------------------
     def _check_supported(self) -> None:
@@ -220,17 +233,21 @@ class _CpuWriter:
         self.prologue.append(f"{name} = {read.format(f'a[{slot}]') if read else f'a[{slot}]'}")
         return name
 
-    def _scalar(self, value: object) -> Value:
-        """A Python scalar of the graph: a kernel parameter (so the text does not depend on it)."""
+    def _scalar(self, value: object, key: tuple) -> Value:
+        """A Python scalar of the graph: a kernel parameter (so the text does not depend on it),
+        one per (node, argument) however many loops evaluate the node."""
         if isinstance(value, bool):
             return Value("True" if value else "False", None, "bool")
-        self.counter += 1
-        if isinstance(value, float):
-            bits = int(np.array(value, dtype=np.float64).view(np.int64))
-            return Value(self._param(f"c{self.counter}", bits, "_i64_as_f64({})"), None, "float")
-        if isinstance(value, int):
-            return Value(self._param(f"c{self.counter}", value), None, "int")
-        raise CpuUnsupported(f"scalar argument {value!r}")
+        if key not in self.scalars:
+            self.counter += 1
+            if isinstance(value, float):
+                bits = int(np.array(value, dtype=np.float64).view(np.int64))
+                self.scalars[key] = Value(self._param(f"c{self.counter}", bits, "_i64_as_f64({})"), None, "float")
+            elif isinstance(value, int):
+                self.scalars[key] = Value(self._param(f"c{self.counter}", value), None, "int")
+            else:
+                raise CpuUnsupported(f"scalar argument {value!r}")
+        return self.scalars[key]
 
     def _tmp(self) -> str:
         self.counter += 1
@@ -302,6 +319,11 @@ class _CpuWriter:
         target = body if (self._walks_r(dims) or self.layout == "columns") else body.xbody
         if node in target.cache:
             return target.cache[node]
+        if node in self.scratch:  # computed in an earlier loop over this row
+            var = self._tmp()
+            target.lines.append(f"{var} = {self.scratch[node]}[{self._rlin()}]  # kept: {_src(node)}")
+            target.cache[node] = Value(var, node.meta["val"].dtype)
+            return target.cache[node]
         cls = classify(node).cls
         if cls == OpClass.VIEW:
             result = self.value(node.args[0], body)
@@ -317,25 +339,42 @@ class _CpuWriter:
                     elif a in self.g.input_dims[node]:
                         ops.append(self._load(a, self.g.input_dims[node][a], body))
                     else:
-                        ops.append(self._scalar(constant_value(a)))
+                        ops.append(self._scalar(constant_value(a), (a,)))
                 elif a is None:
                     ops.append(Value("None", None))
                 elif isinstance(a, (bool, int, float)) and i not in structural:
-                    ops.append(self._scalar(a))
+                    ops.append(self._scalar(a, (node, i)))
                 else:
                     ops.append(Value(repr(a), None))
             var = self._tmp()
             target.lines.append(f"{var} = {cpu_ops.lower_pointwise(node, ops)}  # {_src(node)}")
             result = Value(var, node.meta["val"].dtype)
+            dtype = node.meta["val"].dtype
+            if (self.persistent and not self.final_loop and node.target in _COSTLY and self._walks_r(dims)
+                    and dtype in (torch.float32, torch.float64)):
+                self.counter += 1
+                sc = f"sc{self.counter}"
+                self.stack_arrays.append(f"{sc} = _scratch_{'f32' if dtype == torch.float32 else 'f64'}()")
+                target.lines.append(f"{sc}[{self._rlin()}] = {var}")
+                self.scratch[node] = sc
         target.cache[node] = result
         return result
+
+    def _rlin(self) -> str:
+        """The position in the row: the reduced loop coordinates as one linear index."""
+        expr = self.loops_r[0].var
+        for lp in self.loops_r[1:]:
+            expr = f"({expr} * {lp.size_param} + {lp.var})"
+        return expr
 
     # -- reductions -----------------------------------------------------------------------------
     def _acc_dtype(self, node: fx.Node) -> tuple[torch.dtype, str]:
         dtype = node.meta["val"].dtype
         kind = {aten.amax.default: "max", aten.amin.default: "min"}.get(node.target, "sum")
-        if kind == "sum" and dtype == torch.float32:
-            return torch.float64, kind  # float32 sums accumulate in float64 (long reductions stay exact)
+        if kind == "sum" and dtype == torch.float32 and not self.persistent:
+            # Long or column-wise float32 sums accumulate in float64; a persistent row (<= SCRATCH
+            # values, summed in vector lanes) stays within float32 rounding of ATen in float32.
+            return torch.float64, kind
         return dtype, kind
 
     def _identity(self, node: fx.Node) -> str:
@@ -461,29 +500,35 @@ class _CpuWriter:
             if columns:
                 self.unit.lines += self._nest(body, reduced=False, vector=True)
         if full_outputs:
+            self.final_loop = True
             body = _Body(None if columns else self.unit)
             for n in full_outputs:
                 self._store(n, body)
             self.unit.lines += self._nest(body, reduced=True, vector=columns)
         return self._assemble(unit_head)
 
+    def _column_block(self) -> int:
+        """Points of the innermost kept loop per unit: aim at 8 or more units along it (threads
+        balance), within [64, COLUMN_BLOCK] for reductions and [1024, POINTWISE_BLOCK] otherwise."""
+        cap, floor = (COLUMN_BLOCK, 64) if self.loops_r else (POINTWISE_BLOCK, 1024)
+        want = -(-self._size(self.loops_x[-1]) // 8)
+        return max(min(cap, -(-want // 16) * 16), floor)
+
     def _unit_coordinates(self) -> list[str]:
         """Lines that turn the unit number ``u`` into kept coordinates (and the column block)."""
         lines = []
         rows = self._row_loops()
+        self.prologue_extra = []
+        rem = "u"
         if self.layout == "columns":
             if self.loops_x:
                 last = self.loops_x[-1].size_param
-                block = COLUMN_BLOCK if self.loops_r else POINTWISE_BLOCK
-                self.prologue_extra = [f"nblk = ({last} + {block - 1}) // {block}"]
-                lines += ["row = u // nblk", f"lo = (u - row * nblk) * {block}", f"hi = min(lo + {block}, {last})"]
+                self._param("blk", self._column_block())
+                self.prologue_extra = [f"nblk = ({last} + blk - 1) // blk"]
+                lines += ["row = u // nblk", "lo = (u - row * nblk) * blk", f"hi = min(lo + blk, {last})"]
             else:  # a 0-d iteration space: one point
-                self.prologue_extra = []
                 lines += ["row = u", "lo = 0", "hi = 1"]
             rem = "row"
-        else:
-            self.prologue_extra = []
-            rem = "u"
         for i in range(len(rows) - 1, -1, -1):
             lp = rows[i]
             if i == 0:
@@ -499,8 +544,7 @@ class _CpuWriter:
         for lp in self._row_loops():
             rows *= self._size(lp)
         if self.layout == "columns" and self.loops_x:
-            block = COLUMN_BLOCK if self.loops_r else POINTWISE_BLOCK
-            rows *= -(-self._size(self.loops_x[-1]) // block)
+            rows *= -(-self._size(self.loops_x[-1]) // self._column_block())
         return rows
 
     def _assemble(self, unit_head: list[str]) -> KernelSource:

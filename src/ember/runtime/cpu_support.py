@@ -32,8 +32,10 @@ from numba.extending import intrinsic
 
 # The signature of every kernel: first unit, end unit, address of the int64 argument vector.
 KERNEL_SIGNATURE = types.void(types.int64, types.int64, types.int64)
-# Per-unit scratch (accumulators of column reductions), in elements; codegen uses the same.
+# Per-unit scratch in elements (codegen uses the same numbers): accumulators of column
+# reductions, and the values a persistent row reduction keeps instead of recomputing them.
 STACK_BLOCK = 512
+SCRATCH = 2048
 # Iteration spaces smaller than this run on one thread (a parallel region costs ~2 us).
 PARALLEL_MIN = 32768
 
@@ -78,6 +80,8 @@ _stack_i32 = _stack_intrinsic(types.int32, STACK_BLOCK)
 _stack_i16 = _stack_intrinsic(types.int16, STACK_BLOCK)
 _stack_i8 = _stack_intrinsic(types.int8, STACK_BLOCK)
 _stack_u8 = _stack_intrinsic(types.uint8, STACK_BLOCK)
+_scratch_f32 = _stack_intrinsic(types.float32, SCRATCH)
+_scratch_f64 = _stack_intrinsic(types.float64, SCRATCH)
 
 
 @intrinsic
@@ -229,9 +233,9 @@ def drive(kernel, units, threads, argv):
             _call_kernel(kernel, lo, hi, addr)
 
 
-__all__ = ["KERNEL_SIGNATURE", "PARALLEL_MIN", "STACK_BLOCK", "drive", "launcher", "threads_for", "erf32", "erf64", "exp32", "exp64", "tanh32", "tanh64",
+__all__ = ["KERNEL_SIGNATURE", "PARALLEL_MIN", "SCRATCH", "STACK_BLOCK", "drive", "launcher", "threads_for", "erf32", "erf64", "exp32", "exp64", "tanh32", "tanh64",
            "_fmax", "_fmin", "_i32_as_f32", "_i64_as_f64", "_p_f32", "_p_f64", "_p_i16", "_p_i32", "_p_i64", "_p_i8",
-           "_p_u8", "_stack_f32", "_stack_f64", "_stack_i16", "_stack_i32", "_stack_i64", "_stack_i8", "_stack_u8"]
+           "_p_u8", "_scratch_f32", "_scratch_f64", "_stack_f32", "_stack_f64", "_stack_i16", "_stack_i32", "_stack_i64", "_stack_i8", "_stack_u8"]
 
 
 def threads_for(points: int, units: int) -> int:
