@@ -24,20 +24,15 @@ def compile(model: Callable, **options: Any) -> Callable:  # noqa: A001 - mirror
 
     Options (see ``ember.config.Options``): ``target`` ("auto", "triton", "triton-interpret",
     "aten"), ``check`` (compare with eager on the first call), ``debug_dir``, ``cache_dir``,
-    ``max_recompiles``.
+    ``max_recompiles`` (static shape specialisations per frame before one dynamic-shape graph;
+    see ``ember.capture.backend``).
     """
     backend = EmberBackend(Options.from_env(**options))
-    compiled = torch.compile(model, backend=backend, dynamic=False)
+    # What torch.compile calls, minus its backend wrapper, which would drop the backend's
+    # backend_ctx_ctor: the per-call shape policy and recompile limit of this model.
+    compiled = torch._dynamo.optimize(backend, dynamic=None)(model)
     compiled._ember_backend = backend
-    _limit_recompiles(backend.options.max_recompiles)
     return compiled
-
-
-def _limit_recompiles(limit: int) -> None:
-    # Dynamo's per-frame limit: past it the frame runs eagerly (correct, uncompiled) and warns.
-    cfg = torch._dynamo.config
-    name = "recompile_limit" if hasattr(cfg, "recompile_limit") else "cache_size_limit"
-    setattr(cfg, name, limit)
 
 
 def explain(model: Callable, *args: Any, **kwargs: Any) -> Any:

@@ -54,7 +54,7 @@ class Options:
     debug_dir: str | None = None
     # Folder for generated kernel modules (content-addressed).
     cache_dir: str | None = None
-    # Shape specialisations per compiled frame before Dynamo gives up and runs eager.
+    # Static shape specialisations per compiled frame; then one dynamic-shape graph (capture/backend.py).
     max_recompiles: int = 8
     # Replay CUDA programs as CUDA graphs where runtime.cudagraph allows (EMBER_CUDAGRAPHS=0: off).
     cudagraphs: bool = True

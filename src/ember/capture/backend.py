@@ -3,13 +3,25 @@
 Training graphs are split by AOTAutograd into a forward and a backward graph, both compiled
 by Ember; with grad disabled AOTAutograd hands over one inference graph. Registered as the
 ``torch.compile`` backend ``"ember"`` (entry point group ``torch_dynamo_backends``).
+
+Recompiles (``ember.compile``). Dynamo guards every graph on its inputs' shapes, dtypes and
+devices; a call that fails them compiles again. Each frame gets up to ``max_recompiles`` static
+specialisations (Ember generates its kernels for exact shapes). Once a frame of the model has
+used them up, Dynamo's automatic dynamic shapes are switched on for the model's calls: the next
+recompile of a frame whose sizes changed traces ONE dynamic-shape graph (the changed sizes
+symbolic) that serves every later size. Ember compiles static shapes only, so a dynamic-shape
+graph runs through ATen as captured (every op reported as a fallback with that reason). Past
+``max_recompiles + DYNAMIC_RECOMPILES`` compiles of one frame Dynamo runs it eagerly. Every
+recompile is logged with what changed, and whether it made a dynamic-shape graph.
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import itertools
-from collections.abc import Callable
+from collections import Counter
+from collections.abc import Callable, Iterator
 
 import torch
 import torch.fx as fx
@@ -20,6 +32,12 @@ from ember.capture.decompositions import decomposition_table
 from ember.config import Options
 from ember.pipeline import compile_graph
 from ember.report.records import CompileLog, GraphRecord
+from ember.runtime.program import CompiledGraph, boxed
+
+# Compiles of one frame Dynamo still allows after its static budget (more dynamic dims, a new
+# dtype or grad mode) before it runs the frame eagerly.
+DYNAMIC_RECOMPILES = 4
+_LIMIT = "recompile_limit" if hasattr(torch._dynamo.config, "recompile_limit") else "cache_size_limit"
 
 _DECOMPOSITIONS: dict[bool, dict] = {}
 
@@ -42,9 +60,24 @@ def _signature(inputs: list) -> list[str]:
     for x in inputs:
         if isinstance(x, torch.Tensor):
             sig.append(f"{x.dtype}{list(x.shape)}@{x.device}")
+        elif isinstance(x, torch.SymInt):
+            sig.append(f"SymInt {x}")
         else:
             sig.append(type(x).__name__)
     return sig
+
+
+def _symbolic(value: object) -> bool:
+    if isinstance(value, torch.SymInt):
+        return True
+    return isinstance(value, torch.Tensor) and any(not isinstance(d, int) for d in value.shape)
+
+
+def _symbolic_inputs(gm: fx.GraphModule, key: str) -> list[str]:
+    """The graph's inputs with symbolic sizes (``key``: "example_value" for Dynamo's graph, "val"
+    for AOTAutograd's), e.g. ``torch.float32[s77, 7]@cpu``."""
+    vals = [n.meta.get(key) for n in gm.graph.nodes if n.op == "placeholder"]
+    return _signature([v for v in vals if isinstance(v, torch.Tensor) and _symbolic(v)])
 
 
 def _compile_id() -> str:
@@ -66,17 +99,54 @@ class EmberBackend:
     def __init__(self, options: Options | None = None) -> None:
         self.options = options or Options.from_env()
         self.log = CompileLog()
+        self.static_compiles: Counter = Counter()  # frame id -> static-shape compiles
+        # torch._dynamo.optimize enters this around every call of the compiled model (what
+        # ember.compile uses; torch.compile(backend=...) does not pass it on).
+        self.backend_ctx_ctor = self.shape_policy
+
+    @property
+    def static_budget(self) -> int:
+        return max(1, self.options.max_recompiles)
+
+    def dynamic_shapes_on(self) -> bool:
+        """Whether a frame of this model has used up its static specialisations."""
+        return any(n >= self.static_budget for n in self.static_compiles.values())
+
+    @contextlib.contextmanager
+    def shape_policy(self) -> Iterator[None]:
+        """Dynamo's settings during one call: static shapes (``dynamic=False``'s settings) until the
+        static budget is spent, then automatic dynamic shapes; this model's recompile limit."""
+        cfg = torch._dynamo.config
+        new = {"automatic_dynamic_shapes": self.dynamic_shapes_on(), "assume_static_by_default": True,
+               _LIMIT: self.static_budget + DYNAMIC_RECOMPILES}
+        old = {name: getattr(cfg, name) for name in new}
+        for name, value in new.items():
+            setattr(cfg, name, value)
+        try:
+            yield
+        finally:
+            for name, value in old.items():
+                setattr(cfg, name, value)
 
     def __call__(self, gm: fx.GraphModule, example_inputs: list) -> Callable:
         check_device(example_inputs, self.options.device)
         cid = _compile_id()
-        sig = _signature(example_inputs)
+        # Sizes as called; a dynamic-shape graph also takes its symbolic sizes as SymInt inputs.
+        sig = _signature([x for x in example_inputs if not isinstance(x, torch.SymInt)])
+        dynamic = any(_symbolic(x) for x in example_inputs) or bool(_symbolic_inputs(gm, "example_value"))
         frame, _, nth = cid.partition("/")
         if nth not in ("", "0"):
             prior = [s for f, s in self.log.frames if f.partition("/")[0] == frame]
             changed = _describe_change(prior[-1], sig) if prior else "guard failure"
+            if dynamic:
+                changed += (f"; dynamic-shape graph {', '.join(_symbolic_inputs(gm, 'example_value'))} after "
+                            f"{self.static_compiles[frame]} static specialisation(s), runs through ATen as captured")
             self.log.recompiles.append(f"frame {frame} compile {nth}: {changed}")
         self.log.frames.append((cid, sig))
+        if dynamic:
+            self.log.dynamic.append(cid)
+        else:
+            self.static_compiles[frame] += 1
         n = next(self._ids)
 
         def make(kind: str) -> Callable:
@@ -84,6 +154,8 @@ class EmberBackend:
                 record = GraphRecord(title=f"{kind} {n} (frame {cid})", kind=kind, frame=cid, target="",
                                      input_signature=_signature(inputs))
                 self.log.graphs.append(record)
+                if _symbolic_inputs(graph, "val") or any(_symbolic(x) for x in inputs):
+                    return _run_as_captured(graph, record)
                 return compile_graph(graph, inputs, self.options, record)
             return compiler
 
@@ -108,6 +180,28 @@ def check_device(example_inputs: list, device: str) -> None:
         if isinstance(x, torch.Tensor) and x.device.type != device:
             raise ValueError(f"ember.compile(device={device!r}): graph input {i} ({list(x.shape)}) is on "
                              f"{x.device}; move the model and its inputs to {device} or use device='auto'")
+
+
+def _run_as_captured(graph: fx.GraphModule, record: GraphRecord) -> Callable:
+    """A dynamic-shape graph: Ember generates code for static shapes only, so the ATen graph runs
+    op by op as AOTAutograd captured it; every op is reported as a fallback saying why."""
+    record.dynamic = True
+    record.target = "aten (dynamic shapes)"
+    record.program = graph.code
+    record.cudagraph = "not captured: dynamic shapes"
+    for node in graph.graph.nodes:
+        if node.op == "call_function":
+            target = node.target
+            name = (f"{target.namespace}.{target._overloadpacket.__name__}"
+                    if isinstance(target, torch._ops.OpOverload) else getattr(target, "__name__", str(target)))
+            record.placement.setdefault("fallback", Counter())[name] += 1
+            record.fallback_reasons[f"{name}: dynamic-shape graph, runs through ATen as captured"] += 1
+
+    def run(args: list) -> object:
+        inputs = list(args)
+        args.clear()  # AOTAutograd's boxed convention: the graph owns its inputs
+        return graph(*inputs)
+    return boxed(CompiledGraph(record.title, graph.code, run))
 
 
 def _describe_change(old: list[str], new: list[str]) -> str:

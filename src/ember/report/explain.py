@@ -81,6 +81,10 @@ class ExplainReport:
     dynamo_graphs: int
     graph_breaks: Counter = field(default_factory=Counter)  # Dynamo's full reason -> count
     recompiles: list[str] = field(default_factory=list)
+    # For a model from ember.compile: its own compiles so far (explain compiles afresh, once).
+    model_compiles: list[str] = field(default_factory=list)  # compile ids, e.g. "0/3"
+    model_recompiles: list[str] = field(default_factory=list)  # what changed, per recompile
+    model_dynamic: list[str] = field(default_factory=list)  # compile ids of dynamic-shape graphs
 
     # -- numbers -------------------------------------------------------------------------------
     @property
@@ -163,6 +167,8 @@ class ExplainReport:
             "graph_breaks": {"count": sum(self.graph_breaks.values()),
                              "reasons": [{"reason": r, "count": n} for r, n in self.graph_breaks.items()]},
             "recompiles": list(self.recompiles),
+            "model_history": {"compiles": list(self.model_compiles), "recompiles": list(self.model_recompiles),
+                              "dynamic_shape_graphs": list(self.model_dynamic)},
             "kernels": self.kernels, "unique_kernels": self.unique_kernels,
             "coverage": self.coverage(), "problems": self.problems(), "graphs": graphs,
         }
@@ -190,6 +196,12 @@ class ExplainReport:
         lines += [f"  {n}x {short_reason(r)}" for r, n in self.graph_breaks.most_common()]
         lines.append(f"Recompiles: {len(self.recompiles)}")
         lines += [f"  {r}" for r in self.recompiles]
+        if self.model_compiles:
+            static = len(self.model_compiles) - len(self.model_dynamic)
+            lines.append(f"The compiled model so far: {len(self.model_compiles)} Dynamo graph(s), {static} with static "
+                         f"shapes, {len(self.model_dynamic)} with dynamic shapes (run through ATen as captured); "
+                         f"{len(self.model_recompiles)} recompile(s)")
+            lines += [f"  {r}" for r in self.model_recompiles]
         hint = ""
         if not self.kernels and any(g.placement.get("fused-aten") for g in self.graphs):
             hint = "; fused groups ran op by op through ATen (target aten)"
@@ -400,6 +412,7 @@ def explain_with(model: Callable, args: tuple | list = (), kwargs: dict[str, Any
     when the output requires grad) and return the report."""
     from torch._dynamo.utils import counters
 
+    history = getattr(getattr(model, "_ember_backend", None), "log", None)
     model, inherited = _unwrap(model)
     backend = EmberBackend(Options.from_env(**{**inherited, **options}))
     timed = _TimedBackend(backend)
@@ -433,7 +446,10 @@ def explain_with(model: Callable, args: tuple | list = (), kwargs: dict[str, Any
     return ExplainReport(
         log=log, target=backend.options.target, training=training, total_s=forward_s + backward_s,
         forward_s=forward_s, backward_s=backward_s, first_run_s=first_run, first_run_note=note,
-        dynamo_graphs=len(log.frames), graph_breaks=+breaks, recompiles=_own_recompiles(log))
+        dynamo_graphs=len(log.frames), graph_breaks=+breaks, recompiles=_own_recompiles(log),
+        model_compiles=[cid for cid, _ in history.frames] if history else [],
+        model_recompiles=list(history.recompiles) if history else [],
+        model_dynamic=list(history.dynamic) if history else [])
 
 
 def explain(model: Callable, *args: Any, **kwargs: Any) -> ExplainReport:

@@ -25,6 +25,7 @@ class GraphRecord:
     unique_kernels: int = 0
     input_signature: list[str] = field(default_factory=list)
     error: str | None = None  # set when Ember could not compile and ran the graph as captured
+    dynamic: bool = False  # a dynamic-shape graph: runs through ATen as captured (capture/backend.py)
     plan_text: str = ""
     program: str = ""
     kernel_sources: dict[str, str] = field(default_factory=dict)
@@ -40,3 +41,4 @@ class CompileLog:
     graphs: list[GraphRecord] = field(default_factory=list)
     frames: list[tuple[str, list[str]]] = field(default_factory=list)  # compile id, input signature
     recompiles: list[str] = field(default_factory=list)  # one line per recompile: id and reason
+    dynamic: list[str] = field(default_factory=list)  # compile ids of dynamic-shape Dynamo graphs
