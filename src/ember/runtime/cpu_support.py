@@ -222,6 +222,8 @@ def drive(kernel, units, threads, argv):
     """Run ``kernel`` (a cfunc address) over ``units`` work units on ``threads`` threads; one
     thread runs it directly, with no parallel region (its fixed cost is ~1.5 us)."""
     addr = argv.ctypes.data
+    if units <= 0:
+        return
     if threads <= 1 or units <= 1:
         _call_kernel(kernel, 0, units, addr)
         return
