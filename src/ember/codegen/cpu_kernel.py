@@ -46,6 +46,7 @@ INSTANCE_MARKER = "# ember-cpu-instance: "
 COLUMN_BLOCK = 512  # most points per unit of column reductions (stack accumulators: runtime STACK_BLOCK)
 POINTWISE_BLOCK = 8192  # most points per unit of pointwise groups (work granularity only)
 SCRATCH = 2048  # reduced extents up to this are persistent (runtime SCRATCH)
+ACC_BLOCK = 4096  # long float32 row sums: elements per float32 block (64 per lane) before float64
 # Values worth a store and a load rather than computing again in a later loop over the row.
 _COSTLY = {aten.exp.default, aten.log.default, aten.erf.default, aten.tanh.default, aten.sigmoid.default,
            aten.sin.default, aten.cos.default}
@@ -407,7 +408,8 @@ class _CpuWriter:
         acc_dt, _ = self._acc_dtype(node)
         return acc if acc_dt == dtype else f"{NP_DTYPE[dtype]}({acc})"
 
-    def _reduce_input(self, node: fx.Node, body: _Body) -> str:
+    def _reduce_input(self, node: fx.Node, body: _Body, widen: bool = True) -> str:
+        """The reduced value in the reduction's dtype, or (``widen``) in its accumulator's."""
         src = node.args[0]
         dtype = node.meta["val"].dtype
         if src in self.g.dims:
@@ -416,7 +418,7 @@ class _CpuWriter:
             op = self._load(src, self.g.input_dims[node][src], body)
         acc_dt, _ = self._acc_dtype(node)
         v = op.as_(dtype)
-        return v if acc_dt == dtype else f"{NP_DTYPE[acc_dt]}({v})"
+        return v if (acc_dt == dtype or not widen) else f"{NP_DTYPE[acc_dt]}({v})"
 
     def _reduced_value(self, node: fx.Node, target: _Body) -> Value:
         var = self.unit.cache[("acc", node)]
@@ -428,22 +430,34 @@ class _CpuWriter:
         return Value(out, dtype)
 
     # -- loops --------------------------------------------------------------------------------
-    def _nest(self, body: _Body, reduced: bool, vector: bool) -> list[str]:
-        headers = [f"for {lp.var} in range({lp.size_param}):" for lp in self.loops_r] if reduced else []
+    def _nest(self, body: _Body, reduced: bool, vector: bool, blocked: list[tuple[str, str]] = ()) -> list[str]:
+        """``body`` inside the reduced loops (outermost first) and/or the vector loop. ``blocked``:
+        (block, total) accumulator pairs: the innermost reduced loop runs in blocks of
+        ACC_BLOCK, each summed in float32 lanes, then added to the float64 total."""
+        lines = body.lines or ["pass"]
         if vector:
-            headers.append("for xi in range(lo, hi):")
-        lines = []
-        for depth, h in enumerate(headers):
-            lines.append("    " * depth + h)
-        pad = "    " * len(headers)
-        return lines + [pad + line for line in (body.lines or ["pass"])]
+            lines = ["for xi in range(lo, hi):"] + _indent(lines)
+        loops = self.loops_r if reduced else []
+        for i in range(len(loops) - 1, -1, -1):
+            lp = loops[i]
+            if blocked and i == len(loops) - 1:
+                start = f"{lp.var}b"
+                lines = ([f"{blk} = np.float32(0.0)" for blk, _ in blocked]
+                         + [f"for {lp.var} in range({start}, min({start} + {ACC_BLOCK}, {lp.size_param})):"]
+                         + _indent(lines) + [f"{tot} = {tot} + np.float64({blk})" for blk, tot in blocked])
+                lines = [f"for {start} in range(0, {lp.size_param}, {ACC_BLOCK}):"] + _indent(lines)
+            else:
+                lines = [f"for {lp.var} in range({lp.size_param}):"] + _indent(lines)
+        return lines
 
     def _level(self, reductions: list[fx.Node]) -> None:
         columns = self.layout == "columns"
         body = _Body(None if columns else self.unit)
+        blocked: list[tuple[str, str]] = []
         for r in reductions:
-            v = self._reduce_input(r, body)
-            acc_dt, _ = self._acc_dtype(r)
+            acc_dt, kind = self._acc_dtype(r)
+            block = not columns and kind == "sum" and acc_dt == torch.float64 and r.meta["val"].dtype == torch.float32
+            v = self._reduce_input(r, body, widen=not block)
             self.counter += 1
             acc = f"acc{self.counter}"
             if columns:
@@ -451,11 +465,18 @@ class _CpuWriter:
                 self.stack_arrays.append(f"{acc} = {stack}()")
                 self.unit.lines += ["for xi in range(lo, hi):", f"    {acc}[xi - lo] = {self._identity(r)}"]
                 body.lines.append(f"{acc}[xi - lo] = {self._combine(r, f'{acc}[xi - lo]', v)}  # {_src(r)}")
+            elif block:
+                # A long float32 row sum: float32 lanes per block (vectorises at full width, no
+                # conversions), float64 across blocks (stays exact over millions of elements).
+                self.unit.lines.append(f"{acc} = {self._identity(r)}")
+                blk = f"{acc}b"
+                blocked.append((blk, acc))
+                body.lines.append(f"{blk} = {blk} + {v}  # {_src(r)}")
             else:
                 self.unit.lines.append(f"{acc} = {self._identity(r)}")
                 body.lines.append(f"{acc} = {self._combine(r, acc, v)}  # {_src(r)}")
             self.unit.cache[("acc", r)] = acc
-        self.unit.lines += self._nest(body, reduced=True, vector=columns)
+        self.unit.lines += self._nest(body, reduced=True, vector=columns, blocked=blocked)
         if not columns:
             for r in reductions:
                 acc = self.unit.cache[("acc", r)]
@@ -574,6 +595,10 @@ class _CpuWriter:
         source = f"# source ops:\n{ops}\n{sizes}" + text.replace("KERNEL_NAME", kernel_name) + "\n" + trailer
         return KernelSource(name, source, digest, self.tensors, len(self.g.inputs), units, {"units": units}, head,
                             canonical.replace("KERNEL_NAME", kernel_name) + "\n" + trailer, backend="cpu")
+
+
+def _indent(lines: list[str]) -> list[str]:
+    return ["    " + line for line in lines]
 
 
 def generate_cpu(group: FusedGroup) -> KernelSource:
