@@ -299,11 +299,9 @@ class FakeGraphs(CudaBackend):
     def __init__(self, fail: bool = False) -> None:
         self.fail = fail
         self.captured = 0
+        self.recovered = False
 
-    def new_pool(self) -> object:
-        return object()
-
-    def capture(self, run, inputs: list, pool: object, device: torch.device) -> tuple[object, object]:
+    def capture(self, run, inputs: list, device: torch.device) -> tuple[object, object]:
         if self.fail:
             raise RuntimeError("operation not permitted when stream is capturing")
         self.captured += 1
@@ -327,8 +325,8 @@ class FakeGraphs(CudaBackend):
             if isinstance(old, torch.Tensor) and old.untyped_storage()._cdata != fresh.untyped_storage()._cdata:
                 old.data.copy_(fresh)
 
-    def recover(self) -> None:
-        pass
+    def recover(self, device: torch.device) -> None:
+        self.recovered = True
 
 
 def _runner(program, backend: FakeGraphs | None = None) -> CudaGraphRunner:
@@ -530,10 +528,12 @@ def test_final_capture_is_stable() -> None:
 
 def test_a_failed_capture_runs_uncaptured_and_says_why() -> None:
     w = torch.randn(8, 4)
-    runner = _runner(_mm_relu, FakeGraphs(fail=True))
+    backend = FakeGraphs(fail=True)
+    runner = _runner(_mm_relu, backend)
     for _ in range(3):
         x = torch.randn(3, 8)
         torch.testing.assert_close(runner([x, w])[0], torch.relu(x @ w))
+    assert backend.recovered  # the CUDA backend resets the generator's capture state there
     assert runner.status.startswith("not captured: capture failed") and "stream is capturing" in runner.status
 
 
@@ -651,8 +651,8 @@ def test_gpu_check_plan_and_output(monkeypatch, tmp_path) -> None:
     check = _check_module()
     rows = check.plan(None, ["convnet"], ["bert"])
     assert ("convnet", "fp32", "accumulate") in rows and ("convnet", "fp32", "together") in rows
-    assert ("convnet", "bf16", "plain") in rows and rows[-1] == ("bert", "bf16", "infer")
-    assert check.plan("train", ["convnet"], ["bert"])[-1][2] != "infer"
+    assert ("convnet", "bf16", "plain") in rows and rows[-2:] == [("bert", "bf16", "infer"), ("recovery", "fp32", "failure")]
+    assert all(mode != "infer" for _, _, mode in check.plan("train", ["convnet"], ["bert"]))
     monkeypatch.setenv("OUT", str(tmp_path))
     assert check.output_path(None) == str(tmp_path / "cudagraph_check.json")
     assert check.output_path("x.json") == "x.json"

@@ -228,19 +228,20 @@ def _may_alias_input(node: fx.Node) -> bool:
 class CudaBackend:
     """What the runner asks of the device (a CPU stand-in replaces it in the tests)."""
 
-    def new_pool(self) -> object:
-        return torch.cuda.graph_pool_handle()
+    def capture(self, run: Callable[[list], object], inputs: list, device: torch.device) -> tuple[object, object]:
+        """Record ``run(inputs)`` into a new graph without executing it: (graph, outputs).
 
-    def capture(self, run: Callable[[list], object], inputs: list, pool: object,
-                device: torch.device) -> tuple[object, object]:
-        """Record ``run(inputs)`` into a new graph without executing it: (graph, outputs)."""
+        Every capture gets a private memory pool of its own (no ``pool=``): a pool shared with
+        a graph that has been dropped while the caller still holds some of its outputs cannot
+        be captured into again (the allocator asserts its use count is positive), and a fresh
+        pool lets the dropped one be freed as soon as those outputs are."""
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.device(device):
             stream = torch.cuda.Stream()
             stream.wait_stream(torch.cuda.current_stream())
             # thread_local: another thread's CUDA calls (a data loader pinning memory) must not
             # break the capture, nor the capture break them.
-            with torch.cuda.graph(graph, pool=pool, stream=stream, capture_error_mode="thread_local"):
+            with torch.cuda.graph(graph, stream=stream, capture_error_mode="thread_local"):
                 outputs = run(list(inputs))
             torch.cuda.current_stream().wait_stream(stream)
         return graph, outputs
@@ -249,8 +250,20 @@ class CudaBackend:
         """Replay ``graph``; ``args`` are this call's inputs (the graph reads their addresses)."""
         graph.replay()  # type: ignore[attr-defined]
 
-    def recover(self) -> None:
-        torch.cuda.synchronize()
+    def recover(self, device: torch.device) -> None:
+        """After a failed capture. A capture that fails after it began leaves the default CUDA
+        generator in capture mode, and every later random op outside a capture raises ("Offset
+        increment outside graph capture"); a small capture that completes resets it."""
+        torch.cuda.synchronize(device)
+        try:
+            with torch.cuda.device(device):
+                graph = torch.cuda.CUDAGraph()
+                stream = torch.cuda.Stream()
+                with torch.cuda.graph(graph, stream=stream, capture_error_mode="thread_local"):
+                    torch.empty(1, device=device).zero_()
+                del graph
+        except Exception:  # noqa: BLE001 - best effort; the program still runs uncaptured
+            pass
 
 
 @dataclass
@@ -306,7 +319,6 @@ class CudaGraphRunner:
         self.captures = 0
         self.replays = 0
         self.uncaptured = 0  # calls after capture that ran uncaptured because outputs were still held
-        self.pool: object = None
         self.g: _Graph | None = None
         self.prev_ptrs: list[int] | None = None
         self.demoted: set[int] = set()  # moved while read in place: copied in from now on
@@ -315,6 +327,7 @@ class CudaGraphRunner:
         self.next_static: list[int] = []
         self.last_reason = ""
         self.disabled: str | None = None
+        self.device = torch.device("cuda")
         self._set_status("waiting for the second call, which is captured and replayed after")
 
     def _set_status(self, text: str) -> None:
@@ -401,7 +414,7 @@ class CudaGraphRunner:
             self.g = None
             self.disabled = f"{type(err).__name__}: {str(err)[:200]}"
             self._set_status(f"not captured: capture failed, running uncaptured: {self.disabled}")
-            self.backend.recover()
+            self.backend.recover(self.device)
             return self.run(refs)
         self._describe()
         return self._replay(refs)
@@ -426,9 +439,9 @@ class CudaGraphRunner:
         for i, buf in zip(dynamic, buffers):
             inputs[i] = buf
         before = [_version(x) for x in inputs]
-        self.pool = self.pool if self.pool is not None else self.backend.new_pool()
+        self.device = device
         self.captures += 1
-        graph, outputs = self.backend.capture(self.run, inputs, self.pool, device)
+        graph, outputs = self.backend.capture(self.run, inputs, device)
         after = [_version(x) for x in inputs]
         mutated = {i for i in tensors if before[i] is None or before[i] != after[i]}
         slots, groups, container = self._outputs(outputs, inputs, final)
