@@ -189,15 +189,8 @@ def test_device_option() -> None:
         ember.compile(model, device="tpu")
 
 
-# densenet121's training step through the op-by-op ATen path (target "aten") has weight-gradient
-# errors of 3e-3 vs float64 where eager has 3e-5 (present before the CPU inference passes; the
-# Triton-interpreter path of test_seed_models.py is within tolerance).
-_SEED_CASES = [pytest.param(n, marks=pytest.mark.xfail(strict=True, reason="aten-path training gradients"))
-               if n == "densenet121" else n for n in SEED_SUITE]
-
-
 @pytest.mark.slow
-@pytest.mark.parametrize("name", _SEED_CASES)
+@pytest.mark.parametrize("name", SEED_SUITE)
 def test_seed_models_through_the_cpu_backend(name: str) -> None:
     """The seed suite with Ember's default CPU path: a training step, then inference in eval mode
     (batch-norm statistics updated by that step, so folding them is exercised), vs float64 eager."""
