@@ -84,19 +84,17 @@ def load_kernel(ks: KernelSource, kernel_dir: Path, interpret: bool) -> Callable
     return fn
 
 
-def cpu_kernel_module(text: str, kernel_dir: Path) -> ModuleType:
-    """Import (compiling or loading numba's cached machine code) the shared module of a CPU
-    kernel's module source; once per process and folder."""
-    from ember.codegen.cpu_kernel import split_module
+def _cpu_module_name(kernel_dir: Path, name: str) -> str:
+    # numba's cache rebuilds a function's environment by importing its module by name, so the
+    # module must be in sys.modules under a name that is the same in every process (and unique
+    # to the folder) before it runs.
+    return f"ember_cpu_{hashlib.sha256(str(kernel_dir).encode()).hexdigest()[:8]}_{name}"
 
-    shared, instance = split_module(text)
-    name = instance["kernel"]
+
+def _import_cpu_module(kernel_dir: Path, name: str, path: Path) -> ModuleType:
     key = (str(kernel_dir), name)
     if key not in _CPU_MODULES:
-        path = _module_file(kernel_dir / f"{name}.py", shared)
-        # numba's cache rebuilds a function's environment by importing its module by name, so the
-        # module must be in sys.modules (under a name unique to this folder) before it runs.
-        modname = f"ember_cpu_{hashlib.sha256(str(kernel_dir).encode()).hexdigest()[:8]}_{name}"
+        modname = _cpu_module_name(kernel_dir, name)
         spec = importlib.util.spec_from_file_location(modname, path)
         module = importlib.util.module_from_spec(spec)
         sys.modules[modname] = module
@@ -109,6 +107,18 @@ def cpu_kernel_module(text: str, kernel_dir: Path) -> ModuleType:
     return _CPU_MODULES[key]
 
 
+def cpu_kernel_module(text: str, kernel_dir: Path) -> ModuleType:
+    """Import (compiling, or loading numba's cached machine code) the shared module of a CPU
+    kernel's module source; once per process and folder."""
+    from ember.codegen.cpu_kernel import split_module
+
+    shared, instance = split_module(text)
+    name = instance["kernel"]
+    if (str(kernel_dir), name) in _CPU_MODULES:
+        return _CPU_MODULES[(str(kernel_dir), name)]
+    return _import_cpu_module(kernel_dir, name, _module_file(kernel_dir / f"{name}.py", shared))
+
+
 def _cpu_launcher(text: str, kernel_dir: Path) -> Callable:
     from ember.codegen.cpu_kernel import split_module
     from ember.runtime.cpu_support import launcher
@@ -118,16 +128,44 @@ def _cpu_launcher(text: str, kernel_dir: Path) -> Callable:
     return launcher(getattr(module, instance["kernel"]).address, instance)
 
 
+def _numba_cached(path: Path) -> bool:
+    """Whether numba's cache next to ``path`` has an index for its kernel (then loading is fast)."""
+    return any((path.parent / "__pycache__").glob(f"{path.stem}.{path.stem}-*.nbi"))
+
+
 def compile_cpu_kernels(kernels: list[KernelSource], kernel_dir: Path) -> dict[str, str]:
-    """Import every distinct shared module among ``kernels`` (CPU kernels only); returns the
-    kernels that failed to compile: digest -> error text."""
+    """Import every distinct shared module among ``kernels`` (CPU kernels only), compiling the
+    ones numba has not cached yet in parallel (runtime/cpu_compile.py). Returns the kernels that
+    failed to compile: digest -> error text (their groups then run through ATen)."""
+    from ember.codegen.cpu_kernel import split_module
+    from ember.runtime.cpu_compile import compile_parallel
+
     failed: dict[str, str] = {}
-    seen: set[str] = set()
+    todo: dict[str, tuple[str, Path]] = {}  # module path -> (kernel name, digest)
     for ks in kernels:
-        if ks.backend == "cpu" and ks.digest not in seen:
-            seen.add(ks.digest)
-            try:
-                cpu_kernel_module(ks.module_source(), kernel_dir)
-            except Exception as err:  # noqa: BLE001 - the caller runs these groups through ATen
-                failed[ks.digest] = f"{type(err).__name__}: {str(err)[:300]}"
+        if ks.backend != "cpu" or ks.digest in failed:
+            continue
+        shared, instance = split_module(ks.module_source())
+        name = instance["kernel"]
+        if (str(kernel_dir), name) in _CPU_MODULES:
+            continue
+        try:
+            path = _module_file(kernel_dir / f"{name}.py", shared)
+        except OSError as err:
+            failed[ks.digest] = f"{type(err).__name__}: {err}"
+            continue
+        todo[str(path)] = (name, ks.digest)
+
+    def here(modname: str, path: str) -> None:
+        name, digest = todo[path]
+        try:
+            _import_cpu_module(kernel_dir, name, Path(path))
+        except Exception as err:  # noqa: BLE001 - the caller runs these groups through ATen
+            failed[digest] = f"{type(err).__name__}: {str(err)[:300]}"
+
+    cold = [(_cpu_module_name(kernel_dir, todo[p][0]), p) for p in todo if not _numba_cached(Path(p))]
+    compile_parallel(cold, here)
+    for path, (name, _) in todo.items():  # cached ones, and those the workers compiled
+        if (str(kernel_dir), name) not in _CPU_MODULES:
+            here(_cpu_module_name(kernel_dir, name), path)
     return failed
