@@ -435,3 +435,28 @@ def test_small_bert_train_step_and_inference() -> None:
     model = transformers.BertModel(config)
     ids = torch.randint(0, 120, (2, 24))
     _train_step_matches_eager(model, (ids,), lambda out: (out.float() ** 2).mean())
+
+
+def test_parallel_compile_in_a_worker_process(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    """With a compile worker, kernels the worker compiled are loaded from numba's cache and give
+    the same results; kernels it could not compile are compiled here."""
+    from ember.runtime import cpu_compile
+
+    monkeypatch.setenv("EMBER_CACHE_DIR", str(tmp_path))
+    monkeypatch.setenv("EMBER_COMPILE_WORKERS", "1")
+    by_worker: list[set[str]] = []
+    real = cpu_compile.compile_parallel
+
+    def spy(jobs, compile_here):
+        done = real(jobs, compile_here)
+        by_worker.append(done)
+        return done
+
+    monkeypatch.setattr(cpu_compile, "compile_parallel", spy)
+
+    def fn(x, y, m):  # several distinct kernels: softmax, a masked pointwise chain, a column sum
+        return torch.softmax(x, -1), torch.where(m, x * y, -y).exp(), (x * y).sum(0), torch.erf(x).amax(1)
+
+    args = [torch.randn(37, 300), torch.randn(37, 300), torch.rand(37, 300) > 0.5]
+    check(fn, args)
+    assert by_worker and sum(len(d) for d in by_worker) >= 1, by_worker

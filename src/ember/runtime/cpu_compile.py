@@ -12,7 +12,8 @@ so one starts in about half a second; they live as long as this process (end of 
 them). ``EMBER_COMPILE_WORKERS`` sets their number (default: CPU cores - 1, at most 8; 0 compiles
 everything in this process). Workers only help when a core is free: while the load average
 says the machine is busy (other processes keep the cores occupied; measured on a shared 2-core
-machine: 5.3 s with a worker vs 4.7 s without at load 5), this process compiles alone. Anything
+machine: 5.3 s with a worker vs 4.7 s without at load 5), this process compiles alone unless
+``EMBER_COMPILE_WORKERS`` is set. Anything
 that goes wrong in a worker only means this process compiles that kernel itself.
 """
 
@@ -115,7 +116,8 @@ def compile_parallel(jobs: list[tuple[str, str]], compile_here: Callable[[str, s
     """Compile ``jobs`` (module name, module path): this process calls ``compile_here`` on
     kernels from the front, workers import kernels from the back. Returns the paths the workers
     compiled (their machine code is in numba's disk cache now)."""
-    count = min(worker_count(), _idle_cores())
+    # An explicit EMBER_COMPILE_WORKERS is obeyed; the default also looks at the load.
+    count = worker_count() if os.environ.get("EMBER_COMPILE_WORKERS") else min(worker_count(), _idle_cores())
     if count <= 0 or len(jobs) < 2:
         for modname, path in jobs:
             compile_here(modname, path)
