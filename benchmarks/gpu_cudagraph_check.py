@@ -71,6 +71,9 @@ TOL = {
 }
 
 
+# This script checks training capture, which is opt-in for users.
+os.environ.setdefault("EMBER_CUDAGRAPHS_TRAINING", "1")
+
 def small_convnet() -> nn.Module:
     return nn.Sequential(
         nn.Conv2d(3, 16, 3, padding=1), nn.BatchNorm2d(16), nn.ReLU(), nn.MaxPool2d(2),

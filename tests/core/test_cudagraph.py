@@ -33,6 +33,19 @@ aten = torch.ops.aten
 _FAKE = FakeTensorMode(allow_non_fake_inputs=True)
 
 
+@pytest.fixture(autouse=True)
+def _training_capture_on(monkeypatch: pytest.MonkeyPatch) -> None:
+    # Training capture is opt-in (EMBER_CUDAGRAPHS_TRAINING=1); these tests exercise it.
+    monkeypatch.setenv("EMBER_CUDAGRAPHS_TRAINING", "1")
+
+
+def test_training_capture_is_opt_in(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("EMBER_CUDAGRAPHS_TRAINING")
+    from ember.runtime.cudagraph import training_capture_enabled
+    assert not training_capture_enabled()
+
+
+
 def _cuda(*shape: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
     with _FAKE:
         return torch.empty(shape, device="cuda", dtype=dtype)
