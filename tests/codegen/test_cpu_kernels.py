@@ -247,6 +247,14 @@ def test_long_sums_stay_accurate(shape: tuple[int, ...]) -> None:
     assert ((got.double() - ref).abs() / ref).max().item() < 1.2e-7
 
 
+@pytest.mark.parametrize("shape", [(0, 5), (3, 0), (0, 3000)])
+def test_empty_extents(shape: tuple[int, ...]) -> None:
+    """Empty tensors: nothing to compute, but reductions over an empty extent still store their
+    identity (sum 0, mean NaN)."""
+    x = torch.randn(*shape)
+    check(lambda x: (x * 2 + 1, x.sum(0) + 1, x.mean(1), x.sum(1) * 3), [x])
+
+
 # -- normalisations -----------------------------------------------------------------------------
 
 @pytest.mark.parametrize("dims", [(12, 128, 128), (3, 50, 1000)])

@@ -572,7 +572,7 @@ class _CpuWriter:
         points = 1
         for lp in self.loops_x + self.loops_r:
             points *= self._size(lp)
-        units = self.units() if points else 0
+        units = self.units()  # a reduction over an empty extent still stores its identity
         params_ptr = [f"{self.pointer[n]} = {POINTER[n.meta['val'].dtype]}(a[{i}])" for i, n in enumerate(self.tensors)]
         shape = (f"layout {self.layout}; kept loops {[lp.members for lp in self.loops_x]}, "
                  f"reduced loops {[lp.members for lp in self.loops_r]} of S")
