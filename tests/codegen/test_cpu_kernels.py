@@ -247,6 +247,22 @@ def test_long_sums_stay_accurate(shape: tuple[int, ...]) -> None:
     assert ((got.double() - ref).abs() / ref).max().item() < 1.2e-7
 
 
+@pytest.mark.parametrize("layout", ["contiguous", "channels_last"])
+def test_column_sums_over_many_rows(layout: str) -> None:
+    """Column-layout sums (the kept dim innermost in memory): float32 partial sums per block of
+    128 rows, float64 across blocks, a partial last block; plus mean and amax alongside."""
+    if layout == "contiguous":
+        x, dims = torch.rand(1000, 70) + 100.0, (0,)
+    else:
+        x, dims = (torch.rand(5, 16, 13, 11) + 100.0).contiguous(memory_format=torch.channels_last), (0, 2, 3)
+    compiled = ember.compile(lambda x: (x.sum(dims), x.mean(dims), x.amax(dims)), target="cpu")
+    got = compiled(x)
+    ref = (x.double().sum(dims), x.double().mean(dims), x.double().amax(dims))
+    for g, r in zip(got, ref):
+        assert ((g.double() - r).abs() / r.abs()).max().item() < 1.2e-7
+    assert any("layout columns" in src for gr in _graphs(compiled) for src in gr.kernel_sources.values())
+
+
 @pytest.mark.parametrize("shape", [(0, 5), (3, 0), (0, 3000)])
 def test_empty_extents(shape: tuple[int, ...]) -> None:
     """Empty tensors: nothing to compute, but reductions over an empty extent still store their

@@ -47,6 +47,7 @@ COLUMN_BLOCK = 512  # most points per unit of column reductions (stack accumulat
 POINTWISE_BLOCK = 8192  # most points per unit of pointwise groups (work granularity only)
 SCRATCH = 2048  # reduced extents up to this are persistent (runtime SCRATCH)
 ACC_BLOCK = 4096  # long float32 row sums: elements per float32 block (64 per lane) before float64
+COLUMN_ACC_BLOCK = 128  # float32 column sums: rows per float32 block before float64
 # Values worth a store and a load rather than computing again in a later loop over the row.
 _COSTLY = {aten.exp.default, aten.log.default, aten.erf.default, aten.tanh.default, aten.sigmoid.default,
            aten.sin.default, aten.cos.default}
@@ -430,10 +431,10 @@ class _CpuWriter:
         return Value(out, dtype)
 
     # -- loops --------------------------------------------------------------------------------
-    def _nest(self, body: _Body, reduced: bool, vector: bool, blocked: list[tuple[str, str]] = ()) -> list[str]:
-        """``body`` inside the reduced loops (outermost first) and/or the vector loop. ``blocked``:
-        (block, total) accumulator pairs: the innermost reduced loop runs in blocks of
-        ACC_BLOCK, each summed in float32 lanes, then added to the float64 total."""
+    def _nest(self, body: _Body, reduced: bool, vector: bool, blocked: tuple = ()) -> list[str]:
+        """``body`` inside the reduced loops (outermost first) and/or the vector loop. ``blocked``
+        = (block size, init lines, flush lines): the innermost reduced loop runs in blocks whose
+        float32 partial sums are zeroed before and added to the float64 totals after each block."""
         lines = body.lines or ["pass"]
         if vector:
             lines = ["for xi in range(lo, hi):"] + _indent(lines)
@@ -441,11 +442,11 @@ class _CpuWriter:
         for i in range(len(loops) - 1, -1, -1):
             lp = loops[i]
             if blocked and i == len(loops) - 1:
+                size, init, flush = blocked
                 start = f"{lp.var}b"
-                lines = ([f"{blk} = np.float32(0.0)" for blk, _ in blocked]
-                         + [f"for {lp.var} in range({start}, min({start} + {ACC_BLOCK}, {lp.size_param})):"]
-                         + _indent(lines) + [f"{tot} = {tot} + np.float64({blk})" for blk, tot in blocked])
-                lines = [f"for {start} in range(0, {lp.size_param}, {ACC_BLOCK}):"] + _indent(lines)
+                lines = (init + [f"for {lp.var} in range({start}, min({start} + {size}, {lp.size_param})):"]
+                         + _indent(lines) + flush)
+                lines = [f"for {start} in range(0, {lp.size_param}, {size}):"] + _indent(lines)
             else:
                 lines = [f"for {lp.var} in range({lp.size_param}):"] + _indent(lines)
         return lines
@@ -453,29 +454,38 @@ class _CpuWriter:
     def _level(self, reductions: list[fx.Node]) -> None:
         columns = self.layout == "columns"
         body = _Body(None if columns else self.unit)
-        blocked: list[tuple[str, str]] = []
+        init: list[str] = []
+        flush: list[str] = []
         for r in reductions:
             acc_dt, kind = self._acc_dtype(r)
-            block = not columns and kind == "sum" and acc_dt == torch.float64 and r.meta["val"].dtype == torch.float32
+            # A long float32 sum: float32 partial sums per block (full vector width, no
+            # conversions), float64 across blocks (exact over millions of elements).
+            block = kind == "sum" and acc_dt == torch.float64 and r.meta["val"].dtype == torch.float32
             v = self._reduce_input(r, body, widen=not block)
             self.counter += 1
             acc = f"acc{self.counter}"
+            blk = f"{acc}b"
             if columns:
-                stack = "_stack_" + POINTER[acc_dt][3:]
-                self.stack_arrays.append(f"{acc} = {stack}()")
+                self.stack_arrays.append(f"{acc} = _stack_{POINTER[acc_dt][3:]}()")
                 self.unit.lines += ["for xi in range(lo, hi):", f"    {acc}[xi - lo] = {self._identity(r)}"]
-                body.lines.append(f"{acc}[xi - lo] = {self._combine(r, f'{acc}[xi - lo]', v)}  # {_src(r)}")
-            elif block:
-                # A long float32 row sum: float32 lanes per block (vectorises at full width, no
-                # conversions), float64 across blocks (stays exact over millions of elements).
-                self.unit.lines.append(f"{acc} = {self._identity(r)}")
-                blk = f"{acc}b"
-                blocked.append((blk, acc))
-                body.lines.append(f"{blk} = {blk} + {v}  # {_src(r)}")
+                if block:
+                    self.stack_arrays.append(f"{blk} = _stack_f32()")
+                    init += ["for xi in range(lo, hi):", f"    {blk}[xi - lo] = np.float32(0.0)"]
+                    flush += ["for xi in range(lo, hi):",
+                              f"    {acc}[xi - lo] = {acc}[xi - lo] + np.float64({blk}[xi - lo])"]
+                    body.lines.append(f"{blk}[xi - lo] = {blk}[xi - lo] + {v}  # {_src(r)}")
+                else:
+                    body.lines.append(f"{acc}[xi - lo] = {self._combine(r, f'{acc}[xi - lo]', v)}  # {_src(r)}")
             else:
                 self.unit.lines.append(f"{acc} = {self._identity(r)}")
-                body.lines.append(f"{acc} = {self._combine(r, acc, v)}  # {_src(r)}")
+                if block:
+                    init.append(f"{blk} = np.float32(0.0)")
+                    flush.append(f"{acc} = {acc} + np.float64({blk})")
+                    body.lines.append(f"{blk} = {blk} + {v}  # {_src(r)}")
+                else:
+                    body.lines.append(f"{acc} = {self._combine(r, acc, v)}  # {_src(r)}")
             self.unit.cache[("acc", r)] = acc
+        blocked = ((COLUMN_ACC_BLOCK if columns else ACC_BLOCK), init, flush) if init else ()
         self.unit.lines += self._nest(body, reduced=True, vector=columns, blocked=blocked)
         if not columns:
             for r in reductions:
