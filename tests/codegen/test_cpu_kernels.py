@@ -257,9 +257,11 @@ def test_column_sums_over_many_rows(layout: str) -> None:
         x, dims = (torch.rand(5, 16, 13, 11) + 100.0).contiguous(memory_format=torch.channels_last), (0, 2, 3)
     compiled = ember.compile(lambda x: (x.sum(dims), x.mean(dims), x.amax(dims)), target="cpu")
     got = compiled(x)
+    eager = (x.sum(dims), x.mean(dims), x.amax(dims))
     ref = (x.double().sum(dims), x.double().mean(dims), x.double().amax(dims))
-    for g, r in zip(got, ref):
-        assert ((g.double() - r).abs() / r.abs()).max().item() < 1.2e-7
+    for g, e, r in zip(got, eager, ref):  # within a few float32 ulp of float64, as eager is
+        err, eager_err = (((t.double() - r).abs() / r.abs()).max().item() for t in (g, e))
+        assert err <= max(4 * eager_err, 3e-7), (err, eager_err)
     assert any("layout columns" in src for gr in _graphs(compiled) for src in gr.kernel_sources.values())
 
 
