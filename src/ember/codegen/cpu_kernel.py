@@ -4,12 +4,15 @@ Iteration space (as for Triton): the group's reference shape S, kept dims K and 
 The loops walk S in the memory order of the group's largest tensor, and adjacent dims that are
 contiguous in every tensor the kernel touches merge into one loop ("loop dims"), so a
 contiguous NCHW pointwise chain is one flat loop. The innermost loop is the *vector loop*; LLVM
-vectorises it (reductions too: sums are reassociated, and float32 sums accumulate in float64).
+vectorises it (reductions too: sums are reassociated). Long float32 sums add float32 partial
+sums per block and float64 across blocks, so they stay exact over millions of elements.
 
 Layouts:
   rows     a reduced dim is innermost in memory (softmax, layer norm, batch-norm statistics of
            NCHW tensors): one work unit per kept point; per reduction level one loop nest over
            the reduced dims with scalar accumulators, then a loop that stores the full outputs.
+           Rows of up to ``SCRATCH`` points are *persistent* (as Triton's persistent reductions):
+           exp/erf/tanh... values are kept in stack scratch for the later loops, not recomputed.
   columns  a kept dim is innermost (pointwise groups; sums over the batch of a [B, C] tensor,
            channels-last statistics): one work unit per block of (up to ``COLUMN_BLOCK``) points of the
            innermost kept dim, accumulators in stack arrays, reduced loops outside the vector loop.
