@@ -73,6 +73,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--backends", default="ember,inductor")
     ap.add_argument("--json", help="write the results here")
     args = ap.parse_args(argv)
+    load_at_start = os.getloadavg()
     rows = []
     for spec in args.cases.split(","):
         name, mode, batch = spec.split(":")
@@ -87,7 +88,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.json:
         from cpu_kernel_bench import environment  # noqa: PLC0415 - same folder, only for the JSON header
         with open(args.json, "w") as f:
-            json.dump({"environment": environment(), "runs": rows}, f, indent=1)
+            json.dump({"environment": environment(load_at_start), "runs": rows}, f, indent=1)
         print(f"results written to {args.json}")
     return 0
 
