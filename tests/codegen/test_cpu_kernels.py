@@ -355,7 +355,8 @@ _WARM_SCRIPT = textwrap.dedent("""
 
 
 def test_second_process_loads_machine_code_from_disk(tmp_path: Path) -> None:
-    env = {**os.environ, "EMBER_CACHE_DIR": str(tmp_path), "EMBER_CACHE": "0"}  # no program cache: codegen runs
+    # No program cache (codegen runs), no compile workers (their kernels would be cache hits here).
+    env = {**os.environ, "EMBER_CACHE_DIR": str(tmp_path), "EMBER_CACHE": "0", "EMBER_COMPILE_WORKERS": "0"}
     runs = [subprocess.run([sys.executable, "-c", _WARM_SCRIPT], env=env, capture_output=True, text=True, timeout=300)
             for _ in range(2)]
     for r in runs:
