@@ -66,6 +66,9 @@ class Options:
     # CPU inference: compute parameter-only values (folded batch norm, packed weights) once per
     # parameter version (passes/freeze.py; EMBER_FREEZE=0: off).
     freeze: bool = True
+    # GPU targets: convolutional graphs run in channels_last (passes/layout.py; EMBER_LAYOUT=0: off,
+    # eager's NCHW everywhere).
+    channels_last: bool = True
 
     def __post_init__(self) -> None:
         if self.device not in DEVICES:
@@ -87,6 +90,8 @@ class Options:
             env["device"] = os.environ["EMBER_DEVICE"]
         if os.environ.get("EMBER_FREEZE"):
             env["freeze"] = os.environ["EMBER_FREEZE"] not in ("0", "false")
+        if os.environ.get("EMBER_LAYOUT"):
+            env["channels_last"] = os.environ["EMBER_LAYOUT"] not in ("0", "false", "nchw")
         if os.environ.get("EMBER_CHECK"):
             env["check"] = os.environ["EMBER_CHECK"] not in ("0", "", "false")
         known = {f.name for f in dataclasses.fields(cls)}

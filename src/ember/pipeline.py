@@ -25,6 +25,7 @@ from ember.codegen.triton_kernel import KernelSource, generate_triton
 from ember.config import Options
 from ember.passes import PassContext, PassResult, passes_for, run_passes
 from ember.passes.freeze import static_input_indices
+from ember.passes.layout import layout_summary, report_output_strides
 from ember.report.records import GraphRecord
 from ember.runtime.artifacts import ProgramStore, caching_enabled, graph_key, restore_record, stored_program
 from ember.runtime.cudagraph import CudaGraphRunner, cudagraph_blocker
@@ -168,7 +169,9 @@ def _compile(gm: fx.GraphModule, example_inputs: list, options: Options, record:
     # Decided on the captured graph, before the passes rewrite it in place.
     blocker = cudagraph_blocker(gm, example_inputs, record.kind, target, options.cudagraphs)
     store = ProgramStore(options.cache_root()) if caching_enabled(options.cache) else None
-    key = graph_key(gm, example_inputs, target, record.kind) if store is not None else None
+    # The layout option changes the program: part of the key.
+    key_target = target if options.channels_last else f"{target}+nchw"
+    key = graph_key(gm, example_inputs, key_target, record.kind) if store is not None else None
     record.cache = "off" if store is None else "not cacheable (large constant tensor)" if key is None else "miss"
     # With a debug folder or DEBUG set the user wants every stage: compile, do not look up.
     if store is not None and key is not None and not options.debug_dir and level == 0:
@@ -182,6 +185,7 @@ def _compile(gm: fx.GraphModule, example_inputs: list, options: Options, record:
                 store.discard(key)
             else:
                 restore_record(record, hit.record)
+                report_output_strides(record.kind, record.layout)
                 record.cache = "hit"
                 stage["cache_load"] = time.perf_counter() - start
                 _dump(options, f"{slug}/program.py", hit.text)
@@ -194,8 +198,11 @@ def _compile(gm: fx.GraphModule, example_inputs: list, options: Options, record:
             print(f"# ember: {record.title} after {result.name}\n{result.graph_after}")
 
     start = time.perf_counter()
-    context = PassContext(record.kind, target, static_input_indices(), options.freeze)
+    context = PassContext(record.kind, target, static_input_indices(), options.freeze, options.channels_last,
+                          list(example_inputs))
     run_passes(gm, passes_for(context), on_result=on_pass)
+    record.layout = layout_summary(gm)
+    report_output_strides(record.kind, record.layout)
     stage["passes"] = time.perf_counter() - start
 
     start = time.perf_counter()

@@ -17,6 +17,7 @@ from ember.passes.cleanup import eliminate_common_subexpressions, eliminate_dead
 from ember.passes.cpu_library import lower_cpu_library_calls
 from ember.passes.fold_conv import fold_conv_affine
 from ember.passes.freeze import mark_frozen
+from ember.passes.layout import to_channels_last
 
 GraphPass = Callable[[fx.GraphModule], int]
 
@@ -32,6 +33,8 @@ class PassContext:
     target: str  # the resolved target ("triton", "triton-interpret", "cpu", "aten")
     static_inputs: set[int]  # graph inputs that are parameters or buffers
     freeze: bool = True
+    channels_last: bool = True  # Options.channels_last
+    example_inputs: list | None = None  # what AOTAutograd passed (the backward's carry saved strides)
 
     @property
     def freezing(self) -> bool:
@@ -42,9 +45,14 @@ class PassContext:
 
 
 def passes_for(context: PassContext) -> list[GraphPass]:
-    """The pass pipeline of one graph: cleanup always; freezing, convolution folding and oneDNN
-    library calls for CPU inference graphs whose parameters are known."""
+    """The pass pipeline of one graph: cleanup always; channels_last for convolutional graphs on
+    the GPU targets; freezing, convolution folding and oneDNN library calls for CPU inference
+    graphs whose parameters are known."""
     passes = list(DEFAULT_PASSES)
+    if context.channels_last and context.target in ("triton", "triton-interpret"):
+        def channels_last_layout(gm: fx.GraphModule) -> int:
+            return to_channels_last(gm, context.kind, context.example_inputs)
+        passes.append(channels_last_layout)
     if context.freezing:
         def mark_frozen_parameters(gm: fx.GraphModule) -> int:
             return mark_frozen(gm, context.static_inputs)

@@ -170,6 +170,7 @@ class ExplainReport:
             "model_history": {"compiles": list(self.model_compiles), "recompiles": list(self.model_recompiles),
                               "dynamic_shape_graphs": list(self.model_dynamic)},
             "kernels": self.kernels, "unique_kernels": self.unique_kernels,
+            "layout_conversions": self.layout_conversions(),
             "coverage": self.coverage(), "problems": self.problems(), "graphs": graphs,
         }
 
@@ -179,8 +180,30 @@ class ExplainReport:
         if self.problems():
             out.append(Section("Problems", self.problems(), alert=True))
         out += [self._summary(), self._times(), self._categories(), self._placement(),
-                self._fusion_section(), self._fallbacks(), self._coverage_section()]
+                self._fusion_section(), self._layout_section(), self._fallbacks(), self._coverage_section()]
         return out
+
+    def layout_conversions(self) -> int:
+        """Layout conversions (copies) the channels_last pass inserted, over all graphs."""
+        return sum(len(g.layout.get("conversions", [])) for g in self.graphs)
+
+    def _layout_section(self) -> Section:
+        ran = [g for g in self.graphs if g.layout]
+        if not ran:
+            return Section("Memory layout", ["eager's layout everywhere (the channels_last pass runs on the GPU "
+                                             "targets only; EMBER_LAYOUT=0 turns it off)."])
+        lines = ["Convolutional graphs run in channels_last (passes/layout.py): one copy per tensor that",
+                 "enters a convolution in another layout; outputs the caller sees keep eager's layout;",
+                 "saved activations stay channels_last and the backward is compiled for them.",
+                 f"Conversions: {self.layout_conversions()} in {len(ran)} graph(s)."]
+        rows = []
+        for g in ran:
+            lines.append(f"{g.title}: {g.layout.get('convolutions', 0)} convolution(s), "
+                         f"{len(g.layout.get('conversions', []))} conversion(s), "
+                         f"{len(g.layout.get('synced_inputs', []))} input(s) compiled for the forward's layout")
+            rows += [[g.title, c] for c in g.layout.get("conversions", [])]
+        tables = [Table(["graph", "conversion (where)"], rows, numeric_from=2)] if rows else []
+        return Section("Memory layout", lines, tables)
 
     def _summary(self) -> Section:
         kinds = Counter(g.kind for g in self.graphs)

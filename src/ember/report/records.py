@@ -31,6 +31,7 @@ class GraphRecord:
     kernel_sources: dict[str, str] = field(default_factory=dict)
     first_call_s: float | None = None
     cudagraph: str = ""
+    layout: dict = field(default_factory=dict)  # passes/layout.py: conversions, saved-output strides
     cache: str = ""  # compiled-program cache: hit | stored | miss | off | not cacheable (...)  # "captured ..." or why the program runs without a CUDA graph
 
 

@@ -1,0 +1,250 @@
+"""channels_last layout for convolutional graphs on the GPU targets.
+
+cuDNN's NHWC convolution kernels are much faster than its NCHW ones in bf16, and every
+activation around a convolution (batch norm, ReLU, residual adds) is pointwise or a
+per-channel reduction that runs as fast on NHWC as on NCHW when the generated kernels walk
+memory in order (codegen/triton_kernel.py). So:
+
+1. Every 4-D ``convolution`` / ``convolution_backward`` gets its activation and weight
+   arguments in channels_last: one ``clone(memory_format=channels_last)`` per source tensor
+   that is not already channels_last (graph inputs, parameters, the first layer's input).
+2. Fake-tensor metadata is recomputed (``refresh_metadata``): convolution outputs become
+   channels_last and the layout flows through pointwise ops, reductions and views by PyTorch's
+   own stride rules, so nothing between two convolutions converts.
+3. Outputs the caller sees keep eager's layout: a conversion back is inserted for each one
+   whose strides changed. In a training forward the *saved activations* (the outputs AOTAutograd
+   hands to the backward, ``fw_metadata.tensors_saved_for_backwards_slice``) stay channels_last,
+   and their strides are reported to AOTAutograd (``TracingContext.output_strides``, as Inductor
+   does), which re-strides the backward graph's example inputs; the backward's pass copies those
+   strides into its placeholders, so forward and backward agree and the backward program never
+   copies a saved activation to fix its strides.
+
+The passes run on the forward and the backward graph separately (AOTAutograd partitions the
+joint graph first and calls Ember once per graph), forward first. Every conversion is recorded
+in ``gm.meta["ember_layout"]`` for ``ember.explain``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Sequence
+
+import torch
+import torch.fx as fx
+
+from ember.passes.freeze import FROZEN
+from ember.passes.graph_edit import add_node, fake_mode_of
+
+aten = torch.ops.aten
+LAYOUT_META = "ember_layout"
+
+# Arguments of each op that should be channels_last (positions in node.args).
+_CONV_ARGS = {aten.convolution.default: (0, 1), aten.convolution_backward.default: (0, 1, 2)}
+
+
+def _val(node: object) -> object:
+    return node.meta.get("val") if isinstance(node, fx.Node) else None
+
+
+def _is_4d(node: object) -> bool:
+    val = _val(node)
+    return isinstance(val, torch.Tensor) and val.dim() == 4 and val.layout == torch.strided
+
+
+def is_channels_last(val: torch.Tensor) -> bool:
+    """Dense NHWC strides (size-1 dims may have any stride, as PyTorch allows)."""
+    return val.dim() == 4 and val.is_contiguous(memory_format=torch.channels_last)
+
+
+def _strides_of(val: object) -> tuple[int, ...] | None:
+    return tuple(val.stride()) if isinstance(val, torch.Tensor) else None
+
+
+def _same_layout(a: torch.Tensor, stride: Sequence[int]) -> bool:
+    """Whether ``a`` has ``stride`` wherever it matters (size-1 dims may differ)."""
+    return all(size == 1 or s == t for size, s, t in zip(a.shape, a.stride(), stride))
+
+
+def saved_output_slice(kind: str) -> slice | None:
+    """The forward outputs AOTAutograd saves for the backward (their layout is ours to choose);
+    None when unknown (then every output keeps eager's layout)."""
+    if kind != "forward":
+        return None
+    try:
+        from torch._guards import TracingContext
+        tc = TracingContext.try_get()
+        meta = getattr(tc, "fw_metadata", None) if tc is not None else None
+        sl = getattr(meta, "tensors_saved_for_backwards_slice", None)
+    except Exception:  # noqa: BLE001 - any AOTAutograd change: keep every output's layout
+        return None
+    return sl if isinstance(sl, slice) else None
+
+
+def sync_placeholders(gm: fx.GraphModule, example_inputs: Sequence[object]) -> list[str]:
+    """Give placeholders the strides of the example inputs where only strides differ (a backward
+    graph whose saved activations the forward produced in channels_last). Returns their names."""
+    mode = fake_mode_of(gm)
+    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    if mode is None or len(placeholders) != len(example_inputs):
+        return []
+    changed = []
+    for node, ex in zip(placeholders, example_inputs):
+        val = node.meta.get("val")
+        if not (isinstance(val, torch.Tensor) and isinstance(ex, torch.Tensor)):
+            continue
+        if val.shape != ex.shape or val.dtype != ex.dtype or _same_layout(val, ex.stride()):
+            continue
+        if any(not isinstance(s, int) for s in (*ex.shape, *ex.stride())):
+            continue
+        with mode:
+            node.meta["val"] = torch.empty_strided(tuple(ex.shape), tuple(ex.stride()), dtype=ex.dtype,
+                                                   device=val.device)
+        changed.append(node.name)
+    return changed
+
+
+def _convert(gm: fx.GraphModule, mode: object, src: fx.Node, before: fx.Node,
+             stride: tuple[int, ...] | None = None) -> fx.Node:
+    """``src`` copied to channels_last (``stride`` None) or to exactly ``stride``."""
+    val = src.meta["val"]
+    with gm.graph.inserting_before(before):
+        if stride is None:
+            return add_node(gm.graph, mode, aten.clone.default, (src,), {"memory_format": torch.channels_last})
+        for fmt in (torch.contiguous_format, torch.channels_last):
+            if (fmt == torch.contiguous_format or val.dim() == 4) and all(
+                    size == 1 or a == b for size, a, b in zip(val.shape, dense_strides(val.shape, fmt), stride)):
+                return add_node(gm.graph, mode, aten.clone.default, (src,), {"memory_format": fmt})
+        # Any other layout: a clone whose metadata names the strides; generated kernels allocate
+        # exactly what the metadata says.
+        with mode:
+            want = torch.empty_strided(tuple(val.shape), tuple(stride), dtype=val.dtype, device=val.device)
+        return add_node(gm.graph, mode, aten.clone.default, (src,), val=want)
+
+
+def dense_strides(shape: Sequence[int], fmt: torch.memory_format = torch.contiguous_format) -> tuple[int, ...]:
+    """Strides of a dense tensor of ``shape`` in ``fmt`` (contiguous or, for 4-D, channels_last)."""
+    order = [1, 3, 2, 0] if fmt == torch.channels_last else list(range(len(shape) - 1, -1, -1))
+    out = [0] * len(shape)
+    step = 1
+    for d in order:
+        out[d] = step
+        step *= max(shape[d], 1)
+    return tuple(out)
+
+
+def _where(node: fx.Node) -> str:
+    return f"{node.name} ({tuple(node.meta['val'].shape)})"
+
+
+def to_channels_last(gm: fx.GraphModule, kind: str = "inference",
+                     example_inputs: Sequence[object] | None = None) -> int:
+    """The pass (see the module docstring). Returns how many nodes it inserted or re-strided."""
+    record: dict = {"conversions": [], "synced_inputs": [], "output_strides": [], "convolutions": 0}
+    gm.meta[LAYOUT_META] = record
+    mode = fake_mode_of(gm)
+    if mode is None:
+        return 0
+    changed = 0
+    if kind == "backward" and example_inputs is not None:
+        record["synced_inputs"] = sync_placeholders(gm, example_inputs)
+        changed += len(record["synced_inputs"])
+    convs = [n for n in gm.graph.nodes if n.op == "call_function" and n.target in _CONV_ARGS
+             and all(_is_4d(n.args[i]) for i in _CONV_ARGS[n.target])]
+    record["convolutions"] = len(convs)
+    output = next(n for n in gm.graph.nodes if n.op == "output")
+    outs = list(output.args[0]) if isinstance(output.args[0], (list, tuple)) else [output.args[0]]
+    original = [_strides_of(_val(o)) for o in outs]
+    if not convs and not record["synced_inputs"]:
+        record["output_strides"] = original
+        return 0
+    # One sweep in graph order: each node's metadata is recomputed from its (already updated)
+    # inputs, so a convolution sees whether its input is channels_last by now, and converts only
+    # what is not (the graph's input, parameters, a tensor from an op that ignores layouts).
+    converted: dict[fx.Node, fx.Node] = {}
+    conv_set = set(convs)
+    for node in list(gm.graph.nodes):
+        if node.op != "call_function":
+            continue
+        if node in conv_set:
+            args = list(node.args)
+            for i in _CONV_ARGS[node.target]:
+                src = args[i]
+                if is_channels_last(src.meta["val"]):
+                    continue
+                if src not in converted:
+                    converted[src] = _convert(gm, mode, src, node)
+                    weight = (node.target == aten.convolution.default and i == 1) or i == 2
+                    record["conversions"].append(f"{_where(src)} -> channels_last "
+                                                 f"({'weight' if weight else 'activation'} of {node.name})")
+                args[i] = converted[src]
+            node.args = tuple(args)
+        changed += _rerun(node, mode)
+    # Outputs the caller sees go back to eager's layout; saved activations keep ours.
+    saved = saved_output_slice(kind)
+    saved_idx = set(range(len(outs))[saved]) if saved is not None else set()
+    back: dict[tuple[fx.Node, tuple], fx.Node] = {}
+    new_outs = list(outs)
+    for i, (o, want) in enumerate(zip(outs, original)):
+        val = _val(o)
+        if i in saved_idx or want is None or not isinstance(val, torch.Tensor) or val.numel() <= 1:
+            continue
+        if o.op != "call_function" or _same_layout(val, want):
+            continue
+        key = (o, want)
+        if key not in back:
+            back[key] = _convert(gm, mode, o, output, stride=want)
+            record["conversions"].append(f"{_where(o)} -> eager layout {want} (graph output {i})")
+        new_outs[i] = back[key]
+    if back:
+        output.args = (type(output.args[0])(new_outs) if isinstance(output.args[0], (list, tuple))
+                       else new_outs[0],)
+        changed += len(back)
+    record["output_strides"] = [_strides_of(_val(o)) for o in new_outs]
+    return changed + len(converted)
+
+
+_VIEWS = {aten.view.default, aten._unsafe_view.default}
+
+
+def _rerun(node: fx.Node, mode: object) -> int:
+    """Recompute ``node``'s metadata from its inputs' (as graph_edit.refresh_metadata does for a
+    whole graph); 1 if its strides changed."""
+    if node.meta.get(FROZEN):
+        return 0
+    old = node.meta.get("val")
+    try:
+        with mode:
+            new = node.target(*fx.node.map_arg(node.args, _val), **fx.node.map_arg(node.kwargs, _val))
+    except Exception:  # noqa: BLE001 - ops without fake kernels keep what capture recorded
+        if node.target not in _VIEWS:
+            return 0
+        # A view of a channels_last tensor (flatten) may not be expressible as a view: reshape
+        # copies exactly when it must.
+        node.target = aten.reshape.default
+        with mode:
+            new = node.target(*fx.node.map_arg(node.args, _val), **fx.node.map_arg(node.kwargs, _val))
+    if isinstance(old, torch.Tensor):
+        if not isinstance(new, torch.Tensor) or old.shape != new.shape or old.dtype != new.dtype:
+            return 0  # never trust a re-run that disagrees on more than layout
+        node.meta["val"] = new
+        return int(old.stride() != new.stride())
+    node.meta["val"] = new
+    return 0
+
+
+def layout_summary(gm: fx.GraphModule) -> dict:
+    """What the pass did to ``gm`` (empty when it did not run): explain's layout section."""
+    return dict(gm.meta.get(LAYOUT_META, {}))
+
+
+def report_output_strides(kind: str, summary: dict) -> None:
+    """Tell AOTAutograd the strides of a forward graph's outputs, so the backward graph is
+    compiled for the saved activations' real layout (see the module docstring)."""
+    strides = summary.get("output_strides") if summary else None
+    if kind != "forward" or not strides:
+        return
+    with contextlib.suppress(Exception):  # reporting is an optimisation; never fail on it
+        from torch._guards import TracingContext
+        tc = TracingContext.try_get()
+        if tc is not None and isinstance(tc.output_strides, list):
+            tc.output_strides.extend(list(s) if s is not None else None for s in strides)
