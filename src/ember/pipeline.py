@@ -21,7 +21,7 @@ import torch.fx as fx
 from ember import config
 from ember.codegen.cpu_kernel import CpuUnsupported, generate_cpu
 from ember.codegen.program import base_namespace, generate_program, get_attr
-from ember.codegen.triton_kernel import KernelSource, generate_triton
+from ember.codegen.triton_kernel import KernelSource, generate_triton, launch_kernels
 from ember.config import Options
 from ember.passes import PassContext, PassResult, passes_for, run_passes
 from ember.passes.freeze import static_input_indices
@@ -250,8 +250,8 @@ def _compile(gm: fx.GraphModule, example_inputs: list, options: Options, record:
 
     if target == "triton" and kernels:
         start = time.perf_counter()
-        jobs = [job_for(kernel_file(ks, options.kernel_dir()), ks.name, [a.meta["val"].dtype for a in ks.args],
-                        ks.meta) for ks in kernels.values()]
+        jobs = [job_for(kernel_file(ks, options.kernel_dir()), ks.name, ks.arg_dtypes(), ks.meta)
+                for ks in launch_kernels(kernels)]
         for err in precompile(jobs):
             if level >= 1:
                 print(f"# ember: precompile: {err}")
@@ -259,7 +259,7 @@ def _compile(gm: fx.GraphModule, example_inputs: list, options: Options, record:
 
     start = time.perf_counter()
     program = generate_program(gm, plan, kernels, record.title, _expect_nodes(plan, kernels))
-    unique = list({ks.name: ks for ks in kernels.values()}.values())
+    unique = list({ks.name: ks for ks in launch_kernels(kernels)}.values())
     for ks in unique:
         record.kernel_sources[ks.name] = ks.source
         _dump(options, f"{slug}/kernels/{ks.name}.py", ks.annotated_source())

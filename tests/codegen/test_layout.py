@@ -8,12 +8,16 @@ from __future__ import annotations
 
 import ast
 import copy
+from collections.abc import Iterator
 
 import pytest
 import torch
-from ember_check import assert_close, strict_env
+from ember_check import assert_close, make_input, strict_env
+from hypothesis import HealthCheck, assume, given, settings
+from hypothesis import strategies as st
 
 import ember
+from ember.codegen import triton_kernel
 from ember.report.explain import explain_with
 
 nn = torch.nn
@@ -190,3 +194,78 @@ def test_torchvision_resnet18_small_training_matches_eager() -> None:
         err = (a - b).abs().max().item()
         assert err <= 1e-4 * b.abs().max().item() + 1e-6, f"{what}: max error {err}"
         assert _same_strides(a, b), f"{what}: strides {a.stride()} vs eager {b.stride()}"
+
+
+# -- generated kernels on channels_last tensors -------------------------------------------------
+
+@pytest.fixture
+def split_reductions() -> Iterator[None]:
+    """Split every looped reduction in the interpreter (as the GPU splits those with few programs)."""
+    saved = triton_kernel.INTERPRET_SPLIT_TARGET_PROGRAMS
+    triton_kernel.INTERPRET_SPLIT_TARGET_PROGRAMS = 64
+    try:
+        yield
+    finally:
+        triton_kernel.INTERPRET_SPLIT_TARGET_PROGRAMS = saved
+
+
+def _kernels(compiled: object) -> str:
+    return "\n".join(src for g in compiled._ember_backend.log.graphs for src in g.kernel_sources.values())
+
+
+def test_pointwise_kernel_walks_channels_last_in_memory_order() -> None:
+    x = make_input((2, 5, 3, 4), "channels_last")
+    with strict_env():
+        fn = ember.compile(lambda t: torch.relu(t) * 2.0 + 1.0, target="triton-interpret")
+        assert_close(fn(x), torch.relu(x) * 2.0 + 1.0)
+    src = _kernels(fn)
+    assert "x order [0, 2, 3, 1]" in src, src  # N, H, W, then C fastest
+
+
+def test_channel_statistics_of_channels_last_use_channel_tiles(split_reductions: None) -> None:
+    x = make_input((3, 6, 5, 7), "channels_last")
+    with strict_env(looped=True):
+        fn = ember.compile(lambda t: t.sum((0, 2, 3)), target="triton-interpret")
+        assert_close(fn(x), x.sum((0, 2, 3)), norm_rtol=1e-5)
+    src = _kernels(fn)
+    assert "channel-contiguous" in src and "split=" in src and "ember_part1_" in src, src
+
+
+@settings(max_examples=10, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(n=st.integers(1, 4), c=st.integers(1, 9), h=st.integers(1, 6), w=st.integers(1, 6),
+       channels_last=st.booleans(), relu=st.booleans(), reduce=st.sampled_from(["sum", "amax", "amin", "mean"]))
+def test_split_batch_norm_and_reductions_match_eager(split_reductions: None, n: int, c: int, h: int, w: int,
+                                                     channels_last: bool, relu: bool, reduce: str) -> None:
+    """Batch norm forward and backward plus a plain per-channel reduction, with every looped
+    reduction split into chunks (partials in a workspace, then combined)."""
+    assume(n * h * w > 1)  # eager's batch norm needs two values per channel
+    layout = "channels_last" if channels_last else "contiguous"
+    x = make_input((n, c, h, w), layout, requires_grad=True)
+    weight, bias = torch.randn(c, requires_grad=True), torch.randn(c, requires_grad=True)
+    op = getattr(torch, reduce)
+
+    def fn(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        y = nn.functional.batch_norm(x, None, None, weight, bias, training=True)
+        return (torch.relu(y) if relu else y), op(x * 1.5, (0, 2, 3))
+
+    with strict_env(looped=True):
+        compiled = ember.compile(fn, target="triton-interpret")
+        want, got = fn(x, weight, bias), compiled(x, weight, bias)
+        for g, wv in zip(got, want):
+            assert_close(g, wv, norm_rtol=1e-5)
+            assert _same_strides(g, wv)
+        cot = torch.randn(want[0].shape)
+        gw = torch.autograd.grad(want[0], (x, weight, bias), cot)
+        gg = torch.autograd.grad(got[0], (x, weight, bias), cot)
+        for a, b in zip(gg, gw):
+            assert_close(a, b, norm_rtol=1e-4)
+
+
+@pytest.mark.parametrize("memory_format", [torch.contiguous_format, torch.channels_last], ids=["nchw", "nhwc"])
+def test_resnet_block_with_split_reductions(split_reductions: None, memory_format: torch.memory_format) -> None:
+    torch.manual_seed(0)
+    x = torch.randn(2, 3, 8, 8).contiguous(memory_format=memory_format)
+    with strict_env(looped=True):
+        want, got, compiled = _train_step(Block(), x)
+    _compare(want, got)
+    assert "ember_part1_" in _kernels(compiled)

@@ -21,7 +21,7 @@ from ember.schedule.plan import FusedGroup, KernelPlan, Step
 from ember.schedule.rules import constant_value
 
 _RESERVED = {"torch", "aten", "prims", "run", "args", "_empty", "_expect", "_consts", "operator", "_frozen",
-             "_prepare", "_reuse"}
+             "_prepare", "_reuse", "_ws"}
 
 
 @dataclass
@@ -204,9 +204,17 @@ class _Writer:
         args = ", ".join(self.name(a) for a in ks.args)
         if ks.backend == "cpu":
             lines.append(f"{ks.name}({args})")
-        else:
-            meta = ", ".join(f"{k}={v}" for k, v in ks.meta.items())
-            lines.append(f"{ks.name}[({ks.grid},)]({args}, {meta})")
+            return lines
+        if ks.workspace:  # a split reduction: partial results, then the kernel that combines them
+            dev = self.arg(group.outputs[0].meta["val"].device)
+            lines.append(f"_ws = _empty(({ks.workspace},), (1,), dtype=torch.float32, device={dev})"
+                         f"  # [workspace] {len(ks.pre)} partial-result kernel(s)")
+            args += ", _ws"
+        for k in ks.launch_order():
+            meta = ", ".join(f"{name}={v}" for name, v in k.meta.items())
+            lines.append(f"{k.name}[({k.grid},)]({args}, {meta})")
+        if ks.workspace:
+            lines.append("del _ws")
         return lines
 
 

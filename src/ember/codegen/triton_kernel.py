@@ -14,6 +14,7 @@ the program checks the strides of tensors it did not allocate itself.
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import re
 from dataclasses import dataclass
@@ -22,6 +23,7 @@ import torch
 import torch.fx as fx
 
 from ember.codegen.triton_ops import POINTWISE_OPS, TL_DTYPE, Operand, compute_dtype, literal
+from ember.codegen.triton_tiles import Split, next_pow2, order_dims, plan_split
 from ember.schedule.plan import FusedGroup, reduction_dims, reduction_keepdim
 from ember.schedule.rules import OpClass, classify, constant_value
 
@@ -36,6 +38,21 @@ TILE_ELEMENTS = 2048
 POINTWISE_XBLOCK = 1024
 # The interpreter pays per program, not per element: far larger tiles there.
 INTERPRET_TILE_ELEMENTS = 1 << 16
+# Channel-contiguous reductions (codegen/triton_tiles.py): XBLOCK consecutive channels per tile,
+# XCONTIG_TILE elements per looped tile; persistent only up to XCONTIG_PERSISTENT_RMAX reduced elements.
+XCONTIG_XBLOCK = 64
+XCONTIG_TILE = 4096
+XCONTIG_PERSISTENT_RMAX = 256
+# Looped reductions with fewer programs than this are split along the reduced dims (0: never).
+SPLIT_TARGET_PROGRAMS = 528  # 4 per SM of a 132-SM H100
+INTERPRET_SPLIT_TARGET_PROGRAMS = 0  # tests raise it to run the split path in the interpreter
+
+
+def tuning() -> tuple:
+    """Every block-size constant (part of the compiled-program cache key: tests change them)."""
+    return (PERSISTENT_RBLOCK_MAX, LOOP_RBLOCK, TILE_ELEMENTS, POINTWISE_XBLOCK, INTERPRET_TILE_ELEMENTS,
+            XCONTIG_XBLOCK, XCONTIG_TILE, XCONTIG_PERSISTENT_RMAX, SPLIT_TARGET_PROGRAMS,
+            INTERPRET_SPLIT_TARGET_PROGRAMS)
 
 # Reductions go through the builtin tl.reduce with these combine functions (max/min propagate
 # NaN as torch does); float sums use tl.standard._sum_combine (see _KernelWriter._combine).
@@ -90,10 +107,6 @@ def _round_to_fp16(x):
 ''' + _COMBINE
 
 
-def next_pow2(n: int) -> int:
-    return 1 if n <= 1 else 1 << (n - 1).bit_length()
-
-
 @dataclass
 class KernelSource:
     """Generated source plus everything the program needs to launch it."""
@@ -109,6 +122,17 @@ class KernelSource:
     canonical: str = ""  # the function without node names: what is hashed, written and compiled
     # "triton": launched as ``name[(grid,)](*args, **meta)``; "cpu": called as ``name(*args)``.
     backend: str = "triton"
+    # Split reductions: float32 workspace elements (passed after ``args``), and the kernels that
+    # write its partial results, launched in order before this one with the same arguments.
+    workspace: int = 0
+    pre: list[KernelSource] = dataclasses.field(default_factory=list)
+
+    def arg_dtypes(self) -> list[torch.dtype]:
+        return [a.meta["val"].dtype for a in self.args] + ([torch.float32] if self.workspace else [])
+
+    def launch_order(self) -> list[KernelSource]:
+        """The kernels of this group in launch order (partial-result kernels, then this one)."""
+        return [*self.pre, self]
 
     def module_source(self) -> str:
         """The module Triton compiles: identical for identical kernels of any graph, so the
@@ -129,13 +153,15 @@ def _reduction_kind(node: fx.Node) -> str:
 
 
 class _KernelWriter:
-    def __init__(self, group: FusedGroup, interpret: bool) -> None:
+    def __init__(self, group: FusedGroup, interpret: bool, phase: int | None = None) -> None:
         self.g = group
         self.interpret = interpret
         self.S = group.shape
         self.D = set(group.rdims)
-        self.K = [d for d in range(len(self.S)) if d not in self.D and self.S[d] != 1]
-        self.R = [d for d in sorted(self.D) if self.S[d] != 1]
+        # Walked in the memory order of the group's largest tensor (codegen/triton_tiles.py).
+        tiling = order_dims(group, [d for d in range(len(self.S)) if d not in self.D and self.S[d] != 1],
+                            [d for d in sorted(self.D) if self.S[d] != 1])
+        self.K, self.R, self.x_contiguous = tiling.K, tiling.R, tiling.x_contiguous
         self.xnumel = 1
         for d in self.K:
             self.xnumel *= self.S[d]
@@ -149,8 +175,24 @@ class _KernelWriter:
         for i, n in enumerate(group.outputs):
             self.arg_names[n] = f"out{i}"
         self.counter = 0
-        self.persistent = (not self.reduction) or next_pow2(self.rnumel) <= PERSISTENT_RBLOCK_MAX
+        rblock = next_pow2(self.rnumel)
+        # A channel-contiguous tile needs many channels per row: persistent only for short rows.
+        self.persistent = (not self.reduction) or (rblock <= PERSISTENT_RBLOCK_MAX and not (
+            self.x_contiguous and not interpret and rblock > XCONTIG_PERSISTENT_RMAX))
         self.level = self._levels()
+        self.reductions = [n for n in group.nodes if classify(n).cls == OpClass.REDUCTION]
+        self.split = Split(1, self.rnumel, 1)
+        if self.reduction:
+            self.xblock, self.rblock = self._blocks()
+            # The workspace holds float32 partials: float32 reductions only.
+            if not self.persistent and all(compute_dtype(r.meta["val"].dtype) == torch.float32
+                                           for r in self.reductions):
+                target = INTERPRET_SPLIT_TARGET_PROGRAMS if interpret else SPLIT_TARGET_PROGRAMS
+                self.split = plan_split(self.xnumel, self.rnumel, self.xblock, self.rblock, target)
+        self.phase = phase  # None: the kernel that stores the outputs; L: level-L partials
+        final_loops = any(self._full(self.g.dims[n]) for n in self.g.outputs)
+        # Programs per x block: every chunk for partials and full-domain stores, else one.
+        self.grid_split = self.split.split if (phase is not None or final_loops) else 1
 
     # -- domains and levels --------------------------------------------------------------
     def _full(self, dims: tuple) -> bool:
@@ -315,6 +357,8 @@ class _KernelWriter:
         for s in walked:
             if s not in covered:
                 mask += f" & ({self._coord(s)} == 0)"  # broadcast dims: store once
+        if not full and self.grid_split > 1:
+            mask += " & (sid == 0)"  # a split kernel's x-domain values: one chunk stores them
         val = op.as_(compute_dtype(dtype))
         if op.dtype is None:
             val = f"tl.full({self._shape(full)}, {val}, {TL_DTYPE[compute_dtype(dtype)]})"
@@ -329,8 +373,14 @@ class _KernelWriter:
     def write(self) -> KernelSource:
         body: list[str] = []
         if self.reduction:
-            xblock, rblock = self._blocks()
-            body.append("xindex = tl.program_id(0) * XBLOCK + tl.arange(0, XBLOCK)[:, None]")
+            xblock, rblock = self.xblock, self.rblock
+            if self.grid_split > 1:
+                body.append("pid = tl.program_id(0)")
+                body.append(f"sid = pid % {self.grid_split}")
+                body.append(f"xindex = (pid // {self.grid_split}) * XBLOCK + tl.arange(0, XBLOCK)[:, None]")
+                body.append(f"rstart = sid * {self.split.chunk}")
+            else:
+                body.append("xindex = tl.program_id(0) * XBLOCK + tl.arange(0, XBLOCK)[:, None]")
             body.append(f"xmask = xindex < {self.xnumel}")
             body += self._coord_lines(self.K, "xindex", self.xnumel)
             body.append("rbase = tl.arange(0, RBLOCK)[None, :]")
@@ -348,34 +398,44 @@ class _KernelWriter:
             meta = {"XBLOCK": xblock}
         tiles = meta["XBLOCK"] * meta.get("RBLOCK", 1)
         meta["num_warps"] = 8 if tiles >= 4096 else 4 if tiles >= 512 else 2 if tiles >= 128 else 1
-        grid = -(-self.xnumel // meta["XBLOCK"])
+        grid = -(-self.xnumel // meta["XBLOCK"]) * (self.grid_split if self.reduction else 1)
         args = list(self.g.inputs) + list(self.g.outputs)
-        params = ", ".join(self.arg_names[a] for a in args)
+        params = ", ".join(self.arg_names[a] for a in args) + (", ws" if self.split.split > 1 else "")
         consts = "XBLOCK: tl.constexpr" + (", RBLOCK: tl.constexpr" if self.reduction else "")
         ops = "\n".join(f"#   {_src(n)}" for n in self.g.nodes)
+        split = "" if self.split.split == 1 else (
+            f" split={self.split.split}x{self.split.chunk} "
+            + ("stores outputs" if self.phase is None else f"partials of level {self.phase}"))
         text = (f"@triton.jit\ndef KERNEL_NAME({params}, {consts}):\n"
-                f"    # S={list(self.S)} reduced={sorted(self.D)} x={self.xnumel} r={self.rnumel}\n"
+                f"    # S={list(self.S)} reduced={sorted(self.D)} x={self.xnumel} r={self.rnumel}{split}\n"
+                f"    # x order {self.K} r order {self.R}{' channel-contiguous' if self.x_contiguous else ''}\n"
                 + "\n".join("    " + line for line in body) + "\n")
         # Node names differ between graphs (and between blocks of one model); the kernel's identity
         # must not, so hash and compile the text with each line's node annotation reduced to its op.
         canonical = _TRAILING_NODE.sub(r"  # \1", text)
         digest = hashlib.sha256((canonical + repr(meta) + str(self.interpret)).encode()).hexdigest()[:16]
-        name = f"ember_{'red' if self.reduction else 'pw'}_{digest}"
+        kind = "pw" if not self.reduction else "red" if self.phase is None else f"part{self.phase}"
+        name = f"ember_{kind}_{digest}"
         source = f"# source ops:\n{ops}\n" + text.replace("KERNEL_NAME", name)
         header = HEADER_INTERPRET if self.interpret else HEADER_GPU
         return KernelSource(name, source, digest, args, len(self.g.inputs), grid, meta, header,
                             canonical.replace("KERNEL_NAME", name))
 
     def _blocks(self) -> tuple[int, int]:
+        xmax = next_pow2(self.xnumel)
+        if self.interpret:
+            rblock = next_pow2(self.rnumel) if self.persistent else LOOP_RBLOCK
+            return max(1, min(xmax, INTERPRET_TILE_ELEMENTS // rblock)), rblock
         if self.persistent:
             rblock = next_pow2(self.rnumel)
-        else:
-            rblock = LOOP_RBLOCK
-        if self.interpret:
-            xblock = max(1, min(next_pow2(self.xnumel), INTERPRET_TILE_ELEMENTS // rblock))
-        else:
-            xblock = max(1, min(next_pow2(self.xnumel), TILE_ELEMENTS // rblock if self.persistent else 1))
-        return xblock, rblock
+            xblock = TILE_ELEMENTS // rblock
+            if self.x_contiguous:
+                xblock = max(xblock, 32)  # 32 consecutive channels per row: coalesced
+            return max(1, min(xmax, xblock)), rblock
+        if self.x_contiguous:
+            xblock = min(xmax, XCONTIG_XBLOCK)
+            return xblock, max(1, XCONTIG_TILE // xblock)
+        return 1, LOOP_RBLOCK
 
     def _reduction_body(self) -> list[str]:
         root = _Scope(None)
@@ -386,10 +446,16 @@ class _KernelWriter:
             for n in self.g.outputs:
                 self._store(n, root)
             return root.lines
-        reductions = [n for n in self.g.nodes if classify(n).cls == OpClass.REDUCTION]
-        levels = sorted({self.level[r] for r in reductions})
-        for lv in levels:
-            self._loop(root, [r for r in reductions if self.level[r] == lv])
+        reductions = self.reductions
+        for lv in self.levels():
+            at_level = [r for r in reductions if self.level[r] == lv]
+            if self.split.split == 1:
+                self._loop(root, at_level)
+            elif self.phase == lv:
+                self._loop(root, at_level, partial=True)
+                return root.lines  # a partial kernel stops after its level
+            else:
+                self._combine_partials(root, at_level)
         full_outputs = [n for n in self.g.outputs if self._full(self.g.dims[n])]
         for n in self.g.outputs:
             if not self._full(self.g.dims[n]):
@@ -398,7 +464,40 @@ class _KernelWriter:
             self._loop(root, [], full_outputs)
         return root.lines
 
-    def _loop(self, root: _Scope, reductions: list[fx.Node], stores: list[fx.Node] = ()) -> None:
+    def levels(self) -> list[int]:
+        return sorted({self.level[r] for r in self.reductions})
+
+    def _ws_offset(self, r: fx.Node, chunk: str) -> str:
+        j = self.reductions.index(r)
+        return f"{j * self.split.split * self.xnumel} + {chunk} * {self.xnumel} + xindex"
+
+    def _combine_partials(self, root: _Scope, reductions: list[fx.Node]) -> None:
+        """Each reduction's result from the split kernels' partials in the workspace."""
+        sblock = self.split.sblock
+        for r in reductions:
+            dtype = compute_dtype(r.meta["val"].dtype)
+            kind, ident = _reduction_kind(r), self._identity(r, dtype)
+            acc, part = self._tmp(), self._tmp()
+            root.lines.append(f"{acc} = tl.full([XBLOCK, {sblock}], {ident}, {TL_DTYPE[dtype]})")
+            root.lines.append(f"for s0 in range(0, {self.split.split}, {sblock}):")
+            root.lines.append(f"    sidx = s0 + tl.arange(0, {sblock})[None, :]")
+            root.lines.append(f"    {part} = tl.load(ws + ({self._ws_offset(r, 'sidx')}), xmask & (sidx < "
+                              f"{self.split.split}), other={ident})")
+            root.lines.append(f"    {self._accumulate(acc, part, kind)}")
+            var = self._tmp()
+            root.lines.append(f"{var} = {self._finish(r, f'tl.reduce({acc}, 1, {self._combine(kind, dtype)})[:, None]')}"
+                              f"  # {_src(r)}")
+            root.cache[r] = Operand(var, dtype)
+
+    @staticmethod
+    def _accumulate(acc: str, value: str, kind: str) -> str:
+        if kind == "sum":
+            return f"{acc} = {acc} + {value}"
+        cmp = ">" if kind == "max" else "<"
+        return f"{acc} = tl.where(({value} {cmp} {acc}) | ({value} != {value}), {value}, {acc})"
+
+    def _loop(self, root: _Scope, reductions: list[fx.Node], stores: list[fx.Node] = (),
+              partial: bool = False) -> None:
         inner = _Scope(root)
         inner.lines.append("rindex = roffset + rbase")
         inner.lines.append(f"rmask = rindex < {self.rnumel}")
@@ -412,20 +511,28 @@ class _KernelWriter:
             ident = self._identity(r, dtype)
             pre.append(f"{acc} = tl.full([XBLOCK, RBLOCK], {ident}, {TL_DTYPE[dtype]})")
             masked = f"tl.where(xmask & rmask, {inp}, {ident})"
-            if kind == "sum":
-                inner.lines.append(f"{acc} = {acc} + {masked}")
-            else:
-                cmp = ">" if kind == "max" else "<"
-                inner.lines.append(f"{acc} = tl.where(({masked} {cmp} {acc}) | ({masked} != {masked}), {masked}, {acc})")
+            if kind != "sum":
+                masked_var = self._tmp()
+                inner.lines.append(f"{masked_var} = {masked}")
+                masked = masked_var
+            inner.lines.append(self._accumulate(acc, masked, kind))
             accs.append((r, acc, kind, dtype))
         for n in stores:
             self._store(n, inner)
         root.lines += pre
-        root.lines.append(f"for roffset in range(0, {self.rnumel}, RBLOCK):")
+        if self.split.split > 1:  # this program's chunk of D
+            root.lines.append(f"for roffset in range(rstart, rstart + {self.split.chunk}, RBLOCK):")
+        else:
+            root.lines.append(f"for roffset in range(0, {self.rnumel}, RBLOCK):")
         root.lines += ["    " + line for line in inner.lines]
         for r, acc, kind, dtype in accs:
             var = self._tmp()
-            root.lines.append(f"{var} = {self._finish(r, f'tl.reduce({acc}, 1, {self._combine(kind, dtype)})[:, None]')}  # {_src(r)}")
+            reduced = f"tl.reduce({acc}, 1, {self._combine(kind, dtype)})[:, None]"
+            if partial:  # the chunk's partial result, combined by the next kernels
+                root.lines.append(f"{var} = {reduced}  # partial {_src(r)}")
+                root.lines.append(f"tl.store(ws + ({self._ws_offset(r, 'sid')}), {var}, xmask)")
+                continue
+            root.lines.append(f"{var} = {self._finish(r, reduced)}  # {_src(r)}")
             root.cache[r] = Operand(var, dtype)
 
 
@@ -448,8 +555,20 @@ def _src(node: fx.Node) -> str:
 
 
 def generate_triton(group: FusedGroup, interpret: bool = False) -> KernelSource:
-    """The Triton kernel for ``group``."""
-    return _KernelWriter(group, interpret).write()
+    """The Triton kernel for ``group`` (with its partial-result kernels when the reduction is split)."""
+    writer = _KernelWriter(group, interpret)
+    ks = writer.write()
+    if writer.split.split > 1:
+        ks.workspace = len(writer.reductions) * writer.split.split * writer.xnumel
+        ks.pre = [_KernelWriter(group, interpret, phase=lv).write() for lv in writer.levels()]
+        for k in ks.pre:
+            k.workspace = ks.workspace
+    return ks
+
+
+def launch_kernels(kernels: dict[int, KernelSource]) -> list[KernelSource]:
+    """Every kernel a graph's program launches (split reductions launch several per group)."""
+    return [k for ks in kernels.values() for k in ks.launch_order()]
 
 
 __all__ = ["generate_triton", "KernelSource", "reduction_keepdim"]

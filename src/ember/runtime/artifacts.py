@@ -88,8 +88,7 @@ def _versions() -> str:
     from ember import __version__
     from ember.codegen import triton_kernel as tk
     # Block-size constants are module globals that tests and tuning change at run time.
-    tuning = (tk.PERSISTENT_RBLOCK_MAX, tk.LOOP_RBLOCK, tk.TILE_ELEMENTS, tk.POINTWISE_XBLOCK,
-              tk.INTERPRET_TILE_ELEMENTS)
+    tuning = tk.tuning()
     return (f"torch {torch.__version__} triton {triton.__version__} ember {__version__} "
             f"source {_source_digest()} tuning {tuning} schema {SCHEMA}")
 

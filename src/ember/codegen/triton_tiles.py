@@ -1,0 +1,101 @@
+"""How a fused group's iteration space is walked: dim order, tile shape, reduction split.
+
+Memory order. The kept dims K (``xindex``) and reduced dims D (``rindex``) are decomposed in
+the memory order of the group's *reference tensor* (the largest tensor that walks every dim
+of S, an input for reductions, an output for pointwise groups): its stride-1 dim varies fastest.
+On channels_last tensors a pointwise kernel then walks N, H, W, C, so neighbouring lanes load
+and store neighbouring addresses, as on NCHW tensors.
+
+Channel-contiguous reductions. When the reference's stride-1 dim is a kept dim (per-channel
+statistics over N, H, W of a channels_last activation), a tile is ``[XBLOCK, RBLOCK]`` with
+XBLOCK consecutive channels: each row of the tile is one coalesced load.
+
+Split reductions. A looped reduction whose kept extent gives fewer than
+``SPLIT_TARGET_PROGRAMS`` programs (64 channels of a batch-norm: 64 or even one program on a
+132-SM GPU) is split along D into ``split`` chunks: one kernel per reduction level writes
+per-chunk partial results to a float32 workspace, and the last kernel combines them and stores
+the outputs (codegen/triton_kernel.py).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.fx as fx
+
+from ember.schedule.plan import FusedGroup
+
+
+def next_pow2(n: int) -> int:
+    return 1 if n <= 1 else 1 << (n - 1).bit_length()
+
+
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+@dataclass
+class Tiling:
+    K: list[int]  # kept dims of S, outermost first (the last varies fastest in xindex)
+    R: list[int]  # reduced dims of S, outermost first
+    x_contiguous: bool  # the reference tensor's stride-1 dim is a kept dim
+
+
+def _reference(group: FusedGroup, walked: set[int]) -> tuple[fx.Node, tuple] | None:
+    """The largest tensor that walks every dim in ``walked``, with its dims."""
+    candidates: list[tuple[fx.Node, tuple]] = []
+    outputs = [(n, group.dims[n]) for n in group.outputs]
+    inputs: list[tuple[fx.Node, tuple]] = []
+    seen: set[fx.Node] = set()
+    for member in group.nodes:
+        for node, dims in group.input_dims[member].items():
+            if node not in seen:
+                seen.add(node)
+                inputs.append((node, dims))
+    ordered = (inputs + outputs) if group.rdims else (outputs + inputs)
+    for node, dims in ordered:
+        val = node.meta.get("val")
+        if isinstance(val, torch.Tensor) and walked <= {d for d in dims if d is not None}:
+            candidates.append((node, dims))
+    if not candidates:
+        return None
+    return max(candidates, key=lambda c: c[0].meta["val"].numel())  # first of the largest
+
+
+def order_dims(group: FusedGroup, K: list[int], R: list[int]) -> Tiling:
+    """K and R in the reference tensor's memory order (see the module docstring)."""
+    ref = _reference(group, set(K) | set(R))
+    if ref is None:
+        return Tiling(list(K), list(R), False)
+    node, dims = ref
+    strides = node.meta["val"].stride()
+    stride_of = {s: strides[j] for j, s in enumerate(dims) if s is not None}
+    # Larger stride first; equal strides keep S order. Stable sort of the logical order.
+    key = lambda s: -stride_of.get(s, 0)  # noqa: E731
+    k_sorted, r_sorted = sorted(K, key=key), sorted(R, key=key)
+    inner = min(stride_of, key=lambda s: (stride_of[s], -s)) if stride_of else None
+    x_contiguous = bool(R) and inner in K and stride_of.get(inner) == 1
+    return Tiling(k_sorted, r_sorted, x_contiguous)
+
+
+@dataclass
+class Split:
+    split: int  # chunks of D, each reduced by its own program (1: no split)
+    chunk: int  # elements of D per chunk, a multiple of RBLOCK
+    sblock: int  # partials combined per step when the last kernel reads the workspace
+
+
+def plan_split(xnumel: int, rnumel: int, xblock: int, rblock: int, target_programs: int) -> Split:
+    """How many chunks to cut D into so that ~``target_programs`` programs run."""
+    xprog = _cdiv(xnumel, xblock)
+    chunks = _cdiv(rnumel, rblock)
+    if target_programs <= 0 or xprog >= target_programs or chunks < 2:
+        return Split(1, rnumel, 1)
+    split = min(chunks, _cdiv(target_programs, xprog))
+    chunk = _cdiv(chunks, split) * rblock
+    split = _cdiv(rnumel, chunk)
+    if split < 2:
+        return Split(1, rnumel, 1)
+    sblock = min(next_pow2(split), max(1, 4096 // xblock))
+    return Split(split, chunk, sblock)
