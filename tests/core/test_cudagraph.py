@@ -11,6 +11,7 @@ runner prevents it. Capture itself runs in benchmarks/gpu_cudagraph_check.py on 
 from __future__ import annotations
 
 import copy
+import ctypes
 import functools
 import weakref
 
@@ -18,6 +19,7 @@ import pytest
 import torch
 from torch import fx, nn
 from torch._subclasses import FakeTensorMode
+from torch.multiprocessing.reductions import StorageWeakRef
 
 import ember
 from ember.runtime import cudagraph
@@ -34,16 +36,20 @@ _FAKE = FakeTensorMode(allow_non_fake_inputs=True)
 
 
 @pytest.fixture(autouse=True)
-def _training_capture_on(monkeypatch: pytest.MonkeyPatch) -> None:
-    # Training capture is opt-in (EMBER_CUDAGRAPHS_TRAINING=1); these tests exercise it.
-    monkeypatch.setenv("EMBER_CUDAGRAPHS_TRAINING", "1")
+def _training_capture_default(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("EMBER_CUDAGRAPHS_TRAINING", raising=False)
 
 
-def test_training_capture_is_opt_in(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.delenv("EMBER_CUDAGRAPHS_TRAINING")
+def test_training_capture_is_on_by_default_and_can_be_turned_off(monkeypatch: pytest.MonkeyPatch) -> None:
     from ember.runtime.cudagraph import training_capture_enabled
+    assert training_capture_enabled()
+    for kind in ("forward", "backward"):
+        assert cudagraph_blocker(_graph(_clean), [_cuda(4, 8), _cuda(8, 2)], kind, "triton") is None
+    monkeypatch.setenv("EMBER_CUDAGRAPHS_TRAINING", "0")
     assert not training_capture_enabled()
-
+    why = cudagraph_blocker(_graph(_clean), [_cuda(4, 8), _cuda(8, 2)], "backward", "triton")
+    assert why is not None and "EMBER_CUDAGRAPHS_TRAINING=0" in why
+    assert cudagraph_blocker(_graph(_clean), [_cuda(4, 8), _cuda(8, 2)], "inference", "triton") is None
 
 
 def _cuda(*shape: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
@@ -164,16 +170,18 @@ def test_random_op_outside_the_philox_stream_blocks_capture(target, args, kwargs
     assert why is not None and why.startswith("random op") and name in why and "repeat its numbers" in why
 
 
-@pytest.mark.parametrize(("dropout_p", "blocked"), [(0.0, False), (0.1, True)])
-def test_attention_is_captured_only_without_dropout(dropout_p: float, blocked: bool) -> None:
-    # Without dropout it draws nothing; with it, it stays uncaptured until verified on the device.
+@pytest.mark.parametrize("dropout_p", [0.0, 0.1])
+@pytest.mark.parametrize("op", [aten._scaled_dot_product_efficient_attention.default,
+                                aten._scaled_dot_product_flash_attention.default])
+def test_attention_with_or_without_dropout_is_captured(op, dropout_p: float) -> None:
+    # With dropout its CUDA kernels draw from the generator's philox stream, graph-safe: seed and
+    # offset reach the backward in CUDA tensors when captured.
     graph = fx.Graph()
     q, k, v = (graph.placeholder(n) for n in "qkv")
-    graph.output(graph.call_function(aten._scaled_dot_product_efficient_attention.default,
-                                     (q, k, v, None, True, dropout_p)))
+    args = (q, k, v, None, True, dropout_p) if "efficient" in str(op) else (q, k, v, dropout_p)
+    graph.output(graph.call_function(op, args))
     inputs = [_cuda(2, 2, 8, 16) for _ in range(3)]
-    why = cudagraph_blocker(fx.GraphModule({}, graph), inputs, "forward", "triton")
-    assert (why is not None and why.startswith("random op") and "efficient_attention" in why) if blocked else why is None
+    assert cudagraph_blocker(fx.GraphModule({}, graph), inputs, "forward", "triton") is None
 
 
 def test_dropout_p_of_an_unknown_attention_op_decides() -> None:
@@ -279,12 +287,16 @@ def test_explain_reports_why_cpu_programs_are_not_captured() -> None:
 
 class _FakeGraph:
     """Like a CUDA graph it holds addresses, not the caller's tensors (only the runner's buffers
-    stay alive, held by the runner)."""
+    stay alive, held by the runner). Its outputs' memory is its own (a pool): it keeps aliases."""
 
     def __init__(self, run, inputs: list, outputs: object) -> None:
-        self.run, self.outputs = run, outputs
+        self.run = run
+        self.outputs = [x.detach() if isinstance(x, torch.Tensor) else x for x in _leaves(outputs)]
         self.inputs = [weakref.ref(x) if isinstance(x, torch.Tensor) else (lambda x=x: x) for x in inputs]
         self.ptrs = [x.data_ptr() if isinstance(x, torch.Tensor) else None for x in inputs]
+        # A consumed input whose memory is still alive (another graph's pool) is read from it.
+        self.memory = [(StorageWeakRef(x.untyped_storage()), x.storage_offset(), x.shape, x.stride(), x.dtype)
+                       if isinstance(x, torch.Tensor) else None for x in inputs]
 
     def read(self, args: list) -> list:
         """The tensors at the captured addresses: the caller's where they are there, else buffers."""
@@ -294,6 +306,10 @@ class _FakeGraph:
                 out.append(args[i])
             else:
                 x = ref()
+                if x is None and ptr is not None and not self.memory[i][0].expired():
+                    weak, offset, shape, stride, dtype = self.memory[i]
+                    storage = torch.UntypedStorage._new_with_weak_ptr(weak.cdata)
+                    x = torch.empty(0, dtype=dtype).set_(storage, offset, shape, stride)
                 assert x is not None or ptr is None, f"the graph reads freed memory (input {i})"
                 out.append(x)
         return out
@@ -313,11 +329,25 @@ class FakeGraphs(CudaBackend):
         self.fail = fail
         self.captured = 0
         self.recovered = False
+        self.pools: list[object] = []
 
-    def capture(self, run, inputs: list, device: torch.device) -> tuple[object, object]:
+    def new_pool(self, device: torch.device, shared: bool) -> object:
+        return object()
+
+    def on_device(self, t: torch.Tensor) -> bool:
+        return True  # CPU tensors play device memory here
+
+    def view(self, ptr: int, nbytes: int, device: torch.device, keeper: object) -> torch.UntypedStorage:
+        # A storage on the same memory that does not own it, like the CUDA one.
+        buf = (ctypes.c_char * nbytes).from_address(ptr)
+        buf.keeper = keeper
+        return torch.frombuffer(buf, dtype=torch.uint8).untyped_storage()
+
+    def capture(self, run, inputs: list, device: torch.device, pool: object = None) -> tuple[object, object]:
         if self.fail:
             raise RuntimeError("operation not permitted when stream is capturing")
         self.captured += 1
+        self.pools.append(pool)
         saved = [x.clone() if isinstance(x, torch.Tensor) else None for x in inputs]
         rng = torch.get_rng_state()
         outputs = run(list(inputs))
@@ -334,7 +364,7 @@ class FakeGraphs(CudaBackend):
         versions = [x._version for x in tensors]
         new = graph.run(list(inputs))
         torch._C._autograd._unsafe_set_version_counter(tensors, versions)
-        for old, fresh in zip(_leaves(graph.outputs), _leaves(new)):
+        for old, fresh in zip(graph.outputs, _leaves(new)):
             if isinstance(old, torch.Tensor) and old.untyped_storage()._cdata != fresh.untyped_storage()._cdata:
                 old.data.copy_(fresh)
 

@@ -32,6 +32,7 @@ from ember.capture.decompositions import decomposition_table
 from ember.config import Options
 from ember.pipeline import compile_graph
 from ember.report.records import CompileLog, GraphRecord
+from ember.runtime.cudagraph import GraphPool, share_pool
 from ember.runtime.program import CompiledGraph, boxed
 
 # Compiles of one frame Dynamo still allows after its static budget (more dynamic dims, a new
@@ -100,6 +101,9 @@ class EmberBackend:
         self.options = options or Options.from_env()
         self.log = CompileLog()
         self.static_compiles: Counter = Counter()  # frame id -> static-shape compiles
+        # One CUDA-graph memory pool for every training graph of this model, so that a backward
+        # reuses the memory of the activations it consumes (runtime/cudagraph.py).
+        self.graph_pool = GraphPool()
         # torch._dynamo.optimize enters this around every call of the compiled model (what
         # ember.compile uses; torch.compile(backend=...) does not pass it on).
         self.backend_ctx_ctor = self.shape_policy
@@ -156,7 +160,10 @@ class EmberBackend:
                 self.log.graphs.append(record)
                 if _symbolic_inputs(graph, "val") or any(_symbolic(x) for x in inputs):
                     return _run_as_captured(graph, record)
-                return compile_graph(graph, inputs, self.options, record)
+                compiled = compile_graph(graph, inputs, self.options, record)
+                if kind != "inference":
+                    share_pool(compiled, self.graph_pool)
+                return compiled
             return compiler
 
         backend = aot_autograd(fw_compiler=make("forward"), bw_compiler=make("backward"),

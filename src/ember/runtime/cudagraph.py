@@ -1,6 +1,7 @@
 """CUDA graphs for compiled programs: one replay instead of hundreds of kernel launches.
 
-Inference, training-forward and training-backward programs are captured when
+Inference, training-forward and training-backward programs are captured (training: unless
+EMBER_CUDAGRAPHS_TRAINING=0; everything: unless cudagraphs=False or EMBER_CUDAGRAPHS=0) when
 ``cudagraph_blocker`` (a pure function of the captured graph, its example inputs, kind, target
 and the on/off switch) finds nothing that a replay could get wrong; ``ember.explain`` prints its
 reason otherwise, and ``CudaGraphRunner`` keeps a status line of what it does at run time.
@@ -22,19 +23,34 @@ The rules a replay must keep, and how:
   mutated static input is written in place by the replay and its version is bumped as eager
   would; a mutated dynamic input is copied back into the caller's tensor after each replay.
   Changing an input's shape or strides in place is refused by ``cudagraph_blocker``.
-- Outputs live in the graph's private memory pool at fixed addresses, and the next replay
-  overwrites them. An output that is (a view of) an input is rebuilt on the caller's tensor.
-  Any other output is first handed out as an alias of the pool memory; before each replay
-  the runner checks that nobody still holds one (the storage's reference count is back to the
-  graph's own references). If somebody does (a kept loss, the saved activations of a forward
-  whose backward has not run yet, a gradient being accumulated), that call runs uncaptured
-  and those outputs are handed out as copies from then on; if the old ones are still held on
-  the next call, the graph is captured again around them. A replay can therefore never
-  overwrite a tensor the caller can still read.
+- Outputs live in the graph's memory pool at fixed addresses, and the next replay overwrites
+  them. An output that is (a view of) an input is rebuilt on the caller's tensor. The runner
+  keeps no reference to any other output: the capturing call hands out the allocator's own
+  tensors, later replays tensors on a view of the same memory that the allocator does not know
+  of, and a reference count above the runner's own says that somebody holds one. Before each
+  replay the runner checks that nobody still holds one. If somebody does (a kept loss, the
+  saved activations of a forward whose backward has not run yet, a gradient being accumulated),
+  that call runs uncaptured and those outputs are handed out as copies from then on; if the old
+  ones are still held on the next call, the graph is captured again around them. A replay can
+  therefore never overwrite a tensor the caller can still read.
+- One pool for a model's training graphs (``GraphPool``). Alone, every capture gets a private
+  pool. The forward and backward graphs of a compiled model share one, captured in execution
+  order, so the backward reuses the forward's temporaries and, as eager does, the memory of the
+  saved activations it has consumed (the runner holds none of its inputs from the pool during a
+  capture, and AOTAutograd has released them). Outputs of a pool graph read by another graph
+  are read in place. Sharing adds two rules. A replay writes only memory its capture allocated,
+  and the allocator allocates no block in use, so memory held throughout the capture
+  (``protected``) is safe; any other output of the pool's graphs that somebody other than this
+  call's arguments (which the program consumes) holds makes the call run uncaptured and that
+  output a copy from then on. And a capture must not allocate over a tensor handed out after a
+  replay (the allocator thinks its memory free): when one is still held, the pool is renewed
+  and every graph is captured again into the new one, on its next call.
 - Random ops draw from the default CUDA generator's philox stream: a captured graph reads
   seed and offset from device memory that ``CUDAGraph.replay()`` advances, so each replay
-  draws new numbers, the same ones uncaptured calls would. Random ops outside that set, or
-  with an explicit generator, are refused.
+  draws new numbers, the same ones uncaptured calls would. Attention with dropout too (its
+  seed reaches the backward in a CUDA tensor when captured, a host tensor when not: a host
+  input that changes between calls is never captured). Random ops outside that set, or with an
+  explicit generator, are refused.
 - At most ``MAX_CAPTURES`` captures; the last one copies every input in and every output out,
   so it never needs another. A capture that fails runs the program uncaptured from then on
   and says why.
@@ -44,11 +60,13 @@ from __future__ import annotations
 
 import operator
 import os
+import weakref
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import torch
 from torch import fx
+from torch.multiprocessing.reductions import StorageWeakRef
 
 aten = torch.ops.aten
 
@@ -69,11 +87,13 @@ GRAPH_SAFE_RANDOM = {
     "randint_like", "bernoulli", "bernoulli_", "uniform", "uniform_", "normal", "normal_",
     "exponential", "exponential_", "geometric", "geometric_", "cauchy", "cauchy_", "log_normal",
     "log_normal_", "random", "random_",
+    # Attention with dropout: under capture the flash and memory-efficient kernels take seed and
+    # offset from the generator's device memory and write them into CUDA tensors that the
+    # backward reads (uncaptured they are host tensors, which the runner never captures as inputs:
+    # see ``_capture``). PyTorch's own CUDA-graph support (Inductor's cudagraph trees) relies on it.
+    "_scaled_dot_product_flash_attention", "_scaled_dot_product_efficient_attention",
+    "_flash_attention_forward", "_efficient_attention_forward",
 }
-# Attention with dropout (dropout_p > 0) stays uncaptured until verified on the device: its
-# kernels hand philox seed/offset to the backward as CPU tensors when run uncaptured and as CUDA
-# tensors when captured, and the H100 runs that trained BERT with graphs on did not finish
-# (benchmarks/gpu_cudagraph_check.py, tiny_transformer rows). Without dropout it draws nothing.
 CAPTURED_KINDS = ("inference", "forward", "backward")
 MAX_CAPTURES = 5  # the last one copies every input and output, so it is final
 PROMOTE_AFTER = 3  # calls a copied input must keep its address before it is read in place
@@ -84,8 +104,8 @@ def cudagraphs_enabled(option: bool) -> bool:
 
 
 def training_capture_enabled() -> bool:
-    """Forward/backward capture is opt-in until its memory cost is brought under eager's."""
-    return os.environ.get("EMBER_CUDAGRAPHS_TRAINING", "0") not in ("0", "false", "")
+    """Forward/backward capture is on unless EMBER_CUDAGRAPHS_TRAINING=0 (inference stays captured)."""
+    return os.environ.get("EMBER_CUDAGRAPHS_TRAINING", "1") not in ("0", "false", "")
 
 
 def cudagraph_blocker(gm: fx.GraphModule, example_inputs: Sequence[object], kind: str, target: str,
@@ -98,9 +118,7 @@ def cudagraph_blocker(gm: fx.GraphModule, example_inputs: Sequence[object], kind
     if kind not in CAPTURED_KINDS:
         return f"{kind} graphs are not captured (only {', '.join(CAPTURED_KINDS)})"
     if kind != "inference" and not training_capture_enabled():
-        return ("training graphs are captured only with EMBER_CUDAGRAPHS_TRAINING=1: on the H100 they were "
-                "exact for resnet18 and a conv net, but raised peak memory 1.4-1.9x eager (one pool per "
-                "capture) and attention with dropout is not yet verified")
+        return "training graphs are not captured (EMBER_CUDAGRAPHS_TRAINING=0)"
     devices = set()
     for i, t in enumerate(example_inputs):
         if t is None:
@@ -229,34 +247,125 @@ def _may_alias_input(node: fx.Node) -> bool:
 
 
 # ---------------------------------------------------------------------------------------------
+# Memory pools
+# ---------------------------------------------------------------------------------------------
+
+
+class _PoolState:
+    """One CUDA memory pool and every graph captured into it.
+
+    Graphs are never dropped from it: the allocator asserts that a pool captured into again still
+    has a graph using it. A tensor handed out after a replay lies on a view of the pool's memory
+    that holds this object (``CudaBackend.view``), so the pool stays valid while anybody can read it."""
+
+    def __init__(self, handle: object, shared: bool) -> None:
+        self.handle = handle
+        self.shared = shared
+        self.graphs: list[_Graph] = []
+        self.live: dict[int, list[_Group]] = {}  # address -> output groups of live graphs there
+        self.consts: set[int] = set()  # ids of host tensors that live graphs hand out unchanged
+
+    def add(self, g: _Graph) -> None:
+        self.graphs.append(g)
+        for grp in g.groups:
+            self.live.setdefault(grp.ptr, []).append(grp)
+        self.consts.update(id(s.value) for s in g.slots if s.kind == "const")
+
+    def retire(self, g: _Graph) -> None:
+        """``g`` is replayed no more (its outputs may still be held: it stays in ``graphs``)."""
+        for grp in g.groups:
+            at = self.live.get(grp.ptr, [])
+            if grp in at:
+                at.remove(grp)
+            if not at:
+                self.live.pop(grp.ptr, None)
+        self.consts.difference_update(id(s.value) for s in g.slots if s.kind == "const")
+
+    def source(self, t: object) -> _Group | None:
+        """The output group of a live graph that ``t`` lies in (None: not this pool's memory)."""
+        if not isinstance(t, torch.Tensor) or t.numel() == 0:
+            return None
+        at = self.live.get(t.untyped_storage().data_ptr())
+        return at[-1] if at else None
+
+    def holds(self, t: object) -> bool:
+        return id(t) in self.consts or self.source(t) is not None
+
+
+class GraphPool:
+    """The memory pool that the training graphs (forward and backward) of one compiled model share.
+
+    Captured in execution order into one pool, the backward's capture reuses the forward's
+    temporaries and the saved activations it frees as it goes, as eager does; one pool per
+    capture (what ``CudaGraphRunner`` does alone) keeps each graph's memory to itself. ``renew``
+    starts a new pool: every graph of the old one is captured again on its next call."""
+
+    def __init__(self) -> None:
+        self.state: _PoolState | None = None
+        self.renewals = 0
+
+    def renew(self) -> None:
+        self.state = None
+        self.renewals += 1
+
+
+def share_pool(compiled: Callable, pool: GraphPool) -> None:
+    """Make the CUDA-graph runner of ``compiled`` (an Ember program, boxed) capture into ``pool``."""
+    runner = getattr(getattr(compiled, "ember_graph", None), "run", None)
+    if isinstance(runner, CudaGraphRunner):
+        runner.pool = pool
+
+
+# ---------------------------------------------------------------------------------------------
 # The runner
 # ---------------------------------------------------------------------------------------------
+
+
+class _PoolMemory:
+    """``__cuda_array_interface__`` of pool memory. A tensor made from it holds this object (its
+    deleter drops the reference), and this object holds ``keeper``: the pool's state."""
+
+    def __init__(self, ptr: int, nbytes: int, keeper: object) -> None:
+        self.keeper = keeper
+        self.__cuda_array_interface__ = {"shape": (nbytes,), "typestr": "|u1", "data": (ptr, False),
+                                         "strides": None, "version": 3}
 
 
 class CudaBackend:
     """What the runner asks of the device (a CPU stand-in replaces it in the tests)."""
 
-    def capture(self, run: Callable[[list], object], inputs: list, device: torch.device) -> tuple[object, object]:
+    def new_pool(self, device: torch.device, shared: bool) -> object:
+        """A pool handle for ``capture``; None: a private pool of the graph's own."""
+        return torch.cuda.graph_pool_handle() if shared else None
+
+    def capture(self, run: Callable[[list], object], inputs: list, device: torch.device,
+                pool: object = None) -> tuple[object, object]:
         """Record ``run(inputs)`` into a new graph without executing it: (graph, outputs).
 
-        Every capture gets a private memory pool of its own (no ``pool=``): a pool shared with
-        a graph that has been dropped while the caller still holds some of its outputs cannot
-        be captured into again (the allocator asserts its use count is positive), and a fresh
-        pool lets the dropped one be freed as soon as those outputs are."""
+        ``inputs`` is handed to the program, which clears it: an input nobody else holds is freed
+        when the program is done with it, and its memory can be reused within the capture."""
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.device(device):
             stream = torch.cuda.Stream()
             stream.wait_stream(torch.cuda.current_stream())
             # thread_local: another thread's CUDA calls (a data loader pinning memory) must not
             # break the capture, nor the capture break them.
-            with torch.cuda.graph(graph, stream=stream, capture_error_mode="thread_local"):
-                outputs = run(list(inputs))
+            with torch.cuda.graph(graph, pool=pool, stream=stream, capture_error_mode="thread_local"):
+                outputs = run(inputs)
             torch.cuda.current_stream().wait_stream(stream)
         return graph, outputs
 
     def replay(self, graph: object, args: list) -> None:
         """Replay ``graph``; ``args`` are this call's inputs (the graph reads their addresses)."""
         graph.replay()  # type: ignore[attr-defined]
+
+    def on_device(self, t: torch.Tensor) -> bool:
+        """Whether the graph reads and writes ``t``'s memory (host tensors are read at capture)."""
+        return t.device.type == "cuda"
+
+    def view(self, ptr: int, nbytes: int, device: torch.device, keeper: object) -> torch.UntypedStorage:
+        """A storage on pool memory that does not own it (the pool does) and holds ``keeper``."""
+        return torch.as_tensor(_PoolMemory(ptr, nbytes, keeper), device=device).untyped_storage()
 
     def recover(self, device: torch.device) -> None:
         """After a failed capture. A capture that fails after it began leaves the default CUDA
@@ -278,28 +387,39 @@ class CudaBackend:
 class _Slot:
     """How one leaf of the program's output is handed to the caller after a replay."""
 
-    kind: str  # value | input | alias | pool | same | empty
-    value: object = None  # the non-tensor value, or the captured output tensor
+    kind: str  # value | const | input | alias | pool | same | empty
+    value: object = None  # non-tensor value, host tensor (const), or shape/strides/dtype on "meta"
     index: int = 0  # input index (input, alias), group index (pool), earlier slot (same)
-    delta: int = 0  # alias: bytes from the input's first element to the output's
+    delta: int = 0  # alias: bytes from the input's first element; pool: storage offset (elements)
 
 
 @dataclass
 class _Group:
-    """Outputs that share one storage of the graph's pool."""
+    """Outputs that share one storage (one block) of the graph's pool.
 
-    storage: torch.UntypedStorage
-    members: list[int]  # slot indices
+    The runner holds none of them: the outputs of the capturing call are the allocator's own
+    tensors (``own``, watched through a weak reference); after a replay they are handed out on
+    ``view``, a storage on the same memory that the allocator does not know of. Either way a
+    reference count above the runner's own says that somebody holds one."""
+
     ptr: int
+    nbytes: int
+    members: list[int]  # slot indices
+    own: StorageWeakRef
+    own_base: int = 0  # references to ``own`` that are not the caller's (the CPU stand-in's)
     lo: int = 0  # byte range the members cover
     hi: int = 0
-    baseline: int = 0  # reference count of the storage when only the runner holds it
     copy: bool = False
+    view: torch.UntypedStorage | None = None
+    view_base: int = 0
+    bases: dict[int, torch.Tensor] = field(default_factory=dict)  # slot -> tensor on ``view``
+    copy_leaves: set[int] | None = None  # the owning runner's set: marked here from other graphs
 
 
 @dataclass
 class _Graph:
     graph: object
+    state: _PoolState
     static_idx: list[int]
     static_ptrs: list[int]
     dynamic_idx: list[int]
@@ -310,6 +430,9 @@ class _Graph:
     groups: list[_Group]
     container: type | None  # tuple or list of leaves; None: a single leaf
     final: bool
+    device: torch.device
+    sources: dict[int, _Group] = field(default_factory=dict)  # static input -> pool group it was read from
+    protected: list[tuple[int, int]] = field(default_factory=list)  # pool ranges held throughout capture
     dyn_ptrs: list[int] = field(default_factory=list)
     same_calls: list[int] = field(default_factory=list)
 
@@ -323,16 +446,18 @@ class CudaGraphRunner:
         self.title = title
         self.on_status = on_status
         self.backend = backend or CudaBackend()
+        self.pool: GraphPool | None = None  # shared with the model's other training graphs
         self.calls = 0
         self.captures = 0
         self.replays = 0
-        self.uncaptured = 0  # calls after capture that ran uncaptured because outputs were still held
+        self.uncaptured = 0  # calls after the first that ran uncaptured (outputs held, a pool renewed ...)
         self.g: _Graph | None = None
         self.prev_ptrs: list[int] | None = None
         self.demoted: set[int] = set()  # moved while read in place: copied in from now on
         self.copy_leaves: set[int] = set()  # output leaves handed out as copies from now on
         self.alive_last: set[int] = set()
         self.next_static: list[int] = []
+        self.transient = 0  # calls in a row whose pool inputs came from an uncaptured call
         self.last_reason = ""
         self.disabled: str | None = None
         self.device = torch.device("cuda")
@@ -368,11 +493,12 @@ class CudaGraphRunner:
         inputs to read in place are left in ``self.next_static``)."""
         g = self.g
         assert g is not None
+        if self.pool is not None and g.state.shared and g.state is not self.pool.state:
+            self.next_static = [i for i in g.static_idx if i not in g.sources]
+            return "the memory pool was renewed"
         if g.static_idx and [args[i].data_ptr() for i in g.static_idx] != g.static_ptrs:
-            moved = [i for i, p in zip(g.static_idx, g.static_ptrs) if args[i].data_ptr() != p]
-            self.demoted.update(moved)
-            self.next_static = [i for i in g.static_idx if i not in self.demoted]
-            return f"input {_few(moved)} moved"
+            return self._moved(g, args)
+        self.transient = 0
         # Every group, copied ones too: an output handed out before its group became a copy
         # may still be held, and the replay would overwrite it.
         held = [k for k, grp in enumerate(g.groups) if _held(grp)]
@@ -383,12 +509,23 @@ class CudaGraphRunner:
             again = set(held) & self.alive_last
             self.alive_last = set(held)
             if again:
-                self.next_static = list(g.static_idx)
+                self.next_static = [i for i in g.static_idx if i not in g.sources]
                 return f"output {_few(sorted(m for k in again for m in g.groups[k].members))} of a replay still held"
             return ""
         self.alive_last = set()
-        if g.final or not g.dynamic_idx or self.captures >= MAX_CAPTURES - 1:
-            return None
+        hazards = _hazards(g, args)
+        if hazards:
+            # Outputs of another graph in this pool, held by somebody other than this call, where
+            # this graph's replay writes: this call runs uncaptured, and their graph hands them
+            # out as copies from now on.
+            for grp in hazards:
+                grp.copy = True
+                if grp.copy_leaves is not None:
+                    grp.copy_leaves.update(grp.members)
+            self.last_reason = f"{len(hazards)} held output(s) of another graph in the pool lie where this one writes"
+            return ""
+        if g.final or not g.dynamic_idx or self.captures >= MAX_CAPTURES - 1 or self.pool is not None:
+            return None  # a shared pool: recapturing for speed would cost every graph a capture
         ptrs = [args[i].data_ptr() for i in g.dynamic_idx]
         g.same_calls = [n + 1 if p == q else 0 for n, p, q in zip(g.same_calls, ptrs, g.dyn_ptrs)]
         g.dyn_ptrs = ptrs
@@ -398,68 +535,151 @@ class CudaGraphRunner:
             return f"input {_few(ready)} kept its address for {PROMOTE_AFTER} calls (now read in place)"
         return None
 
+    def _moved(self, g: _Graph, args: list) -> str:
+        """Some static input is not where the graph reads it: why to capture again, or "" to run
+        uncaptured (its producer, a graph of this pool, ran uncaptured this time)."""
+        moved = [i for i, p in zip(g.static_idx, g.static_ptrs) if args[i].data_ptr() != p]
+        state = self.pool.state if self.pool is not None else None
+        demote, transient = [], []
+        for i in moved:
+            src = g.sources.get(i)
+            if src is None or src.copy:
+                demote.append(i)  # a parameter replaced, or its producer hands out copies now
+            elif state is not None and state.holds(args[i]):
+                pass  # its producer was captured again: read its new address in place
+            else:
+                transient.append(i)  # its producer ran uncaptured this time
+        if transient and not demote and len(transient) == len(moved):
+            self.transient += 1
+            if self.transient < PROMOTE_AFTER:
+                return ""
+            demote = transient
+        self.transient = 0
+        self.demoted.update(demote)
+        self.next_static = [i for i in g.static_idx if i not in self.demoted and i not in g.sources]
+        return f"input {_few(moved)} moved"
+
     # -- capture -------------------------------------------------------------------------------
 
+    def _state(self, device: torch.device) -> _PoolState:
+        if self.pool is None:
+            return _PoolState(self.backend.new_pool(device, False), shared=False)
+        if self.pool.state is None:
+            self.pool.state = _PoolState(self.backend.new_pool(device, True), shared=True)
+        return self.pool.state
+
+    def _defer(self, refs: list, why: str) -> object:
+        """Run this call uncaptured; capture on a later one."""
+        self.prev_ptrs = [_ptr(a) for a in refs]
+        self.uncaptured += 1
+        self.last_reason = why
+        self._set_status(f"capture deferred: {why}")
+        return self.run(refs)
+
     def _capture(self, args: list, why: str) -> object:
-        self.g = None  # the old graph's outputs go back to the pool unless the caller holds them
+        old, self.g = self.g, None
+        if old is not None:
+            old.state.retire(old)  # the caller may still hold its outputs: they stay valid
         refs = list(args)
         args.clear()
         final = self.captures >= MAX_CAPTURES - 1
         tensors = [i for i, a in enumerate(refs) if isinstance(a, torch.Tensor)]
+        device = next((refs[i].device for i in tensors if self.backend.on_device(refs[i])),
+                      refs[tensors[0]].device if tensors else torch.device("cuda"))
+        state = lookup = self._state(device)
+        if state.shared and _unclean(state, {}):
+            # Tensors handed out after replays lie on memory the allocator thinks free: a capture
+            # into this pool could place its buffers there.
+            assert self.pool is not None
+            if not _unclean(state, _storage_refs(refs)):
+                # Only this call's inputs (a forward's outputs, replayed in a call before this
+                # graph's first capture): a private pool of its own, which cannot overlap them.
+                state = _PoolState(self.backend.new_pool(device, False), shared=False)
+            else:  # a new pool; the other graphs follow on their next calls
+                self.pool.renew()
+                return self._defer(refs, "outputs of replays were still held: the pool was renewed")
         if final:
-            static = []
-        elif why:  # decided by _check
-            static = self.next_static
-            self.last_reason = why
-        else:  # first capture: what kept its address since the first call
-            prev = self.prev_ptrs or []
-            static = [i for i in tensors if i < len(prev) and refs[i].data_ptr() == prev[i]]
+            static: list[int] = []
+        else:
+            if why:  # decided by _check
+                base = self.next_static
+                self.last_reason = why
+            else:  # first capture: what kept its address since the call before
+                prev = self.prev_ptrs or []
+                base = [i for i in tensors if i < len(prev) and refs[i].data_ptr() == prev[i]]
+            # Outputs of graphs in this pool stay where their graph writes them: read in place.
+            static = sorted({i for i in base if i not in self.demoted} |
+                            {i for i in tensors if i not in self.demoted and lookup.holds(refs[i])})
+        host = [i for i in tensors if not self.backend.on_device(refs[i]) and refs[i].numel() > 0
+                and not (i in static and id(refs[i]) in lookup.consts)]
+        if host:  # a capture reads host tensors once (an attention seed from an uncaptured call)
+            return self._defer(refs, f"input {_few(host)} is a host tensor")
         try:
-            self.g = self._record(refs, tensors, static, final)
-            for grp in self.g.groups:  # measured here, where only the runner refers to outputs
-                grp.baseline = torch._C._storage_Use_Count(grp.storage._cdata)
+            self.g, outputs = self._record(refs, tensors, static, final, state, device, lookup)
         except Exception as err:  # noqa: BLE001 - an uncapturable program still runs
             self.g = None
             self.disabled = f"{type(err).__name__}: {str(err)[:200]}"
             self._set_status(f"not captured: capture failed, running uncaptured: {self.disabled}")
             self.backend.recover(self.device)
+            if any(r is None for r in refs):  # an input this call consumed is gone
+                raise RuntimeError(f"{self.title}: CUDA-graph capture failed after the program freed "
+                                   f"its inputs: {self.disabled}") from err
             return self.run(refs)
         self._describe()
-        return self._replay(refs)
+        return self._first_outputs(self.g, outputs, refs)
 
-    def _record(self, refs: list, tensors: list[int], static: list[int], final: bool) -> _Graph:
+    def _record(self, refs: list, tensors: list[int], static: list[int], final: bool, state: _PoolState,
+                device: torch.device, lookup: _PoolState) -> tuple[_Graph, object]:
+        """Capture into ``state``; ``lookup``: the pool whose graphs' outputs are read in place."""
         statics = set(static)
         dynamic = [i for i in tensors if i not in statics]
         for i in dynamic:
             if torch._debug_has_internal_overlap(refs[i]) != 0:
                 raise ValueError(f"input {i} moves between calls and has overlapping memory (an expanded "
                                  "tensor), so it cannot be copied into a static buffer")
-        device = next((refs[i].device for i in tensors if refs[i].device.type == "cuda"),
-                      refs[tensors[0]].device if tensors else torch.device("cuda"))
         # Buffers are ordinary tensors even under inference_mode: their version counters tell
         # which dynamic inputs the program writes.
         with torch.inference_mode(False):
             buffers = [torch.empty_strided(refs[i].shape, refs[i].stride(), dtype=refs[i].dtype,
                                            device=refs[i].device) for i in dynamic]
-        if buffers:  # the replay right after copies again; this makes the buffers hold real inputs
+        if buffers:
             torch._foreach_copy_(buffers, [refs[i] for i in dynamic])
         inputs = list(refs)
         for i, buf in zip(dynamic, buffers):
             inputs[i] = buf
         before = [_version(x) for x in inputs]
+        weak = [weakref.ref(x) if isinstance(x, torch.Tensor) else None for x in inputs]
+        stores = {i: StorageWeakRef(x.untyped_storage()) for i, x in enumerate(inputs)
+                  if isinstance(x, torch.Tensor) and x.numel() > 0}
+        static_ptrs = [refs[i].data_ptr() for i in static]
+        sources = {i: src for i in static if (src := lookup.source(refs[i])) is not None}
+        dyn_ptrs = [refs[i].data_ptr() for i in dynamic]
+        # The program frees the inputs it is done with; holding none of this pool's, the runner
+        # lets the capture reuse their memory (the saved activations, in the backward).
+        for i in sources:
+            refs[i] = None
+        held_before = [grp for y in state.graphs for grp in y.groups if not grp.own.expired()]
         self.device = device
         self.captures += 1
-        graph, outputs = self.backend.capture(self.run, inputs, device)
-        after = [_version(x) for x in inputs]
+        try:
+            graph, outputs = self.backend.capture(self.run, inputs, device, state.handle)
+        finally:
+            del inputs
+            for i in sources:  # still alive if somebody else holds it (or the program returned it)
+                refs[i] = weak[i]() if weak[i] is not None else None
+        after = [_version(w()) if w is not None and w() is not None else b for w, b in zip(weak, before)]
         mutated = {i for i in tensors if before[i] is None or before[i] != after[i]}
-        slots, groups, container = self._outputs(outputs, inputs, final)
-        return _Graph(graph, static, [refs[i].data_ptr() for i in static], dynamic, buffers,
-                      [k for k, i in enumerate(dynamic) if i in mutated],
-                      [i for i in static if i in mutated and before[i] is not None],
-                      slots, groups, container, final,
-                      dyn_ptrs=[refs[i].data_ptr() for i in dynamic], same_calls=[0] * len(dynamic))
+        slots, groups, container = self._outputs(outputs, weak, stores, final)
+        g = _Graph(graph, state, static, static_ptrs, dynamic, buffers,
+                   [k for k, i in enumerate(dynamic) if i in mutated],
+                   [i for i in static if i in mutated and before[i] is not None],
+                   slots, groups, container, final, device, sources=sources,
+                   protected=[(grp.ptr, grp.ptr + grp.nbytes) for grp in held_before if not grp.own.expired()],
+                   dyn_ptrs=dyn_ptrs, same_calls=[0] * len(dynamic))
+        state.add(g)
+        return g, outputs
 
-    def _outputs(self, outputs: object, inputs: list,
+    def _outputs(self, outputs: object, weak: list, stores: dict[int, StorageWeakRef],
                  final: bool) -> tuple[list[_Slot], list[_Group], type | None]:
         if isinstance(outputs, (tuple, list)) and not hasattr(outputs, "_fields"):
             container: type | None = type(outputs)
@@ -469,9 +689,9 @@ class CudaGraphRunner:
         if any(isinstance(x, (tuple, list, dict)) for x in leaves):
             raise TypeError("nested program outputs")
         by_storage: dict[int, int] = {}
-        for i, x in enumerate(inputs):
-            if isinstance(x, torch.Tensor) and x.numel() > 0:
-                by_storage.setdefault(x.untyped_storage()._cdata, i)
+        for i in sorted(stores):
+            if not stores[i].expired():  # a weak reference keeps the address from being reused
+                by_storage.setdefault(stores[i].cdata, i)
         slots: list[_Slot] = []
         groups: list[_Group] = []
         group_of: dict[int, int] = {}
@@ -484,33 +704,90 @@ class CudaGraphRunner:
                 slots.append(_Slot("same", index=seen[id(leaf)]))
                 continue
             seen[id(leaf)] = j
-            same_input = next((i for i, x in enumerate(inputs) if x is leaf), None)
+            same_input = next((i for i, w in enumerate(weak) if w is not None and w() is leaf), None)
             if same_input is not None:
                 slots.append(_Slot("input", index=same_input))
                 continue
             if leaf.numel() == 0:
-                slots.append(_Slot("empty", leaf))  # no memory to hold
+                slots.append(_Slot("empty", _meta(leaf)))  # no memory to hold
                 continue
-            storage = leaf.untyped_storage()
-            owner = by_storage.get(storage._cdata)
+            if not self.backend.on_device(leaf):
+                # A host tensor made at capture (attention's unused seed without dropout): the
+                # graph never writes it, so every replay hands out the same one.
+                slots.append(_Slot("const", leaf))
+                continue
+            cdata = leaf.untyped_storage()._cdata
+            owner = by_storage.get(cdata)
             if owner is not None:
-                slots.append(_Slot("alias", _meta(leaf), owner, leaf.data_ptr() - inputs[owner].data_ptr()))
+                x = weak[owner]()
+                base_ptr = x.data_ptr() if x is not None else leaf.untyped_storage().data_ptr()
+                slots.append(_Slot("alias", _meta(leaf), owner, leaf.data_ptr() - base_ptr))
                 continue
-            k = group_of.get(storage._cdata)
+            k = group_of.get(cdata)
             if k is None:
-                k = group_of[storage._cdata] = len(groups)
-                groups.append(_Group(storage, [], storage.data_ptr(), lo=storage.nbytes()))
+                storage = leaf.untyped_storage()
+                k = group_of[cdata] = len(groups)
+                groups.append(_Group(storage.data_ptr(), storage.nbytes(), [], StorageWeakRef(storage),
+                                     lo=storage.nbytes(), copy_leaves=self.copy_leaves))
+                del storage
             grp = groups[k]
             grp.members.append(j)
             start = leaf.storage_offset() * leaf.element_size()
             span = (1 + sum((s - 1) * st for s, st in zip(leaf.shape, leaf.stride()))) * leaf.element_size()
             grp.lo, grp.hi = min(grp.lo, start - start % 16), max(grp.hi, start + span)
-            slots.append(_Slot("pool", leaf, k))
+            slots.append(_Slot("pool", _meta(leaf), k, leaf.storage_offset()))
         for grp in groups:
             grp.copy = final or any(m in self.copy_leaves for m in grp.members)
+            # The leaves about to be handed out refer to the storage, each once, and so do the
+            # bases of those that are views; anything else (the backend, a Python storage object
+            # PyTorch keeps) is the baseline.
+            holders = {id(leaves[j]) for j in grp.members}
+            holders |= {id(leaves[j]._base) for j in grp.members if leaves[j]._is_view()}
+            grp.own_base = torch._C._storage_Use_Count(grp.own.cdata) - len(holders)
         return slots, groups, container
 
+    def _first_outputs(self, g: _Graph, outputs: object, refs: list) -> object:
+        """Run the graph just captured and hand out the capture's own output tensors."""
+        self.backend.replay(g.graph, refs)  # the buffers were filled before the capture
+        self.replays += 1
+        if g.writeback:
+            torch._foreach_copy_([refs[g.dynamic_idx[k]] for k in g.writeback], [g.buffers[k] for k in g.writeback])
+        leaves = list(outputs) if g.container is not None else [outputs]
+        del outputs
+        out: list[object] = []
+        copies: dict[int, dict[int, torch.Tensor]] = {}
+        for j, s in enumerate(g.slots):
+            leaf = leaves[j]
+            if s.kind == "pool" and g.groups[s.index].copy:
+                if s.index not in copies:
+                    assert isinstance(leaf, torch.Tensor)
+                    copies[s.index] = _copy_group(g.groups[s.index], g.slots, leaf.untyped_storage())
+                out.append(copies[s.index][j])
+            elif s.kind == "input" and refs[s.index] is not None:
+                out.append(refs[s.index])
+            elif s.kind == "alias" and s.index in g.dynamic_idx:
+                out.append(_rebase(s.value, refs[s.index], s.delta))  # type: ignore[arg-type]
+            elif s.kind == "same":
+                out.append(out[s.index])
+            else:
+                out.append(leaf)
+        leaves.clear()
+        if g.container is None:
+            return out[0]
+        return g.container(out)
+
     # -- replay ----------------------------------------------------------------------------------
+
+    def _views(self, g: _Graph) -> None:
+        """Storages on the pool memory of ``g``'s outputs, and one tensor per output on them."""
+        for grp in g.groups:
+            grp.view = self.backend.view(grp.ptr, grp.nbytes, g.device, g.state)
+            for j in grp.members:
+                meta = g.slots[j].value
+                assert isinstance(meta, torch.Tensor)
+                grp.bases[j] = torch.empty(0, dtype=meta.dtype, device=g.device).set_(
+                    grp.view, g.slots[j].delta, meta.shape, meta.stride())
+            grp.view_base = torch._C._storage_Use_Count(grp.view._cdata)
 
     def _replay(self, args: list) -> object:
         g = self.g
@@ -526,6 +803,8 @@ class CudaGraphRunner:
         if g.bump:
             torch._C._autograd._unsafe_set_version_counter([refs[i] for i in g.bump],
                                                             [refs[i]._version + 1 for i in g.bump])
+        if g.groups and g.groups[0].view is None:
+            self._views(g)
         leaves: list[object] = []
         copies: dict[int, dict[int, torch.Tensor]] = {}
         for j, s in enumerate(g.slots):
@@ -534,11 +813,12 @@ class CudaGraphRunner:
                 grp = g.groups[s.index]
                 if grp.copy:
                     if s.index not in copies:
-                        copies[s.index] = _copy_group(grp, g.slots)
+                        assert grp.view is not None
+                        copies[s.index] = _copy_group(grp, g.slots, grp.view)
                     leaves.append(copies[s.index][j])
                 else:
-                    leaves.append(s.value.detach())  # type: ignore[union-attr]
-            elif kind == "value":
+                    leaves.append(grp.bases[j].detach())
+            elif kind in ("value", "const"):
                 leaves.append(s.value)
             elif kind == "input":
                 leaves.append(refs[s.index])
@@ -548,7 +828,7 @@ class CudaGraphRunner:
                 leaves.append(leaves[s.index])
             else:  # empty
                 t = s.value
-                leaves.append(torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device=t.device))  # type: ignore[union-attr]
+                leaves.append(torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device=g.device))  # type: ignore[union-attr]
         if g.container is None:
             return leaves[0]
         return g.container(leaves)
@@ -567,6 +847,11 @@ class CudaGraphRunner:
         if g.bump:
             parts.append(f"{len(g.bump)} input(s) mutated in place")
         parts.append(f"outputs: {shared} handed out from the graph's memory, {copied} copied")
+        if g.state.shared:
+            others = len({id(y.graph) for y in g.state.graphs if y is not g})
+            parts.append(f"memory pool shared with the model's training graphs ({others} other graph(s) in it)")
+        elif self.pool is not None:
+            parts.append("a memory pool of its own (its inputs were outputs of replays when it was captured)")
         if self.uncaptured:
             parts.append(f"{self.uncaptured} call(s) ran uncaptured while earlier outputs were held")
         if self.last_reason:
@@ -574,25 +859,89 @@ class CudaGraphRunner:
         self._set_status("; ".join(parts))
 
 
+def _uses(grp: _Group) -> int:
+    """References to the group's memory beyond the runner's own."""
+    n = 0
+    if not grp.own.expired():
+        n += torch._C._storage_Use_Count(grp.own.cdata) - grp.own_base
+    if grp.view is not None:
+        n += torch._C._storage_Use_Count(grp.view._cdata) - grp.view_base
+    return n
+
+
 def _held(grp: _Group) -> bool:
     # Anybody else holding the storage (a tensor, a view, autograd's saved tensors) raises its
-    # reference count; a resize_ of a handed-out output would move it.
-    return torch._C._storage_Use_Count(grp.storage._cdata) > grp.baseline or grp.storage.data_ptr() != grp.ptr
+    # reference count.
+    return _uses(grp) > 0
 
 
-def _copy_group(grp: _Group, slots: list[_Slot]) -> dict[int, torch.Tensor]:
-    """Copies of a group's outputs in one new storage (aliasing between them kept)."""
+def _unclean(state: _PoolState, refs: dict[int, int]) -> bool:
+    """Whether a tensor handed out after a replay is still held, beyond ``refs`` (storage ->
+    references): the allocator does not know that its memory is in use, so a capture into the
+    pool could place new buffers on it."""
+    return any(grp.view is not None
+               and torch._C._storage_Use_Count(grp.view._cdata) - refs.get(grp.view._cdata, 0) > grp.view_base
+               for y in state.graphs for grp in y.groups)
+
+
+def _inside(grp: _Group, ranges: list[tuple[int, int]]) -> bool:
+    return any(lo <= grp.ptr and grp.ptr + grp.nbytes <= hi for lo, hi in ranges)
+
+
+def _hazards(g: _Graph, args: list) -> list[_Group]:
+    """Output groups of the pool's other graphs that ``g``'s replay may overwrite and that somebody
+    other than this call's arguments (which the program consumes) still holds.
+
+    A replay writes only memory its capture allocated, and the allocator hands out no block that is
+    in use: memory held throughout the capture (``g.protected``) is never written."""
+    if not g.state.shared:
+        return []
+    refs: dict[int, int] | None = None
+    out = []
+    for y in g.state.graphs:
+        if y is g:
+            continue
+        for grp in y.groups:
+            n = _uses(grp)
+            if n <= 0 or _inside(grp, g.protected):
+                continue
+            if refs is None:
+                refs = _storage_refs(args)
+            if not grp.own.expired():
+                n -= refs.get(grp.own.cdata, 0)
+            if grp.view is not None:
+                n -= refs.get(grp.view._cdata, 0)
+            if n > 0:
+                out.append(grp)
+    return out
+
+
+def _storage_refs(args: list) -> dict[int, int]:
+    """Storage -> how many of ``args`` (distinct tensors, one reference each) refer to it."""
+    counts: dict[int, int] = {}
+    seen: set[int] = set()
+    for a in args:
+        if isinstance(a, torch.Tensor) and id(a) not in seen:
+            seen.add(id(a))
+            cdata = a.untyped_storage()._cdata
+            counts[cdata] = counts.get(cdata, 0) + 1
+    return counts
+
+
+def _copy_group(grp: _Group, slots: list[_Slot], storage: torch.UntypedStorage) -> dict[int, torch.Tensor]:
+    """Copies of a group's outputs (on ``storage``) in one new storage, aliasing between them kept."""
     first = slots[grp.members[0]].value
     assert isinstance(first, torch.Tensor)
-    raw = torch.empty(0, dtype=torch.uint8, device=first.device).set_(grp.storage, grp.lo, (grp.hi - grp.lo,), (1,))
-    storage = raw.clone().untyped_storage()
+    device = storage.device
+    raw = torch.empty(0, dtype=torch.uint8, device=device).set_(storage, grp.lo, (grp.hi - grp.lo,), (1,))
+    new = raw.clone().untyped_storage()
     out = {}
     for j in grp.members:
         t = slots[j].value
         assert isinstance(t, torch.Tensor)
         size = t.element_size()
-        offset = (t.storage_offset() * size - grp.lo) // size
-        out[j] = torch.empty(0, dtype=t.dtype, device=t.device).set_(storage, offset, t.shape, t.stride())
+        offset = (slots[j].delta * size - grp.lo) // size
+        out[j] = torch.empty(0, dtype=t.dtype, device=device).set_(new, offset, t.shape, t.stride())
     return out
 
 
