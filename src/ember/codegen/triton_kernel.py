@@ -153,7 +153,7 @@ def _reduction_kind(node: fx.Node) -> str:
 
 
 class _KernelWriter:
-    def __init__(self, group: FusedGroup, interpret: bool, phase: int | None = None) -> None:
+    def __init__(self, group: FusedGroup, interpret: bool, phase: tuple[str, int] | None = None) -> None:
         self.g = group
         self.interpret = interpret
         self.S = group.shape
@@ -189,10 +189,17 @@ class _KernelWriter:
                                            for r in self.reductions):
                 target = INTERPRET_SPLIT_TARGET_PROGRAMS if interpret else SPLIT_TARGET_PROGRAMS
                 self.split = plan_split(self.xnumel, self.rnumel, self.xblock, self.rblock, target)
-        self.phase = phase  # None: the kernel that stores the outputs; L: level-L partials
+        # None: the kernel that stores the outputs; ("part", L): level-L partials of each chunk;
+        # ("comb", L): level-L results from the partials, once per x (the workspace's result rows).
+        self.phase = phase
         final_loops = any(self._full(self.g.dims[n]) for n in self.g.outputs)
         # Programs per x block: every chunk for partials and full-domain stores, else one.
-        self.grid_split = self.split.split if (phase is not None or final_loops) else 1
+        self.grid_split = self.split.split if ((phase is not None and phase[0] == "part") or final_loops) else 1
+        if phase is not None and phase[0] == "comb":
+            self.grid_split = 1
+            sblock = min(next_pow2(self.split.split), 4096)
+            self.split = Split(self.split.split, self.split.chunk, sblock)
+            self.xblock = max(1, min(next_pow2(self.xnumel), 4096 // sblock))
 
     # -- domains and levels --------------------------------------------------------------
     def _full(self, dims: tuple) -> bool:
@@ -405,7 +412,7 @@ class _KernelWriter:
         ops = "\n".join(f"#   {_src(n)}" for n in self.g.nodes)
         split = "" if self.split.split == 1 else (
             f" split={self.split.split}x{self.split.chunk} "
-            + ("stores outputs" if self.phase is None else f"partials of level {self.phase}"))
+            + ("stores outputs" if self.phase is None else f"{self.phase[0]} of level {self.phase[1]}"))
         text = (f"@triton.jit\ndef KERNEL_NAME({params}, {consts}):\n"
                 f"    # S={list(self.S)} reduced={sorted(self.D)} x={self.xnumel} r={self.rnumel}{split}\n"
                 f"    # x order {self.K} r order {self.R}{' channel-contiguous' if self.x_contiguous else ''}\n"
@@ -414,7 +421,7 @@ class _KernelWriter:
         # must not, so hash and compile the text with each line's node annotation reduced to its op.
         canonical = _TRAILING_NODE.sub(r"  # \1", text)
         digest = hashlib.sha256((canonical + repr(meta) + str(self.interpret)).encode()).hexdigest()[:16]
-        kind = "pw" if not self.reduction else "red" if self.phase is None else f"part{self.phase}"
+        kind = "pw" if not self.reduction else "red" if self.phase is None else f"{self.phase[0]}{self.phase[1]}"
         name = f"ember_{kind}_{digest}"
         source = f"# source ops:\n{ops}\n" + text.replace("KERNEL_NAME", name)
         header = HEADER_INTERPRET if self.interpret else HEADER_GPU
@@ -451,11 +458,14 @@ class _KernelWriter:
             at_level = [r for r in reductions if self.level[r] == lv]
             if self.split.split == 1:
                 self._loop(root, at_level)
-            elif self.phase == lv:
+            elif self.phase == ("part", lv):
                 self._loop(root, at_level, partial=True)
                 return root.lines  # a partial kernel stops after its level
-            else:
+            elif self.phase == ("comb", lv):
                 self._combine_partials(root, at_level)
+                return root.lines
+            else:
+                self._load_results(root, at_level)
         full_outputs = [n for n in self.g.outputs if self._full(self.g.dims[n])]
         for n in self.g.outputs:
             if not self._full(self.g.dims[n]):
@@ -471,8 +481,22 @@ class _KernelWriter:
         j = self.reductions.index(r)
         return f"{j * self.split.split * self.xnumel} + {chunk} * {self.xnumel} + xindex"
 
+    def _result_offset(self, r: fx.Node) -> str:
+        j = self.reductions.index(r)
+        return f"{len(self.reductions) * self.split.split * self.xnumel + j * self.xnumel} + xindex"
+
+    def _load_results(self, root: _Scope, reductions: list[fx.Node]) -> None:
+        """Reductions of a split group, as the combining kernels stored them."""
+        for r in reductions:
+            dtype = compute_dtype(r.meta["val"].dtype)
+            var = self._tmp()
+            root.lines.append(f"{var} = {self._finish(r, f'tl.load(ws + ({self._result_offset(r)}), xmask)')}"
+                              f"  # {_src(r)}")
+            root.cache[r] = Operand(var, dtype)
+
     def _combine_partials(self, root: _Scope, reductions: list[fx.Node]) -> None:
-        """Each reduction's result from the split kernels' partials in the workspace."""
+        """Each reduction's result from the chunks' partials, stored once per x in the workspace
+        (one small kernel, instead of every program of the next kernels combining them again)."""
         sblock = self.split.sblock
         for r in reductions:
             dtype = compute_dtype(r.meta["val"].dtype)
@@ -485,9 +509,8 @@ class _KernelWriter:
                               f"{self.split.split}), other={ident})")
             root.lines.append(f"    {self._accumulate(acc, part, kind)}")
             var = self._tmp()
-            root.lines.append(f"{var} = {self._finish(r, f'tl.reduce({acc}, 1, {self._combine(kind, dtype)})[:, None]')}"
-                              f"  # {_src(r)}")
-            root.cache[r] = Operand(var, dtype)
+            root.lines.append(f"{var} = tl.reduce({acc}, 1, {self._combine(kind, dtype)})[:, None]  # {_src(r)}")
+            root.lines.append(f"tl.store(ws + ({self._result_offset(r)}), {var}, xmask)")
 
     @staticmethod
     def _accumulate(acc: str, value: str, kind: str) -> str:
@@ -559,8 +582,10 @@ def generate_triton(group: FusedGroup, interpret: bool = False) -> KernelSource:
     writer = _KernelWriter(group, interpret)
     ks = writer.write()
     if writer.split.split > 1:
-        ks.workspace = len(writer.reductions) * writer.split.split * writer.xnumel
-        ks.pre = [_KernelWriter(group, interpret, phase=lv).write() for lv in writer.levels()]
+        # Partials of every chunk, then one result row per reduction.
+        ks.workspace = len(writer.reductions) * (writer.split.split + 1) * writer.xnumel
+        ks.pre = [_KernelWriter(group, interpret, phase=(step, lv)).write()
+                  for lv in writer.levels() for step in ("part", "comb")]
         for k in ks.pre:
             k.workspace = ks.workspace
     return ks

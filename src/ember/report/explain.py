@@ -198,6 +198,9 @@ class ExplainReport:
                  f"Conversions: {self.layout_conversions()} in {len(ran)} graph(s)."]
         rows = []
         for g in ran:
+            if g.layout.get("skipped"):
+                lines.append(f"{g.title}: {g.layout['skipped']}")
+                continue
             lines.append(f"{g.title}: {g.layout.get('convolutions', 0)} convolution(s), "
                          f"{len(g.layout.get('conversions', []))} conversion(s), "
                          f"{len(g.layout.get('synced_inputs', []))} input(s) compiled for the forward's layout")
