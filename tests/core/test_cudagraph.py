@@ -701,3 +701,152 @@ def test_gpu_check_plan_and_output(monkeypatch, tmp_path) -> None:
     monkeypatch.setenv("OUT", str(tmp_path))
     assert check.output_path(None) == str(tmp_path / "cudagraph_check.json")
     assert check.output_path("x.json") == "x.json"
+
+
+# -- one memory pool for a model's training graphs --------------------------------------------
+
+
+def _pair(backend: FakeGraphs | None = None) -> tuple[CudaGraphRunner, CudaGraphRunner, cudagraph.GraphPool]:
+    backend = backend or FakeGraphs()
+    pool = cudagraph.GraphPool()
+    fw, bw = _runner(_forward, backend), _runner(_backward, backend)
+    fw.pool = bw.pool = pool
+    return fw, bw, pool
+
+
+def _step(fw: CudaGraphRunner, bw: CudaGraphRunner, w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    x = torch.randn(3, 8)
+    out = fw([x, w])
+    loss, h = out[0].clone(), out[1]  # the loss read, as a training loop does before the backward
+    del out
+    (g,) = bw([h, w, torch.ones(3, 4)])
+    want_h = x @ w
+    torch.testing.assert_close(loss, torch.tanh(want_h).sum())
+    torch.testing.assert_close(g, (1 - torch.tanh(want_h) ** 2).sum(0) + w.sum())
+    return loss, g
+
+
+def test_forward_and_backward_share_one_pool_and_the_backward_reads_activations_in_place() -> None:
+    backend = FakeGraphs()
+    fw, bw, pool = _pair(backend)
+    w = torch.randn(8, 4)
+    for _ in range(5):
+        _step(fw, bw, w)  # nothing kept across steps
+    assert fw.captures == bw.captures == 1 and fw.uncaptured == bw.uncaptured == 0
+    assert backend.pools[0] is backend.pools[1] is pool.state.handle
+    assert 0 in bw.g.sources and 0 in bw.g.static_idx  # the activation h: read where fw wrote it
+    assert "memory pool shared" in bw.status and "1 other graph" in bw.status
+
+
+def test_ember_training_graphs_get_the_models_pool(monkeypatch) -> None:
+    _graphs_on_cpu(monkeypatch)
+    torch._dynamo.reset()
+    model = _bn_dropout_net()
+    compiled = ember.compile(model, target="aten")
+    for _ in range(3):
+        nn.functional.cross_entropy(compiled(torch.randn(2, 3, 8, 8)), torch.randint(0, 2, (2,))).backward()
+    statuses = [g.cudagraph for g in compiled._ember_backend.log.graphs]
+    assert len(statuses) == 2 and all("memory pool shared" in s for s in statuses), statuses
+    assert compiled._ember_backend.graph_pool.state is not None
+
+
+def test_a_held_output_of_another_graph_where_a_replay_writes_makes_that_call_uncaptured() -> None:
+    fw, bw, _ = _pair()
+    w = torch.randn(8, 4)
+    _step(fw, bw, w)
+    _step(fw, bw, w)  # both captured
+    fw.g.protected = []  # as on the GPU when the backward's gradients reuse forward memory
+    kept = _step(fw, bw, w)[1]  # a replay's gradient, still held during the next forward
+    want = kept.clone()
+    before = fw.uncaptured
+    _step(fw, bw, w)
+    assert fw.uncaptured == before + 1 and "another graph" in fw.last_reason
+    assert all(grp.copy for grp in bw.g.groups)  # handed out as copies from now on
+    torch.testing.assert_close(kept, want)
+    del kept
+    _step(fw, bw, w)
+    kept = _step(fw, bw, w)[1]  # now a copy: holds no pool memory
+    _step(fw, bw, w)  # replayed again
+    assert fw.uncaptured == before + 1 and fw.captures == 1
+    del kept
+
+
+def test_protected_memory_is_never_a_hazard() -> None:
+    fw, bw, _ = _pair()
+    w = torch.randn(8, 4)
+    for _ in range(3):
+        _step(fw, bw, w)
+    kept = _step(fw, bw, w)[1]  # a replay's gradient
+    fw.g.protected = [(grp.ptr, grp.ptr + grp.nbytes) for grp in bw.g.groups]
+    assert cudagraph._hazards(fw.g, [torch.randn(3, 8), w]) == []
+    fw.g.protected = []
+    assert cudagraph._hazards(fw.g, [torch.randn(3, 8), w]) == bw.g.groups
+    del kept
+
+
+def test_arguments_that_the_program_consumes_are_not_a_hazard() -> None:
+    fw, bw, _ = _pair()
+    w = torch.randn(8, 4)
+    for _ in range(3):
+        _step(fw, bw, w)
+    bw.g.protected = []
+    h = fw([torch.randn(3, 8), w])[1]
+    assert cudagraph._hazards(bw.g, [h, w, torch.ones(3, 4)]) == []  # only the backward's arguments hold h
+    kept = h[1:]  # somebody else holds it too
+    assert cudagraph._hazards(bw.g, [h, w, torch.ones(3, 4)]) != []
+    del kept
+
+
+def test_a_capture_never_lands_on_memory_of_a_held_replay_output() -> None:
+    fw, bw, pool = _pair()
+    w = torch.randn(8, 4)
+    fw([torch.randn(3, 8), w])
+    fw([torch.randn(3, 8), w])  # captured
+    kept, h = fw([torch.randn(3, 8), w])  # a replay's loss, held by the caller
+    state = pool.state
+    assert cudagraph._unclean(state, {})
+    assert bw([h, w, torch.ones(3, 4)]) is not None  # first call: uncaptured anyway
+    loss, h = fw([torch.randn(3, 8), w])
+    bw([h, w, torch.ones(3, 4)])  # the held loss is in the pool: renewed, this call uncaptured
+    assert pool.state is None and pool.renewals == 1 and bw.g is None and "renewed" in bw.status
+    del kept, loss, h
+    _step(fw, bw, w)  # the forward captures into the new pool, then the backward
+    assert fw.g.state is bw.g.state is pool.state and "renewed" in fw.last_reason
+    _step(fw, bw, w)
+
+
+def test_a_backward_whose_inputs_are_replay_outputs_gets_a_private_pool() -> None:
+    # A forward captured in a call whose backward never ran, replayed before the first backward
+    # capture: only this call's arguments hold the replay's outputs.
+    fw, bw, pool = _pair()
+    w = torch.randn(8, 4)
+    h = fw([torch.randn(3, 8), w])[1]
+    bw([h, w, torch.ones(3, 4)])
+    del h
+    fw([torch.randn(3, 8), w])  # captured, outputs dropped (the probe)
+    _step(fw, bw, w)  # fw replays; bw captured into a pool of its own
+    assert not bw.g.state.shared and "a memory pool of its own" in bw.status and pool.renewals == 0
+    for _ in range(3):
+        _step(fw, bw, w)
+    assert bw.replays >= 3
+
+
+class _HostSeeds(FakeGraphs):
+    """int64 tensors play host tensors (attention's philox seed from an uncaptured forward)."""
+
+    def on_device(self, t: torch.Tensor) -> bool:
+        return t.dtype != torch.int64
+
+
+def _seeded(args: list) -> tuple:
+    x, seed = args
+    args.clear()
+    return (x * float(seed.item()),)
+
+
+def test_a_host_input_that_changes_between_calls_is_never_captured() -> None:
+    runner = _runner(_seeded, _HostSeeds())
+    for i in range(4):
+        x = torch.randn(4)
+        torch.testing.assert_close(runner([x, torch.tensor(i + 1)])[0], x * (i + 1))
+    assert runner.captures == 0 and "capture deferred: input 1 is a host tensor" in runner.status
