@@ -170,10 +170,6 @@ SIBLINGS = {
 }
 
 
-@pytest.mark.xfail(strict=True, reason="plan: a pointwise op whose inputs come from no fused group seeds a new "
-                   "group, and a later op joins only one of two groups it reads; so sibling branches of a graph "
-                   "input (x.sin() + x.cos(), GELU after a matmul) become two kernels with a materialised "
-                   "intermediate instead of one")
 @pytest.mark.parametrize("name", list(SIBLINGS))
 def test_pointwise_branches_of_one_input_are_one_fused_group(name: str) -> None:
     fn = SIBLINGS[name]
@@ -181,6 +177,22 @@ def test_pointwise_branches_of_one_input_are_one_fused_group(name: str) -> None:
     run_compiled(fn, x)  # correct either way
     plan = plan_of(fn, x)
     assert kinds(plan) == ["fused"], plan.describe()
+
+
+def test_training_batch_norm_is_one_kernel_forward_and_one_backward() -> None:
+    """Hoisted parameter views, sibling fusion and per-channel values beside the reduction make
+    training batch norm + ReLU one kernel forward (statistics, normalise, affine, ReLU, running
+    statistics) and one kernel backward (both sums and the input gradient)."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.BatchNorm2d(6), torch.nn.ReLU())
+    compiled = ember.compile(model)
+    check_against_eager(compiled, model, [torch.randn(4, 6, 5, 5)], params=list(model.parameters()))
+    graphs = {g.kind: g for g in log_of(compiled).graphs}
+    assert set(graphs) == {"forward", "backward"}
+    for kind, g in graphs.items():
+        # (the num_batches_tracked += 1 scalar stays its own kernel)
+        groups = [line for line in g.plan_text.splitlines() if " fused-" in line and "S=[] " not in line]
+        assert len(groups) == 1 and "S=[4, 6, 5, 5]" in groups[0], (kind, g.plan_text)
 
 
 def test_unsupported_op_is_a_fallback_step_with_a_reason() -> None:

@@ -156,6 +156,14 @@ class _Partitioner:
             return s
         return None
 
+    @staticmethod
+    def _unique_dim(group: FusedGroup, size: int, used: set[int]) -> int | None:
+        """The one group dim of this size, for a value that shares no dim with the group yet
+        (a per-channel [C] vector beside an [N, C, H, W] reduction): any consistent placement
+        computes the same value, and a unique size leaves no choice to get wrong."""
+        dims = [s for s, n in enumerate(group.shape) if n == size]
+        return dims[0] if len(dims) == 1 and dims[0] not in used else None
+
     def _complete(self, group: FusedGroup, shape: tuple[int, ...], known: dict[int, int]) -> Dims | None:
         used = set(known.values())
         if len(used) != len(known):
@@ -168,6 +176,8 @@ class _Partitioner:
                 out.append(known[j])
             else:
                 s = self._default_dim(group, len(shape), j, size, used)
+                if s is None and not known:
+                    s = self._unique_dim(group, size, used)
                 if s is None:
                     return None
                 used.add(s)
@@ -311,6 +321,12 @@ class _Partitioner:
         if cls == OpClass.VIEW:
             self._new_step("view", node)
             return
+        sibling = self._sibling(node, cls, candidates)
+        if sibling is not None:
+            why = self._try_join(sibling, node, cls)
+            if why is None:
+                return
+            refusals.append(f"not beside step {sibling.index}: {why}")
         seeded = self._seed(node, cls)
         if seeded is None:
             self._new_step("fallback", node, "reduction over size-1 dims only")
@@ -328,6 +344,7 @@ class _Partitioner:
             for n in frozen:
                 self.step_of[n] = step
                 self.classes[n] = (OpClass.FROZEN, step.reason)
+        self._hoist_input_views()
         for node in self.graph.nodes:
             if node.op != "call_function" or node in self.step_of:
                 continue
@@ -344,6 +361,52 @@ class _Partitioner:
             self._new_step(kind, node, reason)
         self._finish_groups()
         return KernelPlan(self.graph, self.steps, self.step_of, self.constants, self.classes)
+
+    def _sibling(self, node: fx.Node, cls: OpClass, tried: list[FusedGroup]) -> FusedGroup | None:
+        """Horizontal fusion: a pointwise node with no fused producer that would take joins the
+        latest fused group over the same iteration space (batch norm backward's ``x - mean``
+        beside the ReLU-mask group that reads the same gradient), when only views, getitems and
+        constants lie between them. One loop instead of two: the same loads and stores, one
+        kernel fewer, and later nodes can fuse with both."""
+        if cls != OpClass.POINTWISE:
+            return None
+        for step in reversed(self.steps):
+            if isinstance(step, FusedGroup):
+                if step in tried or step.kind != "fused":
+                    return None
+                shape = _shape(node)
+                if tuple(step.shape) == shape:
+                    return step
+                # A smaller value rides along only as a per-kept-point (x domain) value of a
+                # reduction: computed once per kept point, never once per element.
+                kept = [n for s, n in enumerate(step.shape) if s not in step.rdims]
+                big = [n for n in shape if n != 1]
+                if step.is_reduction and big and all(kept.count(n) == 1 for n in big):
+                    return step
+                return None
+            if step.kind not in ("view", "getitem", "constant"):
+                return None
+        return None
+
+    def _hoist_input_views(self) -> None:
+        """Views of graph inputs (batch norm's ``weight.unsqueeze(-1).unsqueeze(-1)``) become
+        steps ahead of everything else. AOTAutograd places them right before their first use,
+        after the group computing the normalised value, and a group cannot take an input that
+        is produced after it starts: the affine + ReLU tail of every batch norm became two extra
+        kernels, each a full pass over the activation. A view reads no data, so moving it first
+        keeps the order topological and changes no result."""
+        ready = {n for n in self.graph.nodes if n.op == "placeholder"}
+        for node in self.graph.nodes:
+            if node.op != "call_function" or node in self.step_of:
+                continue
+            if not node.all_input_nodes or not all(a in ready for a in node.all_input_nodes):
+                continue
+            c = classify(node)
+            if c.cls != OpClass.VIEW:
+                continue
+            self.classes[node] = (c.cls, c.reason)
+            self._new_step("view", node, "view of a graph input, placed first so groups can read it")
+            ready.add(node)
 
     def _finish_groups(self) -> None:
         for step in self.steps:
