@@ -93,6 +93,9 @@ GRAPH_SAFE_RANDOM = {
     # see ``_capture``). PyTorch's own CUDA-graph support (Inductor's cudagraph trees) relies on it.
     "_scaled_dot_product_flash_attention", "_scaled_dot_product_efficient_attention",
     "_flash_attention_forward", "_efficient_attention_forward",
+    # cuDNN attention (what torch 2.11 picks for BERT on the H100): checked on the device by
+    # benchmarks/gpu_train_cudagraph_bench.py (per-step losses equal eager's draws).
+    "_scaled_dot_product_cudnn_attention",
 }
 CAPTURED_KINDS = ("inference", "forward", "backward")
 MAX_CAPTURES = 5  # the last one copies every input and output, so it is final
