@@ -16,7 +16,7 @@ import ember
 from ember.report.explain import ExplainReport, explain, explain_with
 
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
-SECTIONS = ("Summary", "Compile time", "Ops by category", "Placement", "Fusion decisions", "Fallback ops", "Coverage")
+SECTIONS = ("Summary", "Compile time", "Ops by category", "Placement", "Fusion decisions", "Memory layout", "Fallback ops", "Coverage")
 
 
 class Head(nn.Module):

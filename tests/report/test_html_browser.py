@@ -27,7 +27,8 @@ needs_browser = pytest.mark.skipif(
     BROWSER is None, reason="no Chromium binary on PATH (chromium, chromium-browser or google-chrome); "
                             "install Debian's package: apt-get install -y chromium")
 
-SECTIONS = ["Summary", "Compile time", "Ops by category", "Placement", "Fusion decisions", "Fallback ops", "Coverage", "Graphs"]
+SECTIONS = ["Summary", "Compile time", "Ops by category", "Placement", "Fusion decisions", "Memory layout",
+            "Fallback ops", "Coverage", "Graphs"]
 WIDTH, HEIGHT = 1200, 2000
 MS = re.compile(r"^\d+\.\d ms$")
 PCT = re.compile(r"^\d+\.\d%$")
@@ -229,6 +230,10 @@ def test_browser_renders_every_section_and_table(report: ExplainReport, tmp_path
     assert all(INT.match(v) for op in rows.values() for v in op.values())
     total_ops = sum(int(v) for op in rows.values() for v in op.values())
     assert total_ops == counts[-1][-1]  # every op counted once in each table
+
+    # Memory layout: the CPU target keeps eager's layout, said in words, no table.
+    assert [t for t, _ in by_heading["Memory layout"].lines] == [report._layout_section().lines[0]]
+    assert by_heading["Memory layout"].tables == []
 
     # Fallback ops: none on this model, said in words, no table.
     assert by_heading["Fallback ops"].lines == [("No op fell back to ATen.", {"line"})]
