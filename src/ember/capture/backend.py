@@ -29,6 +29,7 @@ from torch._dynamo.backends.common import aot_autograd
 from torch._functorch.partitioners import min_cut_rematerialization_partition
 
 from ember.capture.decompositions import decomposition_table
+from ember.capture.upsample import rewrite_nearest_interpolate
 from ember.config import Options
 from ember.pipeline import compile_graph
 from ember.report.records import CompileLog, GraphRecord
@@ -166,6 +167,7 @@ class EmberBackend:
                 return compiled
             return compiler
 
+        rewrite_nearest_interpolate(gm)
         backend = aot_autograd(fw_compiler=make("forward"), bw_compiler=make("backward"),
                                inference_compiler=make("inference"),
                                decompositions=_decompositions(_cpu_inference(example_inputs, self.options)),

@@ -138,6 +138,8 @@ def classify(node: fx.Node) -> Classification:
             return Classification(OpClass.FALLBACK, why)
         return Classification(OpClass.POINTWISE)
     name = getattr(target, "__name__", str(target))
+    if getattr(target, "namespace", None) == "ember":
+        return Classification(OpClass.FALLBACK, f"ATen's kernel behind Ember's custom op {name} (capture/upsample.py)")
     if target in KEPT_WHOLE_ON_CPU:
         return Classification(OpClass.FALLBACK, "kept whole for CPU inference: a oneDNN post-op after a convolution "
                                                 "or linear layer, ATen's vectorised kernel elsewhere")
