@@ -706,6 +706,20 @@ def test_gpu_check_plan_and_output(monkeypatch, tmp_path) -> None:
 # -- one memory pool for a model's training graphs --------------------------------------------
 
 
+# The runner decides from addresses: an input that stays put is read in place, one that moves
+# is copied or makes its graph capture again. CPU malloc reuses addresses at random, so these
+# tests fix them: every batch is new memory (kept alive, never reused) and the cotangent is one
+# tensor. Fresh tensors made inside the tests made them flaky (about 1 run in 3).
+_BATCHES: list[torch.Tensor] = []
+_COT = torch.ones(3, 4)
+
+
+def _batch() -> torch.Tensor:
+    x = torch.randn(3, 8)
+    _BATCHES.append(x)
+    return x
+
+
 def _pair(backend: FakeGraphs | None = None) -> tuple[CudaGraphRunner, CudaGraphRunner, cudagraph.GraphPool]:
     backend = backend or FakeGraphs()
     pool = cudagraph.GraphPool()
@@ -715,11 +729,11 @@ def _pair(backend: FakeGraphs | None = None) -> tuple[CudaGraphRunner, CudaGraph
 
 
 def _step(fw: CudaGraphRunner, bw: CudaGraphRunner, w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    x = torch.randn(3, 8)
+    x = _batch()
     out = fw([x, w])
     loss, h = out[0].clone(), out[1]  # the loss read, as a training loop does before the backward
     del out
-    (g,) = bw([h, w, torch.ones(3, 4)])
+    (g,) = bw([h, w, _COT])
     want_h = x @ w
     torch.testing.assert_close(loss, torch.tanh(want_h).sum())
     torch.testing.assert_close(g, (1 - torch.tanh(want_h) ** 2).sum(0) + w.sum())
@@ -750,8 +764,6 @@ def test_ember_training_graphs_get_the_models_pool(monkeypatch) -> None:
     assert compiled._ember_backend.graph_pool.state is not None
 
 
-@pytest.mark.xfail(strict=False, reason="flaky on CPU (about 1 run in 3): depends on CPU allocator address reuse; "
-                   "not yet diagnosed")
 def test_a_held_output_of_another_graph_where_a_replay_writes_makes_that_call_uncaptured() -> None:
     fw, bw, _ = _pair()
     w = torch.randn(8, 4)
@@ -773,8 +785,6 @@ def test_a_held_output_of_another_graph_where_a_replay_writes_makes_that_call_un
     del kept
 
 
-@pytest.mark.xfail(strict=False, reason="flaky on CPU (about 1 run in 3): depends on CPU allocator address reuse; "
-                   "not yet diagnosed")
 def test_protected_memory_is_never_a_hazard() -> None:
     fw, bw, _ = _pair()
     w = torch.randn(8, 4)
@@ -782,9 +792,9 @@ def test_protected_memory_is_never_a_hazard() -> None:
         _step(fw, bw, w)
     kept = _step(fw, bw, w)[1]  # a replay's gradient
     fw.g.protected = [(grp.ptr, grp.ptr + grp.nbytes) for grp in bw.g.groups]
-    assert cudagraph._hazards(fw.g, [torch.randn(3, 8), w]) == []
+    assert cudagraph._hazards(fw.g, [_batch(), w]) == []
     fw.g.protected = []
-    assert cudagraph._hazards(fw.g, [torch.randn(3, 8), w]) == bw.g.groups
+    assert cudagraph._hazards(fw.g, [_batch(), w]) == bw.g.groups
     del kept
 
 
@@ -794,24 +804,24 @@ def test_arguments_that_the_program_consumes_are_not_a_hazard() -> None:
     for _ in range(3):
         _step(fw, bw, w)
     bw.g.protected = []
-    h = fw([torch.randn(3, 8), w])[1]
-    assert cudagraph._hazards(bw.g, [h, w, torch.ones(3, 4)]) == []  # only the backward's arguments hold h
+    h = fw([_batch(), w])[1]
+    assert cudagraph._hazards(bw.g, [h, w, _COT]) == []  # only the backward's arguments hold h
     kept = h[1:]  # somebody else holds it too
-    assert cudagraph._hazards(bw.g, [h, w, torch.ones(3, 4)]) != []
+    assert cudagraph._hazards(bw.g, [h, w, _COT]) != []
     del kept
 
 
 def test_a_capture_never_lands_on_memory_of_a_held_replay_output() -> None:
     fw, bw, pool = _pair()
     w = torch.randn(8, 4)
-    fw([torch.randn(3, 8), w])
-    fw([torch.randn(3, 8), w])  # captured
-    kept, h = fw([torch.randn(3, 8), w])  # a replay's loss, held by the caller
+    fw([_batch(), w])
+    fw([_batch(), w])  # captured
+    kept, h = fw([_batch(), w])  # a replay's loss, held by the caller
     state = pool.state
     assert cudagraph._unclean(state, {})
-    assert bw([h, w, torch.ones(3, 4)]) is not None  # first call: uncaptured anyway
-    loss, h = fw([torch.randn(3, 8), w])
-    bw([h, w, torch.ones(3, 4)])  # the held loss is in the pool: renewed, this call uncaptured
+    assert bw([h, w, _COT]) is not None  # first call: uncaptured anyway
+    loss, h = fw([_batch(), w])
+    bw([h, w, _COT])  # the held loss is in the pool: renewed, this call uncaptured
     assert pool.state is None and pool.renewals == 1 and bw.g is None and "renewed" in bw.status
     del kept, loss, h
     _step(fw, bw, w)  # the forward captures into the new pool, then the backward
@@ -824,10 +834,10 @@ def test_a_backward_whose_inputs_are_replay_outputs_gets_a_private_pool() -> Non
     # capture: only this call's arguments hold the replay's outputs.
     fw, bw, pool = _pair()
     w = torch.randn(8, 4)
-    h = fw([torch.randn(3, 8), w])[1]
-    bw([h, w, torch.ones(3, 4)])
+    h = fw([_batch(), w])[1]
+    bw([h, w, _COT])
     del h
-    fw([torch.randn(3, 8), w])  # captured, outputs dropped (the probe)
+    fw([_batch(), w])  # captured, outputs dropped (the probe)
     _step(fw, bw, w)  # fw replays; bw captured into a pool of its own
     assert not bw.g.state.shared and "a memory pool of its own" in bw.status and pool.renewals == 0
     for _ in range(3):
