@@ -6,6 +6,7 @@ contiguous in every tensor the kernel touches merge into one loop ("loop dims"),
 contiguous NCHW pointwise chain is one flat loop. The innermost loop is the *vector loop*; LLVM
 vectorises it (reductions too: sums are reassociated). Long float32 sums add float32 partial
 sums per block and float64 across blocks, so they stay exact over millions of elements.
+bfloat16 tensors are computed in float32 as in Triton kernels (cpu_ops.py: loads widen, stores round).
 
 Layouts:
   rows     a reduced dim is innermost in memory (softmax, layer norm, batch-norm statistics of
@@ -38,7 +39,7 @@ import torch
 import torch.fx as fx
 
 from ember.codegen import cpu_ops
-from ember.codegen.cpu_ops import NP_DTYPE, POINTER, Value, typed
+from ember.codegen.cpu_ops import NP_DTYPE, POINTER, Value, compute_dtype, typed
 from ember.codegen.triton_kernel import _TRAILING_NODE, KernelSource, _src
 from ember.schedule.plan import FusedGroup
 from ember.schedule.rules import OpClass, classify, constant_value
@@ -312,10 +313,7 @@ class _CpuWriter:
         acc = next(a for a in self.accesses if a.node is node and a.dims == dims and not a.store)
         dtype = node.meta["val"].dtype
         var = self._tmp()
-        expr = f"{acc.pointer}[{self._index(acc)}]"
-        if dtype == torch.bool:
-            expr = f"({expr} != 0)"
-        target.lines.append(f"{var} = {expr}")
+        target.lines.append(f"{var} = {cpu_ops.load_expr(f'{acc.pointer}[{self._index(acc)}]', dtype)}")
         target.cache[key] = Value(var, dtype)
         return target.cache[key]
 
@@ -354,7 +352,7 @@ class _CpuWriter:
             var = self._tmp()
             target.lines.append(f"{var} = {cpu_ops.lower_pointwise(node, ops)}  # {_src(node)}")
             result = Value(var, node.meta["val"].dtype)
-            dtype = node.meta["val"].dtype
+            dtype = compute_dtype(node.meta["val"].dtype)
             if (self.persistent and not self.final_loop and node.target in _COSTLY and self._walks_r(dims)
                     and dtype in (torch.float32, torch.float64)):
                 self.counter += 1
@@ -374,7 +372,7 @@ class _CpuWriter:
 
     # -- reductions -----------------------------------------------------------------------------
     def _acc_dtype(self, node: fx.Node) -> tuple[torch.dtype, str]:
-        dtype = node.meta["val"].dtype
+        dtype = compute_dtype(node.meta["val"].dtype)  # bfloat16 accumulates in float32 (or float64)
         kind = {aten.amax.default: "max", aten.amin.default: "min"}.get(node.target, "sum")
         if kind == "sum" and dtype == torch.float32 and not self.persistent:
             # Long or column-wise float32 sums accumulate in float64; a persistent row (<= SCRATCH
@@ -402,7 +400,7 @@ class _CpuWriter:
         return f"({v} if {v} {'>' if kind == 'max' else '<'} {acc} else {acc})"
 
     def _finish(self, node: fx.Node, acc: str) -> str:
-        dtype = node.meta["val"].dtype
+        dtype = compute_dtype(node.meta["val"].dtype)
         if node.target == aten.mean.dim:
             if "rcount" not in self.unit.cache:
                 sizes = " * ".join(lp.size_param for lp in self.loops_r)
@@ -415,7 +413,7 @@ class _CpuWriter:
     def _reduce_input(self, node: fx.Node, body: _Body, widen: bool = True) -> str:
         """The reduced value in the reduction's dtype, or (``widen``) in its accumulator's."""
         src = node.args[0]
-        dtype = node.meta["val"].dtype
+        dtype = compute_dtype(node.meta["val"].dtype)
         if src in self.g.dims:
             op = self.value(src, body)
         else:
@@ -463,7 +461,7 @@ class _CpuWriter:
             acc_dt, kind = self._acc_dtype(r)
             # A long float32 sum: float32 partial sums per block (full vector width, no
             # conversions), float64 across blocks (exact over millions of elements).
-            block = kind == "sum" and acc_dt == torch.float64 and r.meta["val"].dtype == torch.float32
+            block = kind == "sum" and acc_dt == torch.float64 and compute_dtype(r.meta["val"].dtype) == torch.float32
             v = self._reduce_input(r, body, widen=not block)
             self.counter += 1
             acc = f"acc{self.counter}"
@@ -500,8 +498,7 @@ class _CpuWriter:
     def _store(self, node: fx.Node, body: _Body) -> None:
         acc = next(a for a in self.accesses if a.node is node and a.store)
         val = self.value(node, body)
-        dtype = node.meta["val"].dtype
-        expr = val.as_(dtype) if dtype != torch.bool else f"np.uint8({val.as_(torch.bool)})"
+        expr = cpu_ops.store_expr(val, node.meta["val"].dtype)
         covered = {d for d in self.g.dims[node] if d is not None}
         walked = self.loops_x + (self.loops_r if self._walks_r(self.g.dims[node]) else [])
         guards = []

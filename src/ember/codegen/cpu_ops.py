@@ -1,8 +1,10 @@
 """Pointwise ATen ops as numba scalar expressions: the CPU twin of triton_ops.py.
 
 A generated CPU kernel computes one element at a time inside plain loops (LLVM vectorises
-them), so every lowering returns a scalar expression. Values are computed in the tensor's
-own dtype; numba's typing would otherwise widen (float32 * int64 -> float64, int32 + int32 ->
+them), so every lowering returns a scalar expression. Values are computed in their *compute
+dtype*, as in Triton kernels (triton_ops.compute_dtype): float32 for bfloat16 tensors (loads
+widen, stores round to nearest even, a cast to bfloat16 rounds but the value stays float32),
+the tensor's own dtype otherwise; numba's typing would otherwise widen (float32 * int64 -> float64, int32 + int32 ->
 int64), so operands are always converted explicitly with ``np.<dtype>(...)`` to the dtype torch
 computes the op in, and narrow integer results are wrapped back (torch wraps on overflow).
 
@@ -18,7 +20,7 @@ from dataclasses import dataclass
 import torch
 import torch.fx as fx
 
-from ember.codegen.triton_ops import _promoted
+from ember.codegen.triton_ops import _promoted, compute_dtype
 
 aten = torch.ops.aten
 prims = torch.ops.prims
@@ -27,12 +29,15 @@ NP_DTYPE = {
     torch.float32: "np.float32", torch.float64: "np.float64", torch.int64: "np.int64", torch.int32: "np.int32",
     torch.int16: "np.int16", torch.int8: "np.int8", torch.uint8: "np.uint8", torch.bool: "np.uint8",
 }
-# Pointers to tensor data (bool tensors hold one byte per element, 0 or 1).
+# Pointers to tensor data (bool tensors hold one byte per element, 0 or 1; bfloat16 tensors are
+# read and written as their 16-bit patterns: _bf16_to_f32 / _f32_to_bf16 in runtime/cpu_support.py).
 POINTER = {
     torch.float32: "_p_f32", torch.float64: "_p_f64", torch.int64: "_p_i64", torch.int32: "_p_i32",
     torch.int16: "_p_i16", torch.int8: "_p_i8", torch.uint8: "_p_u8", torch.bool: "_p_u8",
+    torch.bfloat16: "_p_u16",
 }
-SUPPORTED_DTYPES = frozenset(NP_DTYPE)
+# float16 has no exact vectorisable conversion here yet: its groups stay on ATen.
+SUPPORTED_DTYPES = frozenset(NP_DTYPE) | {torch.bfloat16}
 NARROW_INTS = (torch.int32, torch.int16, torch.int8, torch.uint8)
 
 
@@ -42,10 +47,15 @@ class Value:
     ``kind`` float | int | bool) held in a kernel parameter or written as a literal."""
 
     expr: str
-    dtype: torch.dtype | None
+    dtype: torch.dtype | None  # a compute dtype: a bfloat16 tensor's values are float32 here
     kind: str = ""
 
+    def __post_init__(self) -> None:
+        if self.dtype is not None:
+            self.dtype = compute_dtype(self.dtype)
+
     def as_(self, dtype: torch.dtype) -> str:
+        dtype = compute_dtype(dtype)
         if dtype == torch.bool:
             if self.dtype == torch.bool or self.kind == "bool":
                 return self.expr
@@ -57,6 +67,7 @@ class Value:
 
 def typed(value: float | int, dtype: torch.dtype) -> str:
     """A literal constant of ``dtype`` (``np.float32(1.0)``): a bare literal would widen."""
+    dtype = compute_dtype(dtype)
     if dtype == torch.bool:
         return "True" if value else "False"
     if dtype.is_floating_point:
@@ -64,8 +75,26 @@ def typed(value: float | int, dtype: torch.dtype) -> str:
     return f"{NP_DTYPE[dtype]}({int(value)})"
 
 
+def load_expr(element: str, dtype: torch.dtype) -> str:
+    """A tensor element read through its pointer (``in0[i]``) as a kernel value of ``dtype``."""
+    if dtype == torch.bool:
+        return f"({element} != 0)"
+    if dtype == torch.bfloat16:  # exact: the bits are the top half of a float32
+        return f"_bf16_to_f32({element})"
+    return element
+
+
+def store_expr(value: Value, dtype: torch.dtype) -> str:
+    """What a store of ``value`` to a tensor of ``dtype`` writes."""
+    if dtype == torch.bool:
+        return f"np.uint8({value.as_(torch.bool)})"
+    if dtype == torch.bfloat16:  # float32 in the kernel; rounded to nearest even once, here
+        return f"_f32_to_bf16({value.as_(torch.float32)})"
+    return value.as_(dtype)
+
+
 def _out(node: fx.Node) -> torch.dtype:
-    return node.meta["val"].dtype
+    return compute_dtype(node.meta["val"].dtype)
 
 
 Lowering = Callable[[fx.Node, list[Value]], str]
@@ -155,6 +184,9 @@ def _pow(node: fx.Node, ops: list[Value]) -> str:
 
 
 def _cast(node: fx.Node, ops: list[Value]) -> str:
+    # A cast to bfloat16 rounds exactly as eager does, though the value stays float32 here.
+    if node.meta["val"].dtype == torch.bfloat16:
+        return f"_round_bf16({ops[0].as_(torch.float32)})"
     return ops[0].as_(_out(node))
 
 

@@ -58,6 +58,7 @@ _p_i32 = _pointer_intrinsic(types.int32)
 _p_i16 = _pointer_intrinsic(types.int16)
 _p_i8 = _pointer_intrinsic(types.int8)
 _p_u8 = _pointer_intrinsic(types.uint8)
+_p_u16 = _pointer_intrinsic(types.uint16)  # bfloat16 data: the top half of a float32's bits
 
 
 def _stack_intrinsic(nbtype: types.Type, count: int):
@@ -101,6 +102,58 @@ def _i32_as_f32(typingctx, bits):  # noqa: ARG001
     def codegen(context, builder, signature, args):
         return builder.bitcast(args[0], ir.FloatType())
     return sig, codegen
+
+
+# bfloat16: kernels compute in float32 (as Triton kernels do); loads widen, stores and casts round
+# to nearest even. Integer shifts, adds and one select: LLVM keeps the loops vectorised.
+def _emit_bf16_widen(builder, half):
+    return builder.bitcast(builder.shl(builder.zext(half, ir.IntType(32)), ir.Constant(ir.IntType(32), 16)),
+                           ir.FloatType())
+
+
+def _emit_bf16_round(builder, x):
+    """float32 -> bfloat16 bits (i16): round to nearest even, as c10::BFloat16 does; a NaN stays
+    a NaN (sign and top payload kept, quiet bit set), however its low bits would round."""
+    i32 = ir.IntType(32)
+    bits = builder.bitcast(x, i32)
+    lsb = builder.and_(builder.lshr(bits, ir.Constant(i32, 16)), ir.Constant(i32, 1))
+    rounded = builder.lshr(builder.add(builder.add(bits, ir.Constant(i32, 0x7FFF)), lsb), ir.Constant(i32, 16))
+    quiet_nan = builder.or_(builder.lshr(bits, ir.Constant(i32, 16)), ir.Constant(i32, 0x40))
+    is_nan = builder.fcmp_unordered("uno", x, x)
+    return builder.trunc(builder.select(is_nan, quiet_nan, rounded), ir.IntType(16))
+
+
+@intrinsic
+def _bf16_to_f32(typingctx, half):  # noqa: ARG001
+    """A bfloat16 element (read through ``_p_u16``) as the float32 it stands for (exact)."""
+    if half not in (types.uint16, types.int16):
+        return None
+
+    def codegen(context, builder, signature, args):
+        return _emit_bf16_widen(builder, args[0])
+    return types.float32(half), codegen
+
+
+@intrinsic
+def _f32_to_bf16(typingctx, x):  # noqa: ARG001
+    """The bfloat16 bits a store writes (``_p_u16(out)[i] = _f32_to_bf16(v)``)."""
+    if x != types.float32:
+        return None
+
+    def codegen(context, builder, signature, args):
+        return _emit_bf16_round(builder, args[0])
+    return types.uint16(x), codegen
+
+
+@intrinsic
+def _round_bf16(typingctx, x):  # noqa: ARG001
+    """float32 rounded to the nearest bfloat16, still float32: a cast to bfloat16 inside a kernel."""
+    if x != types.float32:
+        return None
+
+    def codegen(context, builder, signature, args):
+        return _emit_bf16_widen(builder, _emit_bf16_round(builder, args[0]))
+    return types.float32(x), codegen
 
 
 def _llvm_binary(name: str):
@@ -236,8 +289,8 @@ def drive(kernel, units, threads, argv):
 
 
 __all__ = ["KERNEL_SIGNATURE", "PARALLEL_MIN", "SCRATCH", "STACK_BLOCK", "drive", "launcher", "threads_for", "erf32", "erf64", "exp32", "exp64", "tanh32", "tanh64",
-           "_fmax", "_fmin", "_i32_as_f32", "_i64_as_f64", "_p_f32", "_p_f64", "_p_i16", "_p_i32", "_p_i64", "_p_i8",
-           "_p_u8", "_scratch_f32", "_scratch_f64", "_stack_f32", "_stack_f64", "_stack_i16", "_stack_i32", "_stack_i64", "_stack_i8", "_stack_u8"]
+           "_bf16_to_f32", "_f32_to_bf16", "_fmax", "_fmin", "_i32_as_f32", "_i64_as_f64", "_p_f32", "_p_f64", "_p_i16",
+           "_p_i32", "_p_i64", "_p_i8", "_p_u16", "_p_u8", "_round_bf16", "_scratch_f32", "_scratch_f64", "_stack_f32", "_stack_f64", "_stack_i16", "_stack_i32", "_stack_i64", "_stack_i8", "_stack_u8"]
 
 
 def threads_for(points: int, units: int) -> int:
