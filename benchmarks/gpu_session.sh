@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # One device call that checks and times the current tree on the H100 (run from the repo root):
-#   bash benchmarks/gpu_session.sh            results under $OUT (or ./gpu_session_out)
+#   bash benchmarks/gpu_session.sh [PART]     PART 1 (default), 2 or 3; results under $OUT (or ./gpu_session_out)
+# Part 1 fits one 10-minute call; parts 2 and 3 are the training suite, one call each.
 # Each step has its own time limit, so one slow step cannot take the others' results with it;
 # the order is by priority (issue targets first). Writes one JSON per step and a log.
 set -u
@@ -18,11 +19,22 @@ step() {  # step NAME SECONDS COMMAND...
 nvidia-smi --query-gpu=name,driver_version --format=csv,noheader
 python -c 'import torch, triton; print("torch", torch.__version__, "triton", triton.__version__)'
 git rev-parse --short HEAD 2>/dev/null
-step correctness 90 python benchmarks/gpu_correctness.py resnet50 mobilenet_v3 bert style_transfer --json "$OUT/correctness.json"
-step train_cyclegan_style 160 python -m ember.cli bench cyclegan style_transfer --mode train --precision bf16 \
-  --no-progress --json "$OUT/bench_train_cyclegan_style.json"
-step infer_bert_bs1 70 python -m ember.cli bench bert --mode infer --batch 1 --precision bf16 \
-  --no-progress --json "$OUT/bench_infer_bert_bs1.json"
-step train_convnets_ember 140 python -m ember.cli bench resnet50 vgg16 mobilenet_v3 --mode train --precision bf16 \
-  --backend eager,ember --iters 20 --no-progress --json "$OUT/bench_train_convnets.json"
-step profile_style 50 python benchmarks/gpu_profile.py style_transfer --backend ember --steps 3 --out "$OUT/profile"
+PART=${1:-1}
+case "$PART" in
+1)  # targets of issues #4/#5 that the last call could not finish, plus where cold compile goes
+  step explain_cyclegan_cold 150 python -m ember.cli explain cyclegan --mode train --html "$OUT/explain_cyclegan.html"
+  step train_cyclegan_style 170 python -m ember.cli bench cyclegan style_transfer --mode train --precision bf16 \
+    --no-progress --json "$OUT/bench_train_cyclegan_style.json"
+  step infer_bert_bs1 110 python -m ember.cli bench bert --mode infer --batch 1 --precision bf16 \
+    --no-progress --json "$OUT/bench_infer_bert_bs1.json"
+  step correctness 150 python benchmarks/gpu_correctness.py mobilenet_v3 bert style_transfer --json "$OUT/correctness.json"
+  ;;
+2)  # the training suite, first half (eager, Inductor, Ember in one run)
+  step train_a 580 python -m ember.cli bench resnet50 bert vgg16 mobilenet_v3 --mode train --precision bf16 \
+    --iters 20 --no-progress --json "$OUT/bench_train_a.json"
+  ;;
+3)  # the training suite, second half
+  step train_b 580 python -m ember.cli bench densenet121 resnet50v2 cyclegan style_transfer --mode train \
+    --precision bf16 --iters 20 --no-progress --json "$OUT/bench_train_b.json"
+  ;;
+esac
