@@ -6,7 +6,7 @@ both loop layouts (rows: reduced dim innermost; columns: kept dim innermost), Na
 max/min, integer and bool dtypes, softmax / layer norm / batch norm (training statistics and their
 backward), GELU, hardswish, where/masked ops and casts. Then: the same op structure at two shapes
 compiles to one kernel, a second process starts from numba's disk cache, float16 groups stay on
-ATen with a reason, and small real models (torchvision ResNet-18, a small BERT) run inference
+ATen with a reason (bfloat16 is covered: test_cpu_bf16.py), and small real models (torchvision ResNet-18, a small BERT) run inference
 and a training step whose every parameter gradient matches eager.
 
 All tests of this file share one kernel folder (``kernel_dir``): each test compiles into a fresh
