@@ -1,21 +1,27 @@
 """Small real models from timm and transformers, trained one step through Ember's CPU target.
 
 Each model is compiled with ``EMBER_STRICT=1`` (conftest): a graph that fails to compile is an
-error here, not a silent fallback. Forward output and every parameter's gradient are compared
-with eager on random inputs. Dropout is set to 0 (functional dropout in transformers reads the
-config, so the configs carry it too): the comparison needs the same function, not the same RNG.
-Gradient tolerance is relative to the model's largest gradient: a batch-norm bias followed by
-another batch norm has a true gradient of ~0, and its rounding noise is not an error.
+error here, not a silent fallback. The forward output and every parameter's gradient of Ember
+and of eager (float32) are measured against eager in float64 on random inputs, and Ember may be
+at most 4x as far off as eager (or under 1e-5 relative, ``ember.bench.check.acceptable``, the
+rule of the seed-model tests): batch norms over a few values per channel are ill-conditioned,
+so a fixed tolerance against float32 eager would compare rounding noise. Dropout is 0 (the
+transformers configs carry it too: functional dropout reads them): the comparison needs the
+same function, not the same random numbers.
 """
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Callable
 
 import pytest
 import torch
 
 import ember
+from ember.bench.check import acceptable
+
+FLOOR = 1e-5
 
 timm = pytest.importorskip("timm")
 transformers = pytest.importorskip("transformers")
@@ -51,6 +57,10 @@ MODELS: dict[str, tuple[Callable[[], torch.nn.Module], Callable[[], dict]]] = {
                  lambda: {"x": torch.randn(2, 3, 32, 32)}),
     "convnext_atto": (lambda: timm.create_model("convnext_atto", num_classes=10),
                       lambda: {"x": torch.randn(2, 3, 64, 64)}),
+    # 64x64, not 32x32: at 32x32 the last batch norms see 2 values per channel and eager's own
+    # float32 output is 4.9 away from float64 (ill-conditioned; Inductor differs by 5.3 too).
+    "efficientnet_b0": (lambda: timm.create_model("efficientnet_b0", num_classes=10),
+                        lambda: {"x": torch.randn(2, 3, 64, 64)}),
 }
 
 
@@ -58,11 +68,18 @@ def _logits(out: object) -> torch.Tensor:
     return out if isinstance(out, torch.Tensor) else out.logits
 
 
-def _step(fn: Callable, model: torch.nn.Module, inputs: dict, cot: torch.Tensor | None) -> tuple[torch.Tensor, dict]:
+def _step(fn: Callable, model: torch.nn.Module, inputs: dict, cot: torch.Tensor) -> dict[str, torch.Tensor]:
+    """Output and parameter gradients of one forward + backward, by name."""
     model.zero_grad(set_to_none=True)
     out = _logits(fn(**inputs))
-    out.backward(cot if cot is not None else torch.ones_like(out))
-    return out.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+    out.backward(cot.to(out.dtype))
+    grads = {f"grad {n}": p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
+    return {"output": out.detach(), **grads}
+
+
+def _rel(a: torch.Tensor, ref: torch.Tensor) -> float:
+    a, ref = a.double(), ref.double()
+    return ((a - ref).norm() / ref.norm().clamp_min(1e-12)).item()
 
 
 @pytest.mark.parametrize("name", list(MODELS))
@@ -70,16 +87,17 @@ def test_real_model_trains_through_the_cpu_target_like_eager(name: str) -> None:
     build, make_inputs = MODELS[name]
     model = build().train()
     inputs = make_inputs()
-    out = _logits(model(**inputs))
-    cot = torch.randn_like(out)
-    want, want_grads = _step(model, model, inputs, cot)
+    cot = torch.randn_like(_logits(model(**inputs)))
+    model64 = copy.deepcopy(model).double()
+    inputs64 = {k: v.double() if v.is_floating_point() else v for k, v in inputs.items()}
+    ref = _step(model64, model64, inputs64, cot)
+    eager = _step(model, model, inputs, cot)
     compiled = ember.compile(model, target="cpu")
-    got, got_grads = _step(compiled, model, inputs, cot)
-    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5 * want.abs().max().item())
-    assert got_grads.keys() == want_grads.keys()
-    scale = max(g.abs().max().item() for g in want_grads.values())
-    for n, g in got_grads.items():
-        torch.testing.assert_close(g, want_grads[n], rtol=1e-3, atol=1e-5 * scale, msg=lambda m, n=n: f"{n}: {m}")
+    got = _step(compiled, model, inputs, cot)
+    assert got.keys() == ref.keys() == eager.keys()
+    bad = {k: (_rel(got[k], ref[k]), _rel(eager[k], ref[k])) for k in ref
+           if not acceptable(_rel(got[k], ref[k]), _rel(eager[k], ref[k]), FLOOR)}
+    assert not bad, f"(ember, eager) error vs float64: {bad}"
     log = compiled._ember_backend.log
     assert {g.kind for g in log.graphs} >= {"forward", "backward"}
     assert not [g.error for g in log.graphs if g.error]
