@@ -12,6 +12,7 @@ import copy
 import pytest
 import torch
 import torch.fx as fx
+import torch.nn as nn
 from core_helpers import assert_close
 from torch.fx.experimental.proxy_tensor import make_fx
 
@@ -22,6 +23,7 @@ from ember.passes.cleanup import (
     eliminate_common_subexpressions,
     eliminate_dead_code,
     fold_constants,
+    replace_functional_copies,
 )
 
 aten = torch.ops.aten
@@ -73,14 +75,15 @@ def test_run_passes_default_pipeline_times_and_records_each_pass() -> None:
     results = run_passes(gm, on_result=seen.append)
 
     assert [r.name for r in results] == [p.__name__ for p in DEFAULT_PASSES]
-    assert [r.name for r in results] == ["eliminate_dead_code", "fold_constants",
+    assert [r.name for r in results] == ["eliminate_dead_code", "replace_functional_copies", "fold_constants",
                                          "eliminate_common_subexpressions", "eliminate_dead_code"]
     assert seen == results  # the callback sees each result, in order, as it happens
     for r in results:
         assert isinstance(r.seconds, float) and 0.0 <= r.seconds < 10.0
         assert isinstance(r.graph_after, str) and "def forward" in r.graph_after
     # Graph text after each pass tells the story.
-    dce, fold, cse, dce2 = results
+    dce, copies, fold, cse, dce2 = results
+    assert copies.changed == 0
     assert dce.changed == 2 and "aten.cos" not in dce.graph_after and "aten.sin" in dce.graph_after
     assert fold.changed == 2 and "aten.exp" not in fold.graph_after and "_ember_folded" in fold.graph_after
     # The two sins merge; the two folded constants are distinct buffers, so their muls stay apart.
@@ -302,3 +305,76 @@ def test_compiled_independent_random_draws_stay_independent() -> None:
     assert not torch.equal(a, b)  # eager
     a, b = ember.compile(fn, target="aten")(p)
     assert not torch.equal(a, b)
+
+
+# -- functional copies ------------------------------------------------------------------------------
+
+def _run(gm: fx.GraphModule, *inputs: torch.Tensor) -> torch.Tensor:
+    gm.recompile()
+    gm.graph.lint()
+    return gm(*inputs)
+
+
+@pytest.mark.parametrize("dst_dtype,want", [(torch.float32, aten.clone.default),
+                                            (torch.float64, aten._to_copy.default)])
+def test_functional_copy_of_a_same_shape_source_becomes_a_clone(dst_dtype: torch.dtype, want: object) -> None:
+    def fn(x: torch.Tensor) -> torch.Tensor:
+        return aten.copy.default(torch.empty(3, 8, dtype=dst_dtype), x * 2) + 1
+
+    x = torch.randn(3, 8)
+    gm = trace(fn, x)
+    expected = gm(x)
+    assert count(gm, aten.copy.default) == 1
+    assert replace_functional_copies(gm) == 1
+    eliminate_dead_code(gm)
+    assert count(gm, aten.copy.default) == 0 and count(gm, aten.empty.memory_format) == 0
+    assert count(gm, want) == 1
+    got = _run(gm, x)
+    assert got.dtype == expected.dtype == dst_dtype
+    assert_close(got, expected, "copy as clone")
+
+
+def test_functional_copy_keeps_the_destination_layout() -> None:
+    def fn(x: torch.Tensor) -> torch.Tensor:
+        dst = torch.empty(2, 3, 4, 5).to(memory_format=torch.channels_last)
+        return aten.copy.default(dst, torch.relu(x))
+
+    x = torch.randn(2, 3, 4, 5)
+    gm = trace(fn, x)
+    expected = gm(x)
+    assert replace_functional_copies(gm) == 1
+    (node,) = [n for n in gm.graph.nodes if n.target == aten.clone.default]
+    assert node.kwargs["memory_format"] == torch.channels_last
+    got = _run(gm, x)
+    assert got.stride() == expected.stride() == node.meta["val"].stride()
+    assert_close(got, expected, "channels_last copy")
+
+
+def test_broadcasting_or_strided_copies_stay() -> None:
+    def broadcast(x: torch.Tensor) -> torch.Tensor:
+        return aten.copy.default(torch.empty(3, 8), x)
+
+    def strided(x: torch.Tensor) -> torch.Tensor:
+        return aten.copy.default(torch.empty(8, 3).t(), x)
+
+    for fn in (broadcast, strided):
+        x = torch.randn(8) if fn is broadcast else torch.randn(3, 8)
+        gm = trace(fn, x)
+        assert replace_functional_copies(gm) == 0 and count(gm, aten.copy.default) == 1
+
+
+def test_inplace_relu_training_has_no_copies_left() -> None:
+    model = nn.Sequential(nn.Conv2d(3, 4, 3, padding=1), nn.InstanceNorm2d(4, affine=True), nn.ReLU(inplace=True),
+                          nn.Conv2d(4, 4, 3, padding=1), nn.ReLU(inplace=True))
+    x = torch.randn(2, 3, 8, 8)
+    cot = torch.randn(2, 4, 8, 8)
+    model(x).backward(cot)
+    want = [p.grad.clone() for p in model.parameters()]
+    model.zero_grad()
+    report = ember.explain(ember.compile(model, target="triton-interpret"), x)
+    ops = {op for g in report.graphs for ops_here in g.placement.values() for op in ops_here}
+    assert "aten.copy" not in ops and "aten.new_empty_strided" not in ops, ops
+    model.zero_grad()
+    ember.compile(model, target="triton-interpret")(x).backward(cot)
+    for g, w in zip((p.grad for p in model.parameters()), want):
+        assert_close(g, w, "gradient")

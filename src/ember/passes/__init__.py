@@ -13,7 +13,12 @@ from dataclasses import dataclass
 
 import torch.fx as fx
 
-from ember.passes.cleanup import eliminate_common_subexpressions, eliminate_dead_code, fold_constants
+from ember.passes.cleanup import (
+    eliminate_common_subexpressions,
+    eliminate_dead_code,
+    fold_constants,
+    replace_functional_copies,
+)
 from ember.passes.cpu_library import lower_cpu_library_calls
 from ember.passes.fold_conv import fold_conv_affine
 from ember.passes.freeze import mark_frozen
@@ -21,8 +26,8 @@ from ember.passes.layout import to_channels_last
 
 GraphPass = Callable[[fx.GraphModule], int]
 
-DEFAULT_PASSES: list[GraphPass] = [eliminate_dead_code, fold_constants, eliminate_common_subexpressions,
-                                   eliminate_dead_code]
+DEFAULT_PASSES: list[GraphPass] = [eliminate_dead_code, replace_functional_copies, fold_constants,
+                                   eliminate_common_subexpressions, eliminate_dead_code]
 
 
 @dataclass

@@ -1,4 +1,5 @@
-"""Cleanup passes: dead-code elimination, common-subexpression elimination, constant folding."""
+"""Cleanup passes: dead-code elimination, common-subexpression elimination, constant folding,
+functional copies as clones."""
 
 from __future__ import annotations
 
@@ -114,3 +115,44 @@ def fold_constants(gm: fx.GraphModule) -> int:
         constant[attr] = result
         folded += 1
     return folded
+
+
+def _dense_format(t: torch.Tensor) -> torch.memory_format | None:
+    if t.is_contiguous():
+        return torch.contiguous_format
+    if t.dim() == 4 and t.is_contiguous(memory_format=torch.channels_last):
+        return torch.channels_last
+    return None
+
+
+def replace_functional_copies(gm: fx.GraphModule) -> int:
+    """``copy(dst, src)`` of a same-shape ``src`` becomes ``clone`` / ``_to_copy`` of ``src``.
+
+    Functionalization writes an in-place op's result back as ``copy(dst, src)`` (ReLU(inplace)
+    in a backward: ``copy(new_empty_strided(...), grad)``): the value is ``src`` in ``dst``'s
+    dtype and layout, and ``dst`` is only read for its metadata. As ``clone`` the op is pointwise
+    and fuses with its producer, and the ``new_empty_strided`` behind it dies. Only done where
+    ``dst`` is dense contiguous or channels_last, so ATen's clone gives the same strides."""
+    changed = 0
+    for node in list(gm.graph.nodes):
+        if node.op != "call_function" or node.target != aten.copy.default or len(node.args) < 2:
+            continue
+        dst, src = node.args[0], node.args[1]
+        if not (isinstance(dst, fx.Node) and isinstance(src, fx.Node)) or (len(node.args) > 2 and node.args[2]):
+            continue
+        d, v, out = dst.meta.get("val"), src.meta.get("val"), node.meta.get("val")
+        if not all(isinstance(t, torch.Tensor) for t in (d, v, out)) or d.shape != v.shape or d.device != v.device:
+            continue
+        fmt = _dense_format(out)
+        if fmt is None or out.stride() != d.stride():
+            continue
+        with gm.graph.inserting_before(node):
+            if d.dtype == v.dtype:
+                new = gm.graph.call_function(aten.clone.default, (src,), {"memory_format": fmt})
+            else:
+                new = gm.graph.call_function(aten._to_copy.default, (src,), {"dtype": d.dtype, "memory_format": fmt})
+        new.meta = dict(node.meta)
+        node.replace_all_uses_with(new)
+        gm.graph.erase_node(node)
+        changed += 1
+    return changed
