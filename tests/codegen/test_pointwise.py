@@ -331,3 +331,13 @@ def test_generated_kernel_is_reported():
         generated = graph.placement["generated"]
         for op in ("aten.mul", "aten.add", "aten.tanh", "aten.exp"):
             assert generated[op] >= 1, generated
+
+
+@pytest.mark.parametrize("shape,repeats", [((4,), (3,)), ((2, 3), (2, 1, 2)), ((2, 1, 3), (1, 4, 2)), ((3,), (0,))],
+                         ids=["1d", "new-dim", "middle", "zero"])
+def test_repeat_is_a_generated_copy(shape, repeats):
+    # repeat decomposes into a broadcast view plus one copy (capture/decompositions.py), so it
+    # runs inside a generated kernel and its gradient is a generated sum.
+    x = make_input(shape, "contiguous", requires_grad=True)
+    expect = ["aten.clone"] if 0 not in repeats else []
+    check(lambda t: torch.sin(t.repeat(*repeats) * 2.0), [x], expect_ops=expect)

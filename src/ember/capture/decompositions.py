@@ -104,6 +104,18 @@ def _mean(x: torch.Tensor, dims: Sequence[int] | None = None, keepdim: bool = Fa
     return (total / float(_reduced_count(x, dims))).to(out_dtype)
 
 
+def _repeat(x: torch.Tensor, repeats: Sequence[int]) -> torch.Tensor:
+    # repeat = a broadcast view materialised by one copy (a pointwise op the scheduler fuses)
+    # instead of ATen's repeat kernel; instance norm repeats its affine parameters per sample.
+    lead = len(repeats) - x.dim()
+    shape = [1] * lead + list(x.shape)
+    interleaved = [d for s in shape for d in (1, s)]
+    expanded = [d for r, s in zip(repeats, shape) for d in (r, s)]
+    y = aten.expand.default(aten.view.default(x, interleaved), expanded)
+    out = aten.clone.default(y, memory_format=torch.contiguous_format)
+    return aten.view.default(out, [r * s for r, s in zip(repeats, shape)])
+
+
 def _mean_all(x: torch.Tensor, *, dtype: torch.dtype | None = None) -> torch.Tensor:
     return _mean(x, None, False, dtype=dtype)
 
@@ -128,4 +140,5 @@ def decomposition_table(cpu_inference: bool = False) -> dict[object, Callable]:
         table[op.correction] = fn
     table[aten.mean.dim] = _mean
     table[aten.mean.default] = _mean_all
+    table[aten.repeat.default] = _repeat
     return table
