@@ -54,11 +54,8 @@ def test_seed_model_train_and_infer_match_eager(name: str) -> None:
         assert not g.placement.get("fused-aten"), f"{g.title}: fused groups ran through ATen"
 
 
-# The same step through Ember's generated CPU kernels (target "cpu", numba). A subset: the whole
-# suite took 3.5-5.5 minutes on a 2-core machine (all eight pass); these four (~1 minute) cover convolutions with batch norm,
-# depthwise blocks with hardswish and squeeze-excite, attention with layer norm and GELU, and
-# instance norm with reflection padding and tanh.
-CPU_TARGET_MODELS = ["resnet50", "mobilenet_v3", "bert", "cyclegan"]
+# The same step through Ember's generated CPU kernels (target "cpu", numba): the whole suite.
+CPU_TARGET_MODELS = SEED_MODELS
 
 
 @pytest.mark.slow
