@@ -16,7 +16,7 @@ from pathlib import Path
 #   "triton"           generated Triton kernels (CUDA)
 #   "triton-interpret" the same Triton kernels through Triton's CPU interpreter (tests, CI)
 #   "cpu"              generated numba kernels on CPU tensors (codegen/cpu_kernel.py); a group the
-#                      generator does not cover (float16/bfloat16 ...) runs through ATen, with the reason
+#                      generator does not cover (float16 ...) runs through ATen, with the reason
 #   "aten"             the ops of each Fused group run one by one through ATen
 TARGETS = ("auto", "triton", "triton-interpret", "cpu", "aten")
 
