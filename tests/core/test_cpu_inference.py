@@ -83,6 +83,31 @@ def test_torchvision_models_match_eager(name: str) -> None:
     assert "aten.convolution" not in library  # every convolution went to oneDNN
 
 
+BF16_NATIVE = torch.ops.mkldnn._is_mkldnn_bf16_supported()
+
+
+@pytest.mark.parametrize("name", ["resnet18", "mobilenet_v3_small"])
+def test_bf16_autocast_models_match_eager_and_use_onednn_where_native(name: str) -> None:
+    """bf16 autocast: convolutions (bf16 weights cast once from the frozen fp32 parameters) go to
+    oneDNN with fused epilogues where the CPU has native bf16, else stay ATen calls; the output
+    matches eager autocast within bf16 rounding (8 bits of mantissa, a few roundings deep)."""
+    torch.manual_seed(0)
+    model = _randomise_bn(getattr(torchvision.models, name)(num_classes=10))
+    compiled = ember.compile(model)
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+        for _ in range(2):
+            x = torch.randn(2, 3, 64, 64)
+            got, want = compiled(x), model(x)
+            assert got.dtype == want.dtype == torch.bfloat16
+            _close(got.float(), want.float(), rtol=5e-2)
+    library = _placed(compiled, "library")
+    if BF16_NATIVE:
+        assert library.get("mkldnn._convolution_pointwise", 0) > 0 and "aten.convolution" not in library
+        assert library.get("mkldnn._linear_pointwise", 0) == {"resnet18": 1, "mobilenet_v3_small": 2}[name]
+    else:
+        assert "mkldnn._convolution_pointwise" not in library
+
+
 def test_bert_matches_eager_and_uses_onednn_linear() -> None:
     transformers = pytest.importorskip("transformers")
     config = transformers.BertConfig(hidden_size=64, num_hidden_layers=2, num_attention_heads=4,

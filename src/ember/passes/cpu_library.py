@@ -9,7 +9,8 @@ Measured on the 2-core AMD EPYC (AVX-512) development machine, fp32, torch 2.14.
   ReLU / hardswish / add+ReLU fused as oneDNN post-ops replaces conv + normalisation + one or
   two elementwise passes over the activation.
 
-Rules (each a plain check on the node): fp32, frozen weight (and bias), 2-D convolution not
+Rules (each a plain check on the node): one dtype for input, weight, bias and output: float32, or bfloat16 where
+oneDNN has native bf16 kernels (AVX512-BF16 / AMX); frozen weight (and bias), 2-D convolution not
 transposed; linear = ``addmm(bias, X, t(W))`` or ``mm(X, t(W))`` with 2-D X. A post-op is fused
 when the op's only user is one of ``_UNARY`` (through one view for linear) or, for
 convolutions, an ``add`` of a same-shape tensor optionally followed by ReLU.
@@ -43,16 +44,27 @@ def _only_user(node: fx.Node) -> fx.Node | None:
     return next(iter(node.users)) if len(node.users) == 1 else None
 
 
-def _fp32(node: object) -> bool:
-    val = node.meta.get("val") if isinstance(node, fx.Node) else None
-    return isinstance(val, torch.Tensor) and val.dtype == torch.float32
+def _library_dtypes() -> set[torch.dtype]:
+    # oneDNN's bf16 kernels need AVX512-BF16 / AMX; elsewhere it emulates them slowly.
+    bf16 = hasattr(mkldnn, "_is_mkldnn_bf16_supported") and mkldnn._is_mkldnn_bf16_supported()
+    return {torch.float32, torch.bfloat16} if bf16 else {torch.float32}
+
+
+def _same_dtype(*nodes: object) -> bool:
+    """All of ``nodes`` hold tensors of one dtype that oneDNN runs natively on this CPU."""
+    vals = [n.meta.get("val") if isinstance(n, fx.Node) else None for n in nodes]
+    if not all(isinstance(v, torch.Tensor) for v in vals):
+        return False
+    dtypes = {v.dtype for v in vals}
+    return len(dtypes) == 1 and dtypes <= _library_dtypes()
 
 
 def _conv(graph: fx.Graph, mode: object, conv: fx.Node) -> bool:
     x, weight, bias, stride, padding, dilation, transposed, _, groups = conv.args
     wval = weight.meta.get("val")
     if (transposed or not is_frozen(weight) or (bias is not None and not is_frozen(bias))
-            or not _fp32(conv) or not _fp32(x) or wval is None or wval.dim() != 4):
+            or not _same_dtype(conv, x, weight, *([bias] if bias is not None else []))
+            or wval is None or wval.dim() != 4):
         return False
     out = conv.meta["val"]
     chain, unary, other = [conv], "none", None
@@ -93,7 +105,7 @@ def _linear(graph: fx.Graph, mode: object, node: fx.Node) -> bool:
         if len(node.args) != 3 or node.kwargs:
             return False
         bias, x, wt = node.args
-        if not (is_frozen(bias) and _fp32(bias) and bias.meta["val"].dim() == 1):
+        if not (is_frozen(bias) and bias.meta["val"].dim() == 1):
             return False
     else:
         x, wt = node.args
@@ -103,7 +115,8 @@ def _linear(graph: fx.Graph, mode: object, node: fx.Node) -> bool:
     if wt.target == aten.permute.default and list(wt.args[1]) != [1, 0]:
         return False
     weight = wt.args[0]
-    if not (is_frozen(weight) and _fp32(weight) and _fp32(x) and x.meta["val"].dim() == 2):
+    if not (is_frozen(weight) and _same_dtype(weight, x, node, *([bias] if bias is not None else []))
+            and x.meta["val"].dim() == 2):
         return False
     chain, view, unary, algo = [node], None, "none", ""
     user = _only_user(node)
@@ -133,7 +146,8 @@ def _replace_chain(graph: fx.Graph, chain: list[fx.Node], new: fx.Node) -> None:
 
 
 def lower_cpu_library_calls(gm: fx.GraphModule) -> int:
-    """Rewrite fp32 convolutions and linear layers with frozen weights into oneDNN calls."""
+    """Rewrite float32 (and, where the CPU has native bf16, bfloat16) convolutions and linear
+    layers with frozen weights into oneDNN calls."""
     mode = fake_mode_of(gm)
     if mode is None or not available():
         return 0
