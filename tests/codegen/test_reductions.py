@@ -225,3 +225,26 @@ def test_float_sum_is_as_accurate_as_aten(looped):
     def err(a):
         return ((a.double() - ref).norm() / ref.norm()).item()
     assert err(got) <= max(4 * err(eager), 1e-6), (err(got), err(eager))
+
+
+@pytest.mark.parametrize("case", ["last_keepdim", "first", "all", "nonbool", "dims", "as_mask"])
+def test_any_is_a_generated_reduction(case):
+    # any -> amax of int32 "is nonzero" flags (capture/decompositions.py); NaN counts as nonzero.
+    fns = {
+        "last_keepdim": lambda x: torch.any(x > 0.5, -1, keepdim=True),
+        "first": lambda x: torch.any(x > 0.5, 0),
+        "all": lambda x: torch.any(x > 2.5),
+        "nonbool": lambda x: (x * (x > 1.0)).any(1),
+        "dims": lambda x: torch.any(x.reshape(2, 3, 4) > 1.0, dim=(0, 2)),
+        "as_mask": lambda x: torch.where(torch.any(x > 1.0, -1, keepdim=True), x, -x),
+    }
+    x = make_input((6, 4), "contiguous")
+    x[0, 0] = float("nan")
+    check(fns[case], [x], grad=False, expect_ops=["aten.amax"])
+
+
+@pytest.mark.parametrize("dtype", [torch.int32, torch.int16, torch.int8, torch.uint8])
+def test_integer_max_and_min_of_narrow_types(dtype):
+    # The reductions' identities must fit the type (int64's minimum does not fit int32).
+    x = torch.randint(0, 100, (5, 7), dtype=dtype)
+    check(lambda t: torch.amax(t, 1) + torch.amin(t, 0).sum(), [x], grad=False)

@@ -116,6 +116,17 @@ def _repeat(x: torch.Tensor, repeats: Sequence[int]) -> torch.Tensor:
     return aten.view.default(out, [r * s for r, s in zip(repeats, shape)])
 
 
+def _any(x: torch.Tensor, dim: int | Sequence[int] | None = None, keepdim: bool = False) -> torch.Tensor:
+    # any = amax over "is nonzero" as int32: a reduction the scheduler fuses with its producer
+    # (transformers' attention masks: one per layer) instead of an ATen kernel.
+    nonzero = x if x.dtype == torch.bool else aten.ne.Scalar(x, 0)
+    dims = list(range(x.dim())) if dim is None else [dim] if isinstance(dim, int) else list(dim)
+    if not dims or x.dim() == 0:
+        return aten._to_copy.default(nonzero, dtype=torch.bool)
+    flags = aten._to_copy.default(nonzero, dtype=torch.int32)
+    return aten._to_copy.default(aten.amax.default(flags, dims, keepdim), dtype=torch.bool)
+
+
 def _mean_all(x: torch.Tensor, *, dtype: torch.dtype | None = None) -> torch.Tensor:
     return _mean(x, None, False, dtype=dtype)
 
@@ -141,4 +152,7 @@ def decomposition_table(cpu_inference: bool = False) -> dict[object, Callable]:
     table[aten.mean.dim] = _mean
     table[aten.mean.default] = _mean_all
     table[aten.repeat.default] = _repeat
+    table[aten.any.dim] = _any
+    table[aten.any.dims] = _any
+    table[aten.any.default] = _any
     return table

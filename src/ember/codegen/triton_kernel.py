@@ -335,7 +335,12 @@ class _KernelWriter:
 
     def _identity(self, node: fx.Node, dtype: torch.dtype) -> str:
         kind = _reduction_kind(node)
-        return (_IDENTITY if dtype.is_floating_point else _INT_IDENTITY)[kind]
+        if dtype.is_floating_point:
+            return _IDENTITY[kind]
+        if kind == "sum" or dtype not in (torch.int32, torch.int16, torch.int8, torch.uint8):
+            return _INT_IDENTITY[kind]
+        info = torch.iinfo(dtype)  # narrower integers: the identity must fit the type
+        return str(info.min if kind == "max" else info.max)
 
     @staticmethod
     def _combine(kind: str, dtype: torch.dtype) -> str:
