@@ -27,6 +27,7 @@ import torch
 import torch.fx as fx
 from torch._dynamo.backends.common import aot_autograd
 from torch._functorch.partitioners import min_cut_rematerialization_partition
+from torch._subclasses.fake_tensor import unset_fake_temporarily
 
 from ember.capture.decompositions import decomposition_table
 from ember.capture.upsample import rewrite_nearest_interpolate
@@ -161,7 +162,10 @@ class EmberBackend:
                 self.log.graphs.append(record)
                 if _symbolic_inputs(graph, "val") or any(_symbolic(x) for x in inputs):
                     return _run_as_captured(graph, record)
-                compiled = compile_graph(graph, inputs, self.options, record)
+                # AOTAutograd calls compilers with its fake mode active; Ember's compile works on
+                # real constants (folding, cache keys) and enters the graph's fake mode where it needs it.
+                with unset_fake_temporarily():
+                    compiled = compile_graph(graph, inputs, self.options, record)
                 if kind != "inference":
                     share_pool(compiled, self.graph_pool)
                 return compiled

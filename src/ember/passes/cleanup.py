@@ -7,7 +7,6 @@ import operator
 
 import torch
 import torch.fx as fx
-from torch._subclasses.fake_tensor import unset_fake_temporarily
 
 from ember.schedule.rules import RANDOM_OPS
 
@@ -99,9 +98,7 @@ def fold_constants(gm: fx.GraphModule) -> int:
         if not isinstance(val, torch.Tensor) or val.numel() > FOLD_MAX_NUMEL:
             continue
         args, kwargs = torch.fx.node.map_arg((node.args, node.kwargs), lambda n: constant[n])
-        # Real values: AOTAutograd calls the compiler with its fake mode active, which would
-        # turn the folded constant into a fake tensor.
-        with torch.no_grad(), unset_fake_temporarily():
+        with torch.no_grad():
             result = node.target(*args, **kwargs)
         if not isinstance(result, torch.Tensor):
             continue

@@ -31,7 +31,6 @@ from typing import Any
 
 import torch
 from torch import fx
-from torch._subclasses.fake_tensor import unset_fake_temporarily
 
 from ember.codegen.program import get_attr
 from ember.report.records import GraphRecord
@@ -120,9 +119,7 @@ def graph_key(gm: fx.GraphModule, inputs: list, target: str, kind: str) -> str |
             if value.numel() > _SMALL_CONSTANT:
                 return None
             h.update(f"{node.target}|{value.dtype}|{tuple(value.shape)}".encode())
-            # AOTAutograd calls the compiler with its fake mode active; the constant is real.
-            with unset_fake_temporarily():
-                h.update(value.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes())
+            h.update(value.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes())
         else:
             h.update(f"{node.target}|{type(value).__name__}".encode())
     return h.hexdigest()
