@@ -17,12 +17,12 @@ from __future__ import annotations
 
 import copy
 from collections.abc import Callable, Sequence
-from pathlib import Path
 
 import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from cpu_fixtures import compiled_graphs, cpu_env, shared_cache  # noqa: F401 (fixtures, used by name)
 from ember_check import layouts, make_input, shapes
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -34,22 +34,6 @@ pytestmark = pytest.mark.filterwarnings("ignore:.*encountered in:RuntimeWarning"
 
 BF16 = torch.bfloat16
 BF16_TOL = {"rtol": 1.6e-2, "atol": 1e-2}
-
-
-@pytest.fixture(scope="module")
-def shared_cache(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return tmp_path_factory.mktemp("ember-cpu-bf16-cache")
-
-
-@pytest.fixture(autouse=True)
-def cpu_env(monkeypatch: pytest.MonkeyPatch, shared_cache: Path) -> None:
-    monkeypatch.setenv("EMBER_CACHE_DIR", str(shared_cache))
-    monkeypatch.setenv("EMBER_STRICT", "1")
-    torch._dynamo.reset()
-
-
-def _graphs(compiled: Callable) -> list:
-    return compiled._ember_backend.log.graphs
 
 
 def _assert_generated(graphs: list) -> None:
@@ -107,7 +91,7 @@ def check_bf16(fn: Callable, args: Sequence[object], reference: Callable | None 
         if r.is_floating_point():
             ember_err, eager_err = _rel_err(g, r), _rel_err(w, r)
             assert ember_err <= 1.5 * eager_err + 4e-3, f"output {i}: error vs float32 {ember_err:.3g} > eager {eager_err:.3g}"
-    _assert_generated(_graphs(compiled))
+    _assert_generated(compiled_graphs(compiled))
     return compiled
 
 
@@ -176,8 +160,8 @@ def test_cast_to_bf16_rounds_to_nearest_even_bit_for_bit() -> None:
     assert_same_bits(got[1], want[1])
     assert got[0].view(torch.int16)[2].item() == 0x3F80  # 1 + half an ulp: tie to even (down)
     assert got[0].view(torch.int16)[7].item() == 0x3F82  # 0x3F81 + half an ulp: tie to even (up)
-    _assert_generated(_graphs(compiled))
-    src = "\n".join(s for g in _graphs(compiled) for s in g.kernel_sources.values())
+    _assert_generated(compiled_graphs(compiled))
+    src = "\n".join(s for g in compiled_graphs(compiled) for s in g.kernel_sources.values())
     assert "_round_bf16(" in src and "_f32_to_bf16(" in src
 
 
@@ -236,7 +220,7 @@ def test_column_sums_over_batch(batch: int) -> None:
     """A [B, C] reduction over B: the kept dim is innermost in memory (column layout)."""
     x = (torch.randn(batch, 96) + 2).to(BF16)
     compiled = check_bf16(lambda x: (x.sum(0), x.mean(0), x.amax(0), (x.float() * x.float()).sum(0)), [x])
-    assert any("layout columns" in s for g in _graphs(compiled) for s in g.kernel_sources.values())
+    assert any("layout columns" in s for g in compiled_graphs(compiled) for s in g.kernel_sources.values())
 
 
 @pytest.mark.parametrize("memory", ["nchw", "channels_last"])
@@ -251,7 +235,7 @@ def test_batch_norm_training_statistics(memory: str) -> None:
 
     compiled = check_bf16(fn, [x, w, b])
     layout = "rows" if memory == "nchw" else "columns"
-    assert any(f"layout {layout}" in s for g in _graphs(compiled) for s in g.kernel_sources.values())
+    assert any(f"layout {layout}" in s for g in compiled_graphs(compiled) for s in g.kernel_sources.values())
 
 
 def test_bf16_groups_are_generated_cpu_kernels(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -326,7 +310,7 @@ def test_model_under_autocast_forward_backward(name: str) -> None:
         ember_err, eager_err = _rel_err(got, exact), _rel_err(want, exact)
         assert ember_err <= 1.5 * eager_err + 4e-3, f"{what}: error vs float32 {ember_err:.3g}, eager {eager_err:.3g}"
         assert _rel_err(got, want) < 3e-2, f"{what}: {_rel_err(got, want):.3g} from eager autocast"
-    graphs = _graphs(compiled)
+    graphs = compiled_graphs(compiled)
     _assert_generated(graphs)
     assert {g.kind for g in graphs} >= {"forward", "backward"}
     sources = "\n".join(s for g in graphs for s in g.kernel_sources.values())

@@ -28,6 +28,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.nn.functional as F
+from cpu_fixtures import compiled_graphs, cpu_env, shared_cache  # noqa: F401 (fixtures, used by name)
 from ember_check import assert_close, broadcast_shape, layouts, make_input, random_values, shapes
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -40,24 +41,8 @@ pytestmark = pytest.mark.filterwarnings("ignore:.*encountered in:RuntimeWarning"
 FP32 = {"rtol": 1e-4, "atol": 1e-5}
 
 
-@pytest.fixture(scope="module")
-def shared_cache(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return tmp_path_factory.mktemp("ember-cpu-cache")
-
-
-@pytest.fixture(autouse=True)
-def cpu_env(monkeypatch: pytest.MonkeyPatch, shared_cache: Path) -> None:
-    monkeypatch.setenv("EMBER_CACHE_DIR", str(shared_cache))
-    monkeypatch.setenv("EMBER_STRICT", "1")
-    torch._dynamo.reset()
-
-
-def _graphs(compiled: Callable) -> list:
-    return compiled._ember_backend.log.graphs
-
-
 def _assert_generated(compiled: Callable, allow_aten: bool = False) -> None:
-    graphs = _graphs(compiled)
+    graphs = compiled_graphs(compiled)
     assert graphs, "nothing was compiled"
     for g in graphs:
         assert g.error is None, f"{g.title}: {g.error}"
@@ -262,7 +247,7 @@ def test_column_sums_over_many_rows(layout: str) -> None:
     for g, e, r in zip(got, eager, ref):  # within a few float32 ulp of float64, as eager is
         err, eager_err = (((t.double() - r).abs() / r.abs()).max().item() for t in (g, e))
         assert err <= max(4 * eager_err, 3e-7), (err, eager_err)
-    assert any("layout columns" in src for gr in _graphs(compiled) for src in gr.kernel_sources.values())
+    assert any("layout columns" in src for gr in compiled_graphs(compiled) for src in gr.kernel_sources.values())
 
 
 @pytest.mark.parametrize("shape", [(0, 5), (3, 0), (0, 3000)])
@@ -311,7 +296,7 @@ def test_batch_norm_running_stats_update() -> None:
 # -- kernel sharing, disk cache, fallbacks -----------------------------------------------------
 
 def _kernel_digests(compiled: Callable) -> list[str]:
-    return [name.split("_")[2] for g in _graphs(compiled) for name in g.kernel_sources]
+    return [name.split("_")[2] for g in compiled_graphs(compiled) for name in g.kernel_sources]
 
 
 def test_same_structure_at_two_shapes_compiles_one_kernel() -> None:
@@ -326,7 +311,7 @@ def test_same_structure_at_two_shapes_compiles_one_kernel() -> None:
         args = [torch.randn(rows, width), torch.rand(width) + 0.5, torch.randn(width)]
         compiled = ember.compile(lambda x, w, b, eps=eps: block(x, w, b, eps), target="cpu")
         assert_close(compiled(*args), block(*args, eps), norm_rtol=1e-5)
-        names.append(sorted(n for g in _graphs(compiled) for n in g.kernel_sources))
+        names.append(sorted(n for g in compiled_graphs(compiled) for n in g.kernel_sources))
     assert len(names[0]) == len(names[1]) >= 1
     assert names[0] != names[1], "the two shapes must be different kernel uses"
     assert [n.split("_")[2] for n in names[0]] == [n.split("_")[2] for n in names[1]], names
@@ -372,7 +357,7 @@ def test_float16_groups_stay_on_aten_with_reason() -> None:
     compiled = ember.compile(lambda x: (x * 2).relu() + 1, target="cpu")
     assert_close(compiled(x), (x * 2).relu() + 1)
     reasons = Counter()
-    for g in _graphs(compiled):
+    for g in compiled_graphs(compiled):
         reasons.update(g.fallback_reasons)
     assert any("float16" in r for r in reasons), reasons
 
@@ -438,9 +423,9 @@ def _train_step_matches_eager(model: torch.nn.Module, inputs: tuple, loss_fn: Ca
     bad = {k: v for k, v in errors.items() if not (v[0] <= max(4 * v[1], 1e-5))}
     assert not bad, f"(ember, eager) error vs float64: {bad}"
     assert sum(k.startswith("grad ") for k in errors) >= 10
-    kinds = Counter(g.kind for g in _graphs(compiled))
+    kinds = Counter(g.kind for g in compiled_graphs(compiled))
     assert kinds["forward"] and kinds["backward"] and kinds["inference"], kinds
-    for g in _graphs(compiled):
+    for g in compiled_graphs(compiled):
         assert g.error is None and g.target == "cpu" and g.kernels >= 1, (g.title, g.error, g.target)
         assert not g.placement.get("fused-aten"), f"{g.title}: {dict(g.fallback_reasons)}"
     return compiled

@@ -39,7 +39,7 @@ import torch
 import torch.fx as fx
 
 from ember.codegen import cpu_ops
-from ember.codegen.cpu_ops import NP_DTYPE, POINTER, Value, compute_dtype, typed
+from ember.codegen.cpu_ops import NP_DTYPE, POINTER, Value, typed, value_dtype
 from ember.codegen.triton_kernel import _TRAILING_NODE, KernelSource, _src
 from ember.schedule.plan import FusedGroup
 from ember.schedule.rules import OpClass, classify, constant_value
@@ -352,7 +352,7 @@ class _CpuWriter:
             var = self._tmp()
             target.lines.append(f"{var} = {cpu_ops.lower_pointwise(node, ops)}  # {_src(node)}")
             result = Value(var, node.meta["val"].dtype)
-            dtype = compute_dtype(node.meta["val"].dtype)
+            dtype = value_dtype(node)
             if (self.persistent and not self.final_loop and node.target in _COSTLY and self._walks_r(dims)
                     and dtype in (torch.float32, torch.float64)):
                 self.counter += 1
@@ -372,7 +372,7 @@ class _CpuWriter:
 
     # -- reductions -----------------------------------------------------------------------------
     def _acc_dtype(self, node: fx.Node) -> tuple[torch.dtype, str]:
-        dtype = compute_dtype(node.meta["val"].dtype)  # bfloat16 accumulates in float32 (or float64)
+        dtype = value_dtype(node)  # bfloat16 accumulates in float32 (or float64)
         kind = {aten.amax.default: "max", aten.amin.default: "min"}.get(node.target, "sum")
         if kind == "sum" and dtype == torch.float32 and not self.persistent:
             # Long or column-wise float32 sums accumulate in float64; a persistent row (<= SCRATCH
@@ -400,7 +400,7 @@ class _CpuWriter:
         return f"({v} if {v} {'>' if kind == 'max' else '<'} {acc} else {acc})"
 
     def _finish(self, node: fx.Node, acc: str) -> str:
-        dtype = compute_dtype(node.meta["val"].dtype)
+        dtype = value_dtype(node)
         if node.target == aten.mean.dim:
             if "rcount" not in self.unit.cache:
                 sizes = " * ".join(lp.size_param for lp in self.loops_r)
@@ -413,7 +413,7 @@ class _CpuWriter:
     def _reduce_input(self, node: fx.Node, body: _Body, widen: bool = True) -> str:
         """The reduced value in the reduction's dtype, or (``widen``) in its accumulator's."""
         src = node.args[0]
-        dtype = compute_dtype(node.meta["val"].dtype)
+        dtype = value_dtype(node)
         if src in self.g.dims:
             op = self.value(src, body)
         else:
@@ -461,7 +461,7 @@ class _CpuWriter:
             acc_dt, kind = self._acc_dtype(r)
             # A long float32 sum: float32 partial sums per block (full vector width, no
             # conversions), float64 across blocks (exact over millions of elements).
-            block = kind == "sum" and acc_dt == torch.float64 and compute_dtype(r.meta["val"].dtype) == torch.float32
+            block = kind == "sum" and acc_dt == torch.float64 and value_dtype(r) == torch.float32
             v = self._reduce_input(r, body, widen=not block)
             self.counter += 1
             acc = f"acc{self.counter}"

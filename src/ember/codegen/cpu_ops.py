@@ -93,8 +93,10 @@ def store_expr(value: Value, dtype: torch.dtype) -> str:
     return value.as_(dtype)
 
 
-def _out(node: fx.Node) -> torch.dtype:
+def value_dtype(node: fx.Node) -> torch.dtype:
+    """The dtype ``node``'s values have inside a kernel (its compute dtype)."""
     return compute_dtype(node.meta["val"].dtype)
+
 
 
 Lowering = Callable[[fx.Node, list[Value]], str]
@@ -102,13 +104,13 @@ Lowering = Callable[[fx.Node, list[Value]], str]
 
 def _binary(op: str) -> Lowering:
     def lower(node: fx.Node, ops: list[Value]) -> str:
-        dt = _out(node)
+        dt = value_dtype(node)
         return f"({ops[0].as_(dt)} {op} {ops[1].as_(dt)})"
     return lower
 
 
 def _add(node: fx.Node, ops: list[Value], sign: str = "+") -> str:
-    dt = _out(node)
+    dt = value_dtype(node)
     alpha = node.kwargs.get("alpha", 1)
     b = ops[1].as_(dt)
     if alpha != 1:
@@ -119,7 +121,7 @@ def _add(node: fx.Node, ops: list[Value], sign: str = "+") -> str:
 def _math(f32: str, f64: str) -> Lowering:
     """A float function; integer inputs compute in the (float) output dtype, as torch does."""
     def lower(node: fx.Node, ops: list[Value]) -> str:
-        dt = _out(node)
+        dt = value_dtype(node)
         fn = f64 if dt == torch.float64 else f32
         return fn.format(a=ops[0].as_(dt), one=typed(1.0, dt))
     return lower
@@ -127,7 +129,7 @@ def _math(f32: str, f64: str) -> Lowering:
 
 def _unary(fmt: str) -> Lowering:
     def lower(node: fx.Node, ops: list[Value]) -> str:
-        dt = _out(node)
+        dt = value_dtype(node)
         return fmt.format(a=ops[0].as_(dt), zero=typed(0, dt), one=typed(1, dt))
     return lower
 
@@ -140,18 +142,18 @@ def _compare(op: str) -> Lowering:
 
 
 def _where(node: fx.Node, ops: list[Value]) -> str:
-    dt = _out(node)
+    dt = value_dtype(node)
     return f"({ops[1].as_(dt)} if {ops[0].as_(torch.bool)} else {ops[2].as_(dt)})"
 
 
 def _masked_fill(node: fx.Node, ops: list[Value]) -> str:
-    dt = _out(node)
+    dt = value_dtype(node)
     return f"({ops[2].as_(dt)} if {ops[1].as_(torch.bool)} else {ops[0].as_(dt)})"
 
 
 def _clamp(node: fx.Node, ops: list[Value]) -> str:
     # Comparisons with NaN are false, so NaN passes through as in torch.clamp.
-    dt = _out(node)
+    dt = value_dtype(node)
     out = ops[0].as_(dt)
     lo = ops[1] if len(ops) > 1 else None
     hi = ops[2] if len(ops) > 2 else None
@@ -166,7 +168,7 @@ def _clamp(node: fx.Node, ops: list[Value]) -> str:
 
 def _max_min(kind: str) -> Lowering:
     def lower(node: fx.Node, ops: list[Value]) -> str:
-        dt = _out(node)
+        dt = value_dtype(node)
         a, b = ops[0].as_(dt), ops[1].as_(dt)
         if dt.is_floating_point:  # llvm.maximum/minimum propagate NaN like torch
             return f"_f{kind}({a}, {b})"
@@ -175,7 +177,7 @@ def _max_min(kind: str) -> Lowering:
 
 
 def _pow(node: fx.Node, ops: list[Value]) -> str:
-    dt = _out(node)
+    dt = value_dtype(node)
     a = ops[0].as_(dt)
     one = typed(1, dt)
     table = {2: f"({a} * {a})", 3: f"({a} * {a} * {a})", 1: a, 0.5: f"math.sqrt({a})",
@@ -187,11 +189,11 @@ def _cast(node: fx.Node, ops: list[Value]) -> str:
     # A cast to bfloat16 rounds exactly as eager does, though the value stays float32 here.
     if node.meta["val"].dtype == torch.bfloat16:
         return f"_round_bf16({ops[0].as_(torch.float32)})"
-    return ops[0].as_(_out(node))
+    return ops[0].as_(value_dtype(node))
 
 
 def _sign(node: fx.Node, ops: list[Value]) -> str:
-    dt = _out(node)
+    dt = value_dtype(node)
     a = ops[0].as_(dt)
     if dt == torch.bool:
         return a
@@ -206,13 +208,13 @@ def _logical(op: str) -> Lowering:
 
 def _bitwise(op: str) -> Lowering:
     def lower(node: fx.Node, ops: list[Value]) -> str:
-        dt = _out(node)
+        dt = value_dtype(node)
         return f"({ops[0].as_(dt)} {op} {ops[1].as_(dt)})"
     return lower
 
 
 def _bitwise_not(node: fx.Node, ops: list[Value]) -> str:
-    dt = _out(node)
+    dt = value_dtype(node)
     return f"(not {ops[0].as_(dt)})" if dt == torch.bool else f"(~{ops[0].as_(dt)})"
 
 
@@ -221,7 +223,7 @@ def _isnan(node: fx.Node, ops: list[Value]) -> str:
 
 
 def _identity(node: fx.Node, ops: list[Value]) -> str:
-    return ops[0].as_(_out(node))
+    return ops[0].as_(value_dtype(node))
 
 
 CPU_POINTWISE_OPS: dict[object, Lowering] = {
@@ -275,7 +277,7 @@ STRUCTURAL_ARGS = {aten.pow.Tensor_Scalar: {1}}
 def lower_pointwise(node: fx.Node, ops: list[Value]) -> str:
     """The expression for ``node``; narrow integer results wrap to their dtype as in torch."""
     expr = CPU_POINTWISE_OPS[node.target](node, ops)
-    dt = _out(node)
+    dt = value_dtype(node)
     if dt in NARROW_INTS:
         expr = f"{NP_DTYPE[dt]}({expr})"
     return expr

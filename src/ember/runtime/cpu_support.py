@@ -134,26 +134,25 @@ def _bf16_to_f32(typingctx, half):  # noqa: ARG001
     return types.float32(half), codegen
 
 
-@intrinsic
-def _f32_to_bf16(typingctx, x):  # noqa: ARG001
-    """The bfloat16 bits a store writes (``_p_u16(out)[i] = _f32_to_bf16(v)``)."""
-    if x != types.float32:
-        return None
+def _f32_intrinsic(result: types.Type, emit, doc: str):
+    """A numba intrinsic of one float32 argument whose body ``emit(builder, x)`` writes."""
+    @intrinsic
+    def op(typingctx, x):  # noqa: ARG001
+        if x != types.float32:
+            return None
 
-    def codegen(context, builder, signature, args):
-        return _emit_bf16_round(builder, args[0])
-    return types.uint16(x), codegen
+        def codegen(context, builder, signature, args):
+            return emit(builder, args[0])
+        return result(x), codegen
+    op.__doc__ = doc
+    return op
 
 
-@intrinsic
-def _round_bf16(typingctx, x):  # noqa: ARG001
-    """float32 rounded to the nearest bfloat16, still float32: a cast to bfloat16 inside a kernel."""
-    if x != types.float32:
-        return None
-
-    def codegen(context, builder, signature, args):
-        return _emit_bf16_widen(builder, _emit_bf16_round(builder, args[0]))
-    return types.float32(x), codegen
+_f32_to_bf16 = _f32_intrinsic(types.uint16, _emit_bf16_round,
+                              "The bfloat16 bits a store writes (``_p_u16(out)[i] = _f32_to_bf16(v)``).")
+_round_bf16 = _f32_intrinsic(types.float32, lambda b, x: _emit_bf16_widen(b, _emit_bf16_round(b, x)),
+                             "float32 rounded to the nearest bfloat16, still float32: a cast to bfloat16 "
+                             "inside a kernel.")
 
 
 def _llvm_binary(name: str):

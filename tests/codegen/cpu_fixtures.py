@@ -1,0 +1,31 @@
+"""Fixtures of the generated-CPU-kernel tests (test_cpu_kernels.py, test_cpu_bf16.py).
+
+Not a test module; the test files import the fixtures by name (pytest finds fixtures in a test
+module's namespace). Each test module gets one kernel folder, so kernels compiled by one test are
+reused by the next as they would be within one model; strict mode makes compile errors raise.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+import torch
+
+
+@pytest.fixture(scope="module")
+def shared_cache(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tmp_path_factory.mktemp("ember-cpu-cache")
+
+
+@pytest.fixture(autouse=True)
+def cpu_env(monkeypatch: pytest.MonkeyPatch, shared_cache: Path) -> None:
+    monkeypatch.setenv("EMBER_CACHE_DIR", str(shared_cache))
+    monkeypatch.setenv("EMBER_STRICT", "1")
+    torch._dynamo.reset()
+
+
+def compiled_graphs(compiled: Callable) -> list:
+    """The graph records of an ``ember.compile`` result."""
+    return compiled._ember_backend.log.graphs
