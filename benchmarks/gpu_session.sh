@@ -14,7 +14,7 @@ step() {  # step NAME SECONDS COMMAND...
   timeout "$limit" "$@" > "$OUT/$name.log" 2>&1
   local rc=$?
   printf '%-28s rc=%-3s %4ds\n' "$name" "$rc" "$((SECONDS - start))"
-  tail -n 25 "$OUT/$name.log" | grep -E '\|' | tail -n 12
+  tail -n 40 "$OUT/$name.log" | grep -E '\||first call|kernels on|Triton compiles|Error|error' | tail -n 14
 }
 nvidia-smi --query-gpu=name,driver_version --format=csv,noheader
 python -c 'import torch, triton; print("torch", torch.__version__, "triton", triton.__version__)'
@@ -22,7 +22,7 @@ git rev-parse --short HEAD 2>/dev/null
 PART=${1:-1}
 case "$PART" in
 1)  # targets of issues #4/#5 that the last call could not finish, plus where cold compile goes
-  step explain_cyclegan_cold 150 python -m ember.cli explain cyclegan --mode train --html "$OUT/explain_cyclegan.html"
+  step compile_profile 120 python benchmarks/gpu_compile_profile.py resnet50 cyclegan --json "$OUT/compile_profile.json"
   step train_cyclegan_style 170 python -m ember.cli bench cyclegan style_transfer --mode train --precision bf16 \
     --no-progress --json "$OUT/bench_train_cyclegan_style.json"
   step infer_bert_bs1 110 python -m ember.cli bench bert --mode infer --batch 1 --precision bf16 \

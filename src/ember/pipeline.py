@@ -252,8 +252,11 @@ def _compile(gm: fx.GraphModule, example_inputs: list, options: Options, record:
         start = time.perf_counter()
         jobs = [job_for(kernel_file(ks, options.kernel_dir()), ks.name, ks.arg_dtypes(), ks.meta)
                 for ks in launch_kernels(kernels)]
-        for err in precompile(jobs):
-            if level >= 1:
+        compiled = precompile(jobs)
+        record.compile_note = compiled.describe()
+        if level >= 1:
+            print(f"# ember: kernel compile of {record.title}: {record.compile_note}")
+            for err in compiled.errors:
                 print(f"# ember: precompile: {err}")
         stage["kernel_compile"] = time.perf_counter() - start
 

@@ -35,6 +35,7 @@ from ember.config import Options
 from ember.pipeline import compile_graph
 from ember.report.records import CompileLog, GraphRecord
 from ember.runtime.cudagraph import GraphPool, share_pool
+from ember.runtime.precompile import start_workers
 from ember.runtime.program import CompiledGraph, boxed
 
 # Compiles of one frame Dynamo still allows after its static budget (more dynamic dims, a new
@@ -171,6 +172,8 @@ class EmberBackend:
                 return compiled
             return compiler
 
+        if self.options.target in ("auto", "triton") and _on_cuda(example_inputs):
+            start_workers()  # their start-up overlaps AOTAutograd's capture (runtime/precompile.py)
         rewrite_nearest_interpolate(gm)
         backend = aot_autograd(fw_compiler=make("forward"), bw_compiler=make("backward"),
                                inference_compiler=make("inference"),
@@ -183,6 +186,10 @@ class EmberBackend:
 # (what Inductor uses) saves a minimal set and recomputes cheap pointwise chains in the backward,
 # where they fuse into the backward's kernels: fewer, smaller saved activations, lower peak memory.
 _PARTITION = functools.partial(min_cut_rematerialization_partition, compiler="inductor")
+
+
+def _on_cuda(example_inputs: list) -> bool:
+    return any(isinstance(x, torch.Tensor) and x.device.type == "cuda" for x in example_inputs)
 
 
 def check_device(example_inputs: list, device: str) -> None:

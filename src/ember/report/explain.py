@@ -250,7 +250,8 @@ class ExplainReport:
             [f"first run of the compiled graphs ({self.first_run_note})", _ms(self.first_run_s)],
             ["whole first call" + (" (forward + backward)" if self.training else ""), _ms(self.total_s)],
         ], bold_last=True)
-        return Section("Compile time", [], [first, table])
+        notes = [f"kernel_compile, {g.title}: {g.compile_note}" for g in self.graphs if g.compile_note]
+        return Section("Compile time", notes, [first, table])
 
     def _categories(self) -> Section:
         cats = sorted({c for g in self.graphs for c in g.op_classes})

@@ -30,9 +30,10 @@ class GraphRecord:
     program: str = ""
     kernel_sources: dict[str, str] = field(default_factory=dict)
     first_call_s: float | None = None
-    cudagraph: str = ""
+    cudagraph: str = ""  # "captured ..." or why the program runs without a CUDA graph
     layout: dict = field(default_factory=dict)  # passes/layout.py: conversions, saved-output strides
-    cache: str = ""  # compiled-program cache: hit | stored | miss | off | not cacheable (...)  # "captured ..." or why the program runs without a CUDA graph
+    cache: str = ""  # compiled-program cache: hit | stored | miss | off | not cacheable (...)
+    compile_note: str = ""  # where the kernel_compile stage went (runtime/precompile.py)
 
 
 @dataclass

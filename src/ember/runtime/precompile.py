@@ -8,8 +8,10 @@ Triton's on-disk cache, so the first real launch in this process only loads them
 
 A kernel whose real arguments specialise differently (a pointer not 16-byte aligned, say)
 simply compiles again at launch: precompiling can make the first call faster, never wrong.
-Workers are spawned (not forked: the parent may hold a CUDA context) once per process.
-``EMBER_COMPILE_WORKERS=0`` compiles serially in this process instead.
+Workers are spawned (not forked: the parent may hold a CUDA context) once per process; a worker
+needs seconds to import torch and Triton, so ``start_workers`` lets the backend begin that while
+Dynamo and AOTAutograd are still capturing. ``EMBER_COMPILE_WORKERS=0`` compiles serially in
+this process instead. Each call returns a ``PrecompileStats`` that ``ember.explain`` reports.
 """
 
 from __future__ import annotations
@@ -19,11 +21,13 @@ import concurrent.futures as cf
 import importlib.util
 import multiprocessing
 import os
+import time
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 _POOL: cf.ProcessPoolExecutor | None = None
+_STARTED: list[cf.Future] = []  # the workers' start-up jobs
 _DONE: set[str] = set()  # kernel names compiled (or attempted) by this process's pool
 
 
@@ -37,6 +41,34 @@ class CompileJob:
     meta: tuple[tuple[str, int], ...]
 
 
+@dataclass
+class PrecompileStats:
+    """Where one graph's kernel_compile stage went."""
+
+    kernels: int = 0  # unique kernels compiled by this call (others were compiled before)
+    workers: int = 0  # 0: compiled in this process
+    wall_s: float = 0.0
+    compile_s: float = 0.0  # sum of the kernels' own compile times
+    wait_s: float = 0.0  # from submitting to the first kernel's compile starting (worker start-up)
+    slowest: str = ""
+    slowest_s: float = 0.0
+    errors: list[str] = field(default_factory=list)
+
+    def describe(self) -> str:
+        if not self.kernels:
+            return "no new kernels"
+        where = f"{self.workers} worker processes" if self.workers else "this process"
+        text = (f"{self.kernels} kernels on {where}: {self.wall_s:.2f} s wall, {self.compile_s:.2f} s of compiling "
+                f"(x{self.compile_s / max(self.wall_s, 1e-9):.1f} parallel)")
+        if self.workers:
+            text += f", {self.wait_s:.2f} s before the first compile began"
+        if self.slowest:
+            text += f"; slowest {self.slowest} {self.slowest_s:.2f} s"
+        if self.errors:
+            text += f"; {len(self.errors)} failed (they compile at launch)"
+        return text
+
+
 def worker_count() -> int:
     env = os.environ.get("EMBER_COMPILE_WORKERS")
     if env is not None:
@@ -44,8 +76,20 @@ def worker_count() -> int:
     return max(1, min(8, (os.cpu_count() or 2) - 1))
 
 
-def compile_job(job: CompileJob) -> str | None:
-    """Compile one kernel in this process; returns an error text or None. Runs in the workers."""
+def _start_worker() -> float:
+    """Runs in each worker once: the imports a compile needs. Returns when it finished."""
+    import torch  # noqa: F401
+    import triton  # noqa: F401
+    from triton.runtime import driver
+
+    os.environ["TRITON_INTERPRET"] = "0"
+    driver.active.get_current_target()
+    return time.time()
+
+
+def compile_job(job: CompileJob) -> tuple[str | None, float, float]:
+    """Compile one kernel in this process: (error text or None, start time, seconds). Runs in the workers."""
+    began = time.time()
     import torch
 
     os.environ["TRITON_INTERPRET"] = "0"
@@ -57,8 +101,8 @@ def compile_job(job: CompileJob) -> str | None:
         dtypes = [getattr(torch, d) for d in job.arg_dtypes]
         fn.warmup(*dtypes, grid=(1,), **dict(job.meta))
     except Exception as err:  # the launch in the parent compiles it again and reports properly
-        return f"{job.name}: {type(err).__name__}: {err}"
-    return None
+        return f"{job.name}: {type(err).__name__}: {err}", began, time.time() - began
+    return None, began, time.time() - began
 
 
 def _pool(workers: int) -> cf.ProcessPoolExecutor:
@@ -69,20 +113,40 @@ def _pool(workers: int) -> cf.ProcessPoolExecutor:
     return _POOL
 
 
-def precompile(jobs: Sequence[CompileJob]) -> list[str]:
-    """Compile the jobs not compiled before in this process; returns the error texts."""
+def start_workers() -> None:
+    """Begin spawning the compile workers now (idempotent; a no-op with 0 workers)."""
+    workers = worker_count()
+    if workers and not _STARTED:
+        pool = _pool(workers)
+        _STARTED.extend(pool.submit(_start_worker) for _ in range(workers))
+
+
+def precompile(jobs: Sequence[CompileJob]) -> PrecompileStats:
+    """Compile the jobs not compiled before in this process."""
     todo = [j for j in {j.name: j for j in jobs}.values() if j.name not in _DONE]
+    stats = PrecompileStats(kernels=len(todo))
     if not todo:
-        return []
+        return stats
     _DONE.update(j.name for j in todo)
     workers = worker_count()
+    submitted = time.time()
     if workers == 0 or len(todo) == 1:
-        return [e for e in map(compile_job, todo) if e]
-    try:
-        results = list(_pool(workers).map(compile_job, todo))
-    except Exception as err:  # a broken pool (killed worker): launches compile on demand
-        return [f"parallel compile failed: {type(err).__name__}: {err}"]
-    return [e for e in results if e]
+        results = [compile_job(j) for j in todo]
+    else:
+        stats.workers = workers
+        try:
+            results = list(_pool(workers).map(compile_job, todo))
+        except Exception as err:  # a broken pool (killed worker): launches compile on demand
+            stats.errors.append(f"parallel compile failed: {type(err).__name__}: {err}")
+            stats.wall_s = time.time() - submitted
+            return stats
+    stats.wall_s = time.time() - submitted
+    stats.errors = [e for e, _, _ in results if e]
+    stats.compile_s = sum(s for _, _, s in results)
+    stats.wait_s = max(0.0, min(b for _, b, _ in results) - submitted)
+    slowest = max(range(len(todo)), key=lambda i: results[i][2])
+    stats.slowest, stats.slowest_s = todo[slowest].name, results[slowest][2]
+    return stats
 
 
 def job_for(path: Path, name: str, arg_dtypes: Sequence[object], meta: dict[str, int]) -> CompileJob:

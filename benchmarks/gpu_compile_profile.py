@@ -1,0 +1,86 @@
+"""Where a cold compile goes on the GPU machine: Ember's stages, the parallel kernel compile, and
+any Triton compile left for the first launch.
+
+Run on the device (from the repo root):
+    PYTHONPATH=src python benchmarks/gpu_compile_profile.py resnet50 cyclegan --json $OUT/compile_profile.json
+
+Each model runs in a fresh process with a new EMBER_CACHE_DIR and TRITON_CACHE_DIR: one bf16
+training step through ``ember.explain``. Besides explain's split (capture / Ember stages / first
+run) and each graph's kernel_compile note (kernels, workers, wall vs summed compile seconds,
+worker start-up), a Triton compilation listener in the parent counts the compiles that still
+happen at launch (a cache miss there means the precompiled specialisation did not match).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+
+CHILD = r"""
+import json, sys, time, torch, ember
+from triton import knobs
+from ember.bench import models
+launch = {"miss": 0, "hit": 0, "miss_s": 0.0}
+def listener(*, src, metadata, metadata_group, times, cache_hit):
+    launch["hit" if cache_hit else "miss"] += 1
+    if not cache_hit:
+        try:  # microseconds
+            launch["miss_s"] += (times.ir_initialization + times.total_lowering + times.store_results) / 1e6
+        except Exception:
+            pass
+if hasattr(knobs, "compilation") and hasattr(knobs.compilation, "listener"):
+    knobs.compilation.listener = listener
+else:
+    launch = {"note": "this Triton has no compilation listener"}
+case = models.get_case(sys.argv[1])
+torch.manual_seed(0)
+model = case.build(False).cuda().train()
+(inputs, _t), = models.make_batches(case, case.default_batch("train"), torch.device("cuda"), count=1)
+with torch.autocast("cuda", dtype=torch.bfloat16):
+    r = ember.explain(model, *inputs)
+print("RESULT " + json.dumps({"first_call_s": r.total_s, "capture_s": r.capture_s, "ember_s": r.ember_s,
+      "first_run_s": r.first_run_s, "stages": r.stage_totals(), "kernels": r.kernels,
+      "unique_kernels": r.unique_kernels, "compile_notes": [g.title + ": " + g.compile_note for g in r.graphs],
+      "launch_compiles": launch}))
+"""
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("models", nargs="*", default=["resnet50", "cyclegan"])
+    parser.add_argument("--workers", default=None, help="EMBER_COMPILE_WORKERS for the child")
+    parser.add_argument("--json", default=None)
+    args = parser.parse_args()
+    rows = []
+    for name in args.models:
+        with tempfile.TemporaryDirectory() as cache, tempfile.TemporaryDirectory() as triton_cache:
+            env = {**os.environ, "EMBER_CACHE_DIR": cache, "TRITON_CACHE_DIR": triton_cache}
+            if args.workers is not None:
+                env["EMBER_COMPILE_WORKERS"] = args.workers
+            proc = subprocess.run([sys.executable, "-c", CHILD, name], env=env, capture_output=True, text=True)
+        line = next((x for x in proc.stdout.splitlines() if x.startswith("RESULT ")), None)
+        if line is None:
+            print(f"{name}: ERROR {proc.stderr[-800:]}")
+            rows.append({"model": name, "error": proc.stderr[-3000:]})
+            continue
+        r = json.loads(line[7:])
+        rows.append({"model": name, "workers_env": args.workers, **r})
+        st = r["stages"]
+        print(f"{name}: first call {r['first_call_s']:.2f} s = capture {r['capture_s']:.2f} + Ember "
+              f"{r['ember_s']:.2f} (" + ", ".join(f"{k} {v:.2f}" for k, v in st.items() if v) +
+              f") + first run {r['first_run_s']:.2f}; kernels {r['kernels']} ({r['unique_kernels']} unique)")
+        for note in r["compile_notes"]:
+            print(f"  {note}")
+        print(f"  Triton compiles at launch: {r['launch_compiles']}", flush=True)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(rows, f, indent=1)
+    return 1 if any("error" in r for r in rows) else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

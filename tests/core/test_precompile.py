@@ -1,0 +1,68 @@
+"""The parallel kernel precompile's bookkeeping (runtime/precompile.py). Without a GPU every
+warmup fails, which is the case worth checking: failures are counted and reported, never raised
+(the launch compiles the kernel again), and a kernel is attempted once per process."""
+
+from __future__ import annotations
+
+import pytest
+
+from ember.runtime import precompile as pc
+
+KERNEL = '''
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def {name}(x_ptr, y_ptr, N: tl.constexpr, BLOCK: tl.constexpr):
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    tl.store(y_ptr + offs, tl.load(x_ptr + offs, mask=offs < N) * 2, mask=offs < N)
+'''
+
+
+@pytest.fixture
+def jobs(tmp_path, monkeypatch):
+    monkeypatch.setattr(pc, "_DONE", set())
+    out = []
+    for name in ("ember_k_a", "ember_k_b"):
+        path = tmp_path / f"{name}.py"
+        path.write_text(KERNEL.format(name=name))
+        out.append(pc.job_for(path, name, ["torch.float32", "torch.float32"], {"N": 8, "BLOCK": 8}))
+    return out
+
+
+def test_serial_precompile_reports_each_failure_once(jobs, monkeypatch):
+    monkeypatch.setenv("EMBER_COMPILE_WORKERS", "0")
+    monkeypatch.setattr(pc, "compile_job", lambda job: (f"{job.name}: RuntimeError: no GPU", 100.0, 0.25))
+    stats = pc.precompile(jobs + jobs[:1])  # a duplicate is compiled once
+    assert stats.kernels == 2 and stats.workers == 0
+    assert stats.errors == ["ember_k_a: RuntimeError: no GPU", "ember_k_b: RuntimeError: no GPU"]
+    assert stats.compile_s == pytest.approx(0.5)
+    assert "2 kernels on this process" in stats.describe() and "2 failed" in stats.describe()
+    again = pc.precompile(jobs)
+    assert again.kernels == 0 and again.describe() == "no new kernels"
+
+
+def test_compile_job_returns_an_error_without_a_gpu(jobs, monkeypatch):
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("a GPU compiles the kernel")
+    error, began, seconds = pc.compile_job(jobs[0])
+    assert error is not None and error.startswith("ember_k_a: ")
+    assert seconds >= 0 and began > 0
+
+
+def test_stats_describe_parallel():
+    stats = pc.PrecompileStats(kernels=10, workers=4, wall_s=2.0, compile_s=6.0, wait_s=1.5,
+                               slowest="ember_k", slowest_s=1.25)
+    text = stats.describe()
+    assert "10 kernels on 4 worker processes" in text and "x3.0 parallel" in text
+    assert "1.50 s before the first compile began" in text and "slowest ember_k 1.25 s" in text
+
+
+def test_worker_count_from_env(monkeypatch):
+    monkeypatch.setenv("EMBER_COMPILE_WORKERS", "3")
+    assert pc.worker_count() == 3
+    monkeypatch.setenv("EMBER_COMPILE_WORKERS", "-2")
+    assert pc.worker_count() == 0
