@@ -6,17 +6,26 @@
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable
 from typing import Any
 
-import torch
-
-from ember.capture.backend import EmberBackend, ember_backend
-from ember.config import Options
-from ember.runtime.program import EmberMismatchError
-
 __version__ = "0.1.0"
 __all__ = ["compile", "explain", "EmberBackend", "EmberMismatchError", "Options", "__version__"]
+
+# Names imported on first use: a kernel-compile worker (runtime/precompile.py) imports
+# ember.runtime.precompile, and with it this package, without paying for Dynamo's import.
+_LAZY = {"EmberBackend": "ember.capture.backend", "ember_backend": "ember.capture.backend",
+         "Options": "ember.config", "EmberMismatchError": "ember.runtime.program"}
+
+
+def __getattr__(name: str) -> Any:
+    if name in _LAZY:
+        import importlib
+        value = getattr(importlib.import_module(_LAZY[name]), name)
+        globals()[name] = value
+        return value
+    raise AttributeError(f"module 'ember' has no attribute {name!r}")
 
 
 def compile(model: Callable, **options: Any) -> Callable:  # noqa: A001 - mirrors torch.compile
@@ -27,6 +36,11 @@ def compile(model: Callable, **options: Any) -> Callable:  # noqa: A001 - mirror
     ``max_recompiles`` (static shape specialisations per frame before one dynamic-shape graph;
     see ``ember.capture.backend``).
     """
+    import torch
+
+    from ember.capture.backend import EmberBackend
+    from ember.config import Options
+
     backend = EmberBackend(Options.from_env(**options))
     # What torch.compile calls, minus its backend wrapper, which would drop the backend's
     # backend_ctx_ctor: the per-call shape policy and recompile limit of this model.
@@ -45,10 +59,13 @@ def _register() -> None:
     # With PYTHONPATH=src (no installed entry point) the name "ember" still resolves.
     try:
         from torch._dynamo.backends.registry import _BACKENDS, register_backend
+
+        from ember.capture.backend import ember_backend
         if "ember" not in _BACKENDS:
             register_backend(name="ember")(ember_backend)
     except Exception:  # noqa: BLE001 - registration is a convenience
         pass
 
 
-_register()
+if os.environ.get("EMBER_COMPILE_WORKER") != "1":
+    _register()

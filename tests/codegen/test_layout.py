@@ -275,3 +275,27 @@ def test_resnet_block_with_split_reductions(split_reductions: None, memory_forma
         want, got, compiled = _train_step(Block(), x)
     _compare(want, got)
     assert "ember_part1_" in _kernels(compiled)
+
+
+def test_identical_split_reductions_share_their_kernels(split_reductions: None) -> None:
+    """Two normalisations of same-shaped tensors, separated by a convolution (so in separate
+    fused groups), launch the same split kernels: a node name must not reach the kernel's hash."""
+    def norm(t: torch.Tensor) -> torch.Tensor:
+        mean = t.mean((0, 2, 3), keepdim=True)
+        return (t - mean) * torch.rsqrt(((t - mean) ** 2).mean((0, 2, 3), keepdim=True) + 1e-5)
+
+    def two_blocks(x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor) -> torch.Tensor:
+        h = norm(torch.nn.functional.conv2d(x, w1, padding=1))
+        return norm(torch.nn.functional.conv2d(h, w2, padding=1))
+
+    x = make_input((3, 6, 5, 7), "channels_last")
+    w1, w2 = torch.randn(6, 6, 3, 3) / 8, torch.randn(6, 6, 3, 3) / 8
+    with strict_env(looped=True):
+        fn = ember.compile(two_blocks, target="triton-interpret")
+        assert_close(fn(x, w1, w2), two_blocks(x, w1, w2), norm_rtol=1e-4)
+    (graph,) = fn._ember_backend.log.graphs
+    assert graph.kernels == 2, graph.plan_text
+    names = list(graph.kernel_sources)
+    assert any(n.startswith("ember_part1_") for n in names), names
+    # The second group's kernels are the first's: one partial, combine and final kernel per level.
+    assert len(names) == len({n.rsplit("_", 1)[0] for n in names}), names

@@ -40,7 +40,7 @@ import torch.fx as fx
 
 from ember.codegen import cpu_ops
 from ember.codegen.cpu_ops import NP_DTYPE, POINTER, Value, typed, value_dtype
-from ember.codegen.triton_kernel import _TRAILING_NODE, KernelSource, _src
+from ember.codegen.triton_kernel import KernelSource, _src, canonical_source
 from ember.schedule.plan import FusedGroup
 from ember.schedule.rules import OpClass, classify, constant_value
 
@@ -592,7 +592,7 @@ class _CpuWriter:
         text = (f"@cfunc(KERNEL_SIGNATURE, cache=True, error_model=\"numpy\", fastmath={FASTMATH})\n"
                 f"def KERNEL_NAME(unit_lo, unit_hi, argv):\n    # {shape}\n"
                 + "\n".join("    " + line for line in body) + "\n")
-        canonical = _TRAILING_NODE.sub(r"  # \1", text)
+        canonical = canonical_source(text)
         head = header()
         digest = hashlib.sha256((head + canonical).encode()).hexdigest()[:16]
         kernel_name = f"ember_cpu_{digest}"

@@ -424,7 +424,7 @@ class _KernelWriter:
                 + "\n".join("    " + line for line in body) + "\n")
         # Node names differ between graphs (and between blocks of one model); the kernel's identity
         # must not, so hash and compile the text with each line's node annotation reduced to its op.
-        canonical = _TRAILING_NODE.sub(r"  # \1", text)
+        canonical = canonical_source(text)
         digest = hashlib.sha256((canonical + repr(meta) + str(self.interpret)).encode()).hexdigest()[:16]
         kind = "pw" if not self.reduction else "red" if self.phase is None else f"{self.phase[0]}{self.phase[1]}"
         name = f"ember_{kind}_{digest}"
@@ -573,7 +573,13 @@ class _Scope:
         self.outer = outer if outer is not None else self
 
 
-_TRAILING_NODE = re.compile(r"(?<=\S)  # \w+ = ([\w.]+)\(.*$", re.MULTILINE)
+_TRAILING_NODE = re.compile(r"(?<=\S)  # (partial )?\w+ = ([\w.]+)\(.*$", re.MULTILINE)
+
+
+def canonical_source(text: str) -> str:
+    """``text`` with each line's node annotation reduced to its op (``# partial sum_3 = sum...``
+    becomes ``# partial sum.dim_IntList``): identical kernels of different blocks hash alike."""
+    return _TRAILING_NODE.sub(r"  # \1\2", text)
 
 
 def _src(node: fx.Node) -> str:

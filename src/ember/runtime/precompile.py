@@ -18,11 +18,12 @@ from __future__ import annotations
 
 import atexit
 import concurrent.futures as cf
+import contextlib
 import importlib.util
 import multiprocessing
 import os
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -73,7 +74,8 @@ def worker_count() -> int:
     env = os.environ.get("EMBER_COMPILE_WORKERS")
     if env is not None:
         return max(0, int(env))
-    return max(1, min(8, (os.cpu_count() or 2) - 1))
+    # The parent waits while they compile: every core but one (Triton's compile is single-threaded).
+    return max(1, min(32, (os.cpu_count() or 2) - 1))
 
 
 def _start_worker() -> float:
@@ -113,12 +115,28 @@ def _pool(workers: int) -> cf.ProcessPoolExecutor:
     return _POOL
 
 
+@contextlib.contextmanager
+def _as_worker_env() -> Iterator[None]:
+    """Processes spawned inside see EMBER_COMPILE_WORKER=1: ``import ember`` there skips
+    registering the Dynamo backend (and so importing Dynamo), seconds per worker."""
+    old = os.environ.get("EMBER_COMPILE_WORKER")
+    os.environ["EMBER_COMPILE_WORKER"] = "1"
+    try:
+        yield
+    finally:
+        if old is None:
+            os.environ.pop("EMBER_COMPILE_WORKER", None)
+        else:
+            os.environ["EMBER_COMPILE_WORKER"] = old
+
+
 def start_workers() -> None:
     """Begin spawning the compile workers now (idempotent; a no-op with 0 workers)."""
     workers = worker_count()
     if workers and not _STARTED:
         pool = _pool(workers)
-        _STARTED.extend(pool.submit(_start_worker) for _ in range(workers))
+        with _as_worker_env():  # the pool spawns a process per submit while none is idle
+            _STARTED.extend(pool.submit(_start_worker) for _ in range(workers))
 
 
 def precompile(jobs: Sequence[CompileJob]) -> PrecompileStats:
@@ -135,7 +153,9 @@ def precompile(jobs: Sequence[CompileJob]) -> PrecompileStats:
     else:
         stats.workers = workers
         try:
-            results = list(_pool(workers).map(compile_job, todo))
+            with _as_worker_env():
+                futures = [_pool(workers).submit(compile_job, j) for j in todo]
+            results = [f.result() for f in futures]
         except Exception as err:  # a broken pool (killed worker): launches compile on demand
             stats.errors.append(f"parallel compile failed: {type(err).__name__}: {err}")
             stats.wall_s = time.time() - submitted
