@@ -33,7 +33,7 @@ def kernel_family(name: str) -> str:
     return "aten"
 
 
-def profile_case(name: str, backend: str, mode: str, steps: int, out: Path) -> dict:
+def profile_case(name: str, backend: str, mode: str, steps: int, out: Path, trace: bool = True) -> dict:
     device = torch.device("cuda")
     case = models.get_case(name)
     torch.manual_seed(0)
@@ -49,7 +49,8 @@ def profile_case(name: str, backend: str, mode: str, steps: int, out: Path) -> d
         for i in range(steps):
             step(*batches[i % 2])
         torch.cuda.synchronize()
-    prof.export_chrome_trace(str(out / f"trace_{name}_{mode}_{backend}.json"))
+    if trace:
+        prof.export_chrome_trace(str(out / f"trace_{name}_{mode}_{backend}.json"))
     kernels: dict[str, list[float]] = {}
     for evt in prof.events():
         if evt.device_type == torch.autograd.DeviceType.CUDA and evt.name and not evt.name.startswith("Memcpy"):
@@ -78,13 +79,14 @@ def main() -> int:
     parser.add_argument("--steps", type=int, default=5)
     parser.add_argument("--top", type=int, default=12)
     parser.add_argument("--out", default="profile_out")
+    parser.add_argument("--no-trace", action="store_true", help="skip the Chrome traces (large files)")
     args = parser.parse_args()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     rows = []
     for name in args.models:
         for backend in args.backend.split(","):
-            r = profile_case(name, backend, args.mode, args.steps, out)
+            r = profile_case(name, backend, args.mode, args.steps, out, trace=not args.no_trace)
             rows.append(r)
             share = " ".join(f"{k} {v:.0f}%" for k, v in sorted(r["share"].items()))
             print(f"\n== {name} {args.mode} {backend}: GPU {r['gpu_ms_per_step']:.2f} ms/step, "
@@ -92,7 +94,7 @@ def main() -> int:
             for t in r["top"][: args.top]:
                 print(f"  {t['ms_per_step']:7.3f} ms {t['calls_per_step']:6.1f}x {t['family']:<9} {t['kernel'][:100]}")
             torch._dynamo.reset()
-    (out / "profile.json").write_text(json.dumps(rows, indent=1))
+        (out / "profile.json").write_text(json.dumps(rows, indent=1))  # after each model: a cut-off run keeps it
     return 0
 
 

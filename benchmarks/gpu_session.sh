@@ -14,7 +14,7 @@ step() {  # step NAME SECONDS COMMAND...
   timeout "$limit" "$@" > "$OUT/$name.log" 2>&1
   local rc=$?
   printf '%-28s rc=%-3s %4ds\n' "$name" "$rc" "$((SECONDS - start))"
-  tail -n 40 "$OUT/$name.log" | grep -E '\||first call|kernels on|Triton compiles|Error|error' | tail -n 14
+  tail -n 60 "$OUT/$name.log" | grep -E '\||first call|kernels on|Triton compiles|Error|error|==| ms ' | tail -n 30
 }
 nvidia-smi --query-gpu=name,driver_version --format=csv,noheader
 python -c 'import torch, triton; print("torch", torch.__version__, "triton", triton.__version__)'
@@ -29,12 +29,14 @@ case "$PART" in
     --no-progress --json "$OUT/bench_infer_bert_bs1.json"
   step correctness 150 python benchmarks/gpu_correctness.py mobilenet_v3 bert style_transfer --json "$OUT/correctness.json"
   ;;
-2)  # the training suite, first half (eager, Inductor, Ember in one run)
-  step train_a 580 python -m ember.cli bench resnet50 bert vgg16 mobilenet_v3 --mode train --precision bf16 \
+2)  # the training suite, first half (eager, Inductor, Ember in one run), then where vgg16's step goes
+  step train_a 450 python -m ember.cli bench resnet50 bert vgg16 mobilenet_v3 --mode train --precision bf16 \
     --iters 20 --no-progress --json "$OUT/bench_train_a.json"
+  step profile_vgg16 120 python benchmarks/gpu_profile.py vgg16 --backend ember,inductor --no-trace --out "$OUT/profile_a"
   ;;
-3)  # the training suite, second half
-  step train_b 580 python -m ember.cli bench densenet121 resnet50v2 cyclegan style_transfer --mode train \
+3)  # the training suite, second half, then where mobilenet_v3's and densenet121's steps go
+  step train_b 460 python -m ember.cli bench densenet121 resnet50v2 cyclegan style_transfer --mode train \
     --precision bf16 --iters 20 --no-progress --json "$OUT/bench_train_b.json"
+  step profile_b 110 python benchmarks/gpu_profile.py mobilenet_v3 densenet121 --backend ember --no-trace --out "$OUT/profile_b"
   ;;
 esac
