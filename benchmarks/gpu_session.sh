@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One device call that checks and times the current tree on the H100 (run from the repo root):
-#   bash benchmarks/gpu_session.sh [PART]     PART 1 (default), 2 or 3; results under $OUT (or ./gpu_session_out)
+#   bash benchmarks/gpu_session.sh [PART]     PART 1 (default), 2, 3 or 4; results under $OUT (or ./gpu_session_out)
 # Part 1 fits one 10-minute call; parts 2 and 3 are the training suite, one call each.
 # Each step has its own time limit, so one slow step cannot take the others' results with it;
 # the order is by priority (issue targets first). Writes one JSON per step and a log.
@@ -38,5 +38,13 @@ case "$PART" in
   step train_b 460 python -m ember.cli bench densenet121 resnet50v2 cyclegan style_transfer --mode train \
     --precision bf16 --iters 20 --no-progress --json "$OUT/bench_train_b.json"
   step profile_b 110 python benchmarks/gpu_profile.py mobilenet_v3 densenet121 --backend ember --no-trace --out "$OUT/profile_b"
+  ;;
+4)  # after the convolution-bias and training-attention changes: the models they touch, resnet50's
+    # cold compile, where bert's step goes, and the NHWC batch-norm kernels
+  step train_c 300 python -m ember.cli bench bert vgg16 cyclegan --mode train --precision bf16 --iters 20 \
+    --no-progress --json "$OUT/bench_train_c.json"
+  step compile_profile 80 python benchmarks/gpu_compile_profile.py resnet50 --json "$OUT/compile_profile.json"
+  step profile_bert 80 python benchmarks/gpu_profile.py bert --backend ember --no-trace --out "$OUT/profile_c"
+  step kernels_nhwc 90 python benchmarks/kernel_bench.py --cases nhwc --json "$OUT/kernel_bench_nhwc.json"
   ;;
 esac

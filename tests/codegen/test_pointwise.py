@@ -341,3 +341,23 @@ def test_repeat_is_a_generated_copy(shape, repeats):
     x = make_input(shape, "contiguous", requires_grad=True)
     expect = ["aten.clone"] if 0 not in repeats else []
     check(lambda t: torch.sin(t.repeat(*repeats) * 2.0), [x], expect_ops=expect)
+
+
+@pytest.mark.parametrize("kind", ["conv2d", "conv_transpose2d", "conv1d"])
+def test_convolution_bias_is_added_by_a_generated_kernel(kind):
+    # GPU targets run convolutions without their bias (capture/decompositions.py): the bias add
+    # joins the ReLU's kernel and the bias gradient is a generated sum beside ReLU's backward.
+    conv = {"conv2d": lambda x, w, b: F.conv2d(x, w, b, padding=1),
+            "conv_transpose2d": lambda x, w, b: F.conv_transpose2d(x, w, b, stride=2),
+            "conv1d": lambda x, w, b: F.conv1d(x, w, b, padding=1)}[kind]
+    x_shape, w_shape = {"conv2d": ((2, 3, 6, 5), (4, 3, 3, 3)), "conv_transpose2d": ((2, 3, 4, 4), (3, 4, 2, 2)),
+                        "conv1d": ((2, 3, 7), (4, 3, 3))}[kind]
+    x = make_input(x_shape, "contiguous", requires_grad=True)
+    w = (torch.randn(w_shape) / 4).requires_grad_()
+    b = torch.randn(4).requires_grad_()
+    _, _ = check(lambda x, w, b: torch.relu(conv(x, w, b)) * 1.5, [x, w, b], expect_ops=["aten.add"])
+    compiled = ember.compile(lambda x, w, b: torch.relu(conv(x, w, b)), target="triton-interpret")
+    compiled(x, w, b).sum().backward()
+    fwd, bwd = (next(g for g in compiled._ember_backend.log.graphs if g.kind == k) for k in ("forward", "backward"))
+    assert ", None, [" in next(line for line in fwd.program.splitlines() if "convolution" in line), fwd.program
+    assert bwd.placement["generated"]["aten.sum"] >= 1, bwd.placement

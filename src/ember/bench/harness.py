@@ -254,6 +254,7 @@ def _measure(
         row["timer"] = "cuda_events"
         row["peak_mem_bytes"] = torch.cuda.max_memory_allocated(device)
         row["peak_mem_source"] = "cuda_max_memory_allocated"
+        row["peak_reserved_bytes"] = torch.cuda.max_memory_reserved(device)
     else:
         for i in range(iters):
             t = time.perf_counter()
@@ -296,7 +297,7 @@ def _new_row(case: str, mode: str, backend: str, precision: str, batch: int | No
         "model": case, "mode": mode, "backend": backend, "precision": precision, "batch": batch,
         "device": str(device), "small": small, "warmup": warmup, "iters": iters,
         "ms_median": None, "ms_min": None, "ms_max": None, "samples_per_s": None, "compile_s": None,
-        "peak_mem_bytes": None, "peak_mem_source": None, "speedup_vs_eager": None, "error": None,
+        "peak_mem_bytes": None, "peak_mem_source": None, "peak_reserved_bytes": None, "speedup_vs_eager": None, "error": None,
     }
 
 

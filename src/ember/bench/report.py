@@ -24,6 +24,10 @@ NOTES = {
     "steps (reset after warm-up); cpu_profiler_step_peak (CPU): the most tensor memory one more step "
     "held at once on top of what was allocated when it started (weights, optimizer state, inputs), "
     "from the profiler's allocation events (ember.bench.memory)",
+    "peak_reserved_bytes": "CUDA: torch.cuda.max_memory_reserved over the timed steps (reset after "
+    "warm-up), what the process holds from the GPU. The figure to compare where a backend replays CUDA "
+    "graphs: a replay allocates nothing, so the memory its graphs' private pool keeps for their "
+    "intermediates is reserved but not counted by max_memory_allocated",
     "speedup_vs_eager": "eager ms_median / this ms_median, same model, mode, batch and run",
     "max_abs_diff_vs_eager": "inference only: max |output - eager output| on the first batch",
 }
@@ -180,7 +184,7 @@ def print_table(results: Sequence[dict[str, Any]], file: Any = None, title: str 
     for col, justify in [
         ("model", "left"), ("mode", "left"), ("batch", "right"), ("backend", "left"), ("prec", "left"),
         ("ms median", "right"), ("ms min", "right"), ("samples/s", "right"), ("compile s", "right"),
-        ("peak mem", "right"), ("vs eager", "right"), ("error", "left"),
+        ("peak mem", "right"), ("peak rsv", "right"), ("vs eager", "right"), ("error", "left"),
     ]:
         table.add_column(col, justify=justify)  # type: ignore[arg-type]
     for r in results:
@@ -192,7 +196,8 @@ def print_table(results: Sequence[dict[str, Any]], file: Any = None, title: str 
         table.add_row(
             str(r["model"]), str(r["mode"]), str(r["batch"]), str(r["backend"]), str(r["precision"]),
             _fmt(r.get("ms_median"), ".2f"), _fmt(r.get("ms_min"), ".2f"), _fmt(r.get("samples_per_s"), ".1f"),
-            _fmt(r.get("compile_s"), ".1f"), _fmt_bytes(r.get("peak_mem_bytes")), sp,
+            _fmt(r.get("compile_s"), ".1f"), _fmt_bytes(r.get("peak_mem_bytes")),
+            _fmt_bytes(r.get("peak_reserved_bytes")), sp,
             Text(err[:120] + ("..." if len(err) > 120 else ""), style="red"),
         )
     _console(file).print(table)
@@ -206,7 +211,7 @@ def markdown_table(results: Sequence[dict[str, Any]]) -> str:
     """The results as a GitHub-markdown table, with Ember's speed relative to Inductor."""
     lookup = {(r["model"], r["mode"], r["batch"], r["backend"]): r for r in results}
     lines = ["| model | mode | batch | backend | ms median | ms min | samples/s | compile s | peak mem "
-             "| vs eager | vs inductor |", "|" + "---|" * 11]
+             "| peak rsv | vs eager | vs inductor |", "|" + "---|" * 12]
     for r in results:
         ind = lookup.get((r["model"], r["mode"], r["batch"], "inductor"))
         vs_ind = (ind["ms_median"] / r["ms_median"]) if ind and ind.get("ms_median") and r.get("ms_median") else None
@@ -214,7 +219,8 @@ def markdown_table(results: Sequence[dict[str, Any]]) -> str:
         lines.append(
             f"| {r['model']} | {r['mode']} | {r['batch']} | {r['backend']}{err} | {_fmt(r.get('ms_median'), '.2f')} "
             f"| {_fmt(r.get('ms_min'), '.2f')} | {_fmt(r.get('samples_per_s'), '.1f')} | {_fmt(r.get('compile_s'), '.1f')} "
-            f"| {_fmt_bytes(r.get('peak_mem_bytes'))} | {_times(r.get('speedup_vs_eager'))} | {_times(vs_ind)} |")
+            f"| {_fmt_bytes(r.get('peak_mem_bytes'))} | {_fmt_bytes(r.get('peak_reserved_bytes'))} "
+            f"| {_times(r.get('speedup_vs_eager'))} | {_times(vs_ind)} |")
     return "\n".join(lines) + "\n"
 
 
