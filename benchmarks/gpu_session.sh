@@ -1,13 +1,13 @@
 #!/usr/bin/env bash
 # One device call that checks and times the current tree on the H100 (run from the repo root):
-#   bash benchmarks/gpu_session.sh [PART]     PART 1 (default), 2, 3 or 4; results under $OUT (or ./gpu_session_out)
+#   bash benchmarks/gpu_session.sh [PART]     PART 1 (default) to 5; results under $OUT (or ./gpu_session_out)
 # Part 1 fits one 10-minute call; parts 2 and 3 are the training suite, one call each.
 # Each step has its own time limit, so one slow step cannot take the others' results with it;
 # the order is by priority (issue targets first). Writes one JSON per step and a log.
 set -u
 OUT=${OUT:-gpu_session_out}
 mkdir -p "$OUT"
-export PYTHONPATH=src
+export PYTHONPATH=src PYTHONFAULTHANDLER=1
 step() {  # step NAME SECONDS COMMAND...
   local name=$1 limit=$2; shift 2
   local start=$SECONDS
@@ -46,5 +46,15 @@ case "$PART" in
   step compile_profile 80 python benchmarks/gpu_compile_profile.py resnet50 --json "$OUT/compile_profile.json"
   step profile_bert 80 python benchmarks/gpu_profile.py bert --backend ember --no-trace --out "$OUT/profile_c"
   step kernels_nhwc 90 python benchmarks/kernel_bench.py --cases nhwc --json "$OUT/kernel_bench_nhwc.json"
+  ;;
+5)  # BERT training with its cuDNN attention backward captured: gradients vs eager with dropout,
+    # the step time, where it goes; then peak memory eager vs Ember (reserved included)
+  step cudagraph_bert 90 python benchmarks/gpu_cudagraph_check.py --only train --train-models tiny_transformer \
+    --json "$OUT/cudagraph_check.json"
+  step train_bert 130 python -m ember.cli bench bert --mode train --precision bf16 --iters 20 --no-progress \
+    --json "$OUT/bench_train_bert.json"
+  step profile_bert 60 python benchmarks/gpu_profile.py bert --backend ember --no-trace --out "$OUT/profile_bert"
+  step memory 150 python -m ember.cli bench resnet50 vgg16 mobilenet_v3 --mode train --precision bf16 \
+    --backend eager,ember --iters 10 --warmup 3 --no-progress --json "$OUT/bench_memory.json"
   ;;
 esac

@@ -211,6 +211,10 @@ def _measure(
 ) -> torch.Tensor | None:
     """Fill ``row`` with the measurements; returns the first output (CPU float) for checks."""
     torch._dynamo.reset()  # each backend compiles from a clean Dynamo state
+    if device.type == "cuda":
+        # Hand back what earlier cases left cached, so each backend's reserved peak is its own.
+        gc.collect()
+        torch.cuda.empty_cache()
     model = copy.deepcopy(base).to(device)
     model.train(mode == "train")
     optimizer = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9) if mode == "train" else None

@@ -28,7 +28,6 @@ import torch.fx as fx
 from torch._dynamo.backends.common import aot_autograd
 from torch._functorch.partitioners import min_cut_rematerialization_partition
 from torch._subclasses.fake_tensor import unset_fake_temporarily
-from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from ember.capture.decompositions import decomposition_table
 from ember.capture.upsample import rewrite_nearest_interpolate
@@ -57,18 +56,6 @@ def _gpu_target(example_inputs: list, options: Options) -> bool:
     """Whether this frame compiles for a Triton target (the interpreter included: CI runs the GPU
     code path through it)."""
     return options.target == "triton-interpret" or (options.target in ("auto", "triton") and _on_cuda(example_inputs))
-
-
-def attention_backends(training: bool, gpu: bool) -> list[SDPBackend] | None:
-    """The fused-attention kernels AOTAutograd may choose from when it decomposes
-    scaled_dot_product_attention (None: PyTorch's own choice). GPU training leaves out cuDNN
-    attention: torch 2.11 prefers it on the H100, and its backward with dropout cannot be
-    replayed from a CUDA graph, which left BERT's whole backward uncaptured and launch-bound
-    (68 ms per step vs eager's 34). Flash and memory-efficient attention take their dropout seed
-    from the generator's device state under capture."""
-    if not (training and gpu):
-        return None
-    return [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
 
 
 def _cpu_inference(example_inputs: list, options: Options) -> bool:
@@ -199,9 +186,7 @@ class EmberBackend:
                                inference_compiler=make("inference"),
                                decompositions=_decompositions(_cpu_inference(example_inputs, self.options), gpu),
                                partition_fn=_PARTITION)
-        backends = attention_backends(torch.is_grad_enabled(), gpu)
-        with sdpa_kernel(backends) if backends else contextlib.nullcontext():
-            return backend(gm, example_inputs)
+        return backend(gm, example_inputs)
 
 
 # The default partitioner saves every forward value the backward reads. The min-cut partitioner

@@ -95,8 +95,9 @@ GRAPH_SAFE_RANDOM = {
     "_flash_attention_forward", "_efficient_attention_forward",
     # cuDNN attention (what torch 2.11 picks for BERT on the H100): its forward, captured and
     # replayed 8 steps, gave eager's losses within 1.5e-3 with dropout 0.1 (eager's masks;
-    # benchmarks/h100_train_cudagraph_run2.json). Its backward is not yet verified: refused.
-    "_scaled_dot_product_cudnn_attention",
+    # benchmarks/h100_train_cudagraph_run2.json). Its backward draws nothing new: it rebuilds the
+    # forward's mask from the seed and offset tensors the forward wrote on the device.
+    "_scaled_dot_product_cudnn_attention", "_scaled_dot_product_cudnn_attention_backward",
 }
 CAPTURED_KINDS = ("inference", "forward", "backward")
 MAX_CAPTURES = 5  # the last one copies every input and output, so it is final
