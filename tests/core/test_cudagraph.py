@@ -170,18 +170,43 @@ def test_random_op_outside_the_philox_stream_blocks_capture(target, args, kwargs
     assert why is not None and why.startswith("random op") and name in why and "repeat its numbers" in why
 
 
+def _attention_graph(op: object, dropout_p: float) -> fx.GraphModule:
+    graph = fx.Graph()
+    q, k, v = (graph.placeholder(n) for n in "qkv")
+    args = (q, k, v, None, True, dropout_p) if "efficient" in str(op) or "cudnn" in str(op) else (q, k, v, dropout_p)
+    graph.output(graph.call_function(op, args))
+    return fx.GraphModule({}, graph)
+
+
 @pytest.mark.parametrize("dropout_p", [0.0, 0.1])
-@pytest.mark.parametrize("op", [aten._scaled_dot_product_efficient_attention.default,
-                                aten._scaled_dot_product_flash_attention.default])
+@pytest.mark.parametrize("op", [aten._scaled_dot_product_flash_attention.default,
+                                aten._scaled_dot_product_cudnn_attention.default])
 def test_attention_with_or_without_dropout_is_captured(op, dropout_p: float) -> None:
     # With dropout its CUDA kernels draw from the generator's philox stream, graph-safe: seed and
     # offset reach the backward in CUDA tensors when captured.
-    graph = fx.Graph()
-    q, k, v = (graph.placeholder(n) for n in "qkv")
-    args = (q, k, v, None, True, dropout_p) if "efficient" in str(op) else (q, k, v, dropout_p)
-    graph.output(graph.call_function(op, args))
     inputs = [_cuda(2, 2, 8, 16) for _ in range(3)]
-    assert cudagraph_blocker(fx.GraphModule({}, graph), inputs, "forward", "triton") is None
+    assert cudagraph_blocker(_attention_graph(op, dropout_p), inputs, "forward", "triton") is None
+
+
+def test_cudnn_attention_backward_with_dropout_is_captured() -> None:
+    # It rebuilds the forward's mask from the seed and offset the forward wrote on the device.
+    graph = fx.Graph()
+    names = ["grad", "q", "k", "v", "out", "lse", "seed", "offset"]
+    g, q, k, v, out, lse, seed, offset = (graph.placeholder(n) for n in names)
+    graph.output(graph.call_function(aten._scaled_dot_product_cudnn_attention_backward.default,
+                                     (g, q, k, v, out, lse, seed, offset, None, None, None, 8, 8, 0.1, False)))
+    inputs = [_cuda(2, 2, 8, 16) for _ in range(6)] + [_cuda(1), _cuda(1)]
+    assert cudagraph_blocker(fx.GraphModule({}, graph), inputs, "backward", "triton") is None
+
+
+def test_memory_efficient_attention_with_dropout_blocks_capture() -> None:
+    # Its backward is a seeded op that cannot be captured; a captured forward would hand it
+    # device seeds, which crashed the uncaptured backward on the H100. Without dropout: captured.
+    inputs = [_cuda(2, 2, 8, 16) for _ in range(3)]
+    op = aten._scaled_dot_product_efficient_attention.default
+    why = cudagraph_blocker(_attention_graph(op, 0.1), inputs, "forward", "triton")
+    assert why is not None and why.startswith("random op") and "efficient_attention" in why
+    assert cudagraph_blocker(_attention_graph(op, 0.0), inputs, "forward", "triton") is None
 
 
 def test_dropout_p_of_an_unknown_attention_op_decides() -> None:
