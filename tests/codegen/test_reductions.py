@@ -7,9 +7,12 @@ from __future__ import annotations
 
 import pytest
 import torch
-from ember_check import FLOAT_DTYPES, check, layouts, make_input, shapes
+import torch.nn.functional as F
+from ember_check import FLOAT_DTYPES, check, layouts, make_input, random_values, shapes, strict_env
 from hypothesis import assume, given, settings
 from hypothesis import strategies as st
+
+import ember
 
 pytestmark = pytest.mark.filterwarnings("ignore:.*encountered in:RuntimeWarning")
 
@@ -248,3 +251,38 @@ def test_integer_max_and_min_of_narrow_types(dtype):
     # The reductions' identities must fit the type (int64's minimum does not fit int32).
     x = torch.randint(0, 100, (5, 7), dtype=dtype)
     check(lambda t: torch.amax(t, 1) + torch.amin(t, 0).sum(), [x], grad=False)
+
+
+@pytest.mark.parametrize("layout", ["contiguous", "channels_last"])
+@pytest.mark.parametrize("window", [2, (2, 3)])
+def test_tiling_max_pool_is_generated_and_routes_gradients_like_aten(layout, window):
+    # kernel == stride windows that tile the plane (capture/pooling.py): the maximum is an amax
+    # over a view, the backward sends each gradient to the window's first maximum as ATen does.
+    # ReLU zeros make ties; a NaN must win its window, forward and backward.
+    x = make_input((2, 3, 12, 6), layout)
+    x[0, 1, 0, 1] = float("nan")
+    x.requires_grad_()
+    fn = lambda t: F.max_pool2d(torch.relu(t), window) * 1.5  # noqa: E731
+    with strict_env():
+        compiled = ember.compile(fn, target="triton-interpret")
+        got, want = compiled(x), fn(x)
+    assert torch.equal(torch.isnan(got), torch.isnan(want))
+    assert torch.equal(torch.nan_to_num(got), torch.nan_to_num(want))
+    assert got.stride() == want.stride()
+    cot = random_values(want.shape, want.dtype)
+    (g_got,), (g_want,) = torch.autograd.grad(got, x, cot), torch.autograd.grad(want, x, cot)
+    assert torch.equal(g_got, g_want) and g_got.stride() == g_want.stride()
+    for graph in compiled._ember_backend.log.graphs:
+        assert not any("max_pool" in op for where in graph.placement.values() for op in where), graph.placement
+    fwd = next(g for g in compiled._ember_backend.log.graphs if g.kind == "forward")
+    assert fwd.placement["generated"]["aten.amax"] >= 1
+
+
+def test_max_pool_indices_and_other_windows():
+    x = make_input((2, 3, 8, 6), "contiguous")
+    with strict_env():
+        out, idx = ember.compile(lambda t: F.max_pool2d(t, 2, return_indices=True), target="triton-interpret")(x)
+    want_out, want_idx = F.max_pool2d(x, 2, return_indices=True)
+    assert torch.equal(out, want_out) and torch.equal(idx, want_idx)
+    # Overlapping windows stay ATen's kernel.
+    check(lambda t: F.max_pool2d(t, 3, 2), [x], grad=False, allow_fallback=["aten.max_pool2d_with_indices"])

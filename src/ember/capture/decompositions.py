@@ -14,6 +14,8 @@ from collections.abc import Callable, Sequence
 import torch
 from torch._decomp import core_aten_decompositions, get_decompositions
 
+from ember.capture import pooling
+
 aten = torch.ops.aten
 
 _EXTRA = [
@@ -191,4 +193,6 @@ def decomposition_table(cpu_inference: bool = False, gpu: bool = False) -> dict[
     if gpu:
         table[aten.convolution.default] = _convolution_bias_apart
         table[aten.convolution_backward.default] = _convolution_backward_bias_apart
+        table[aten.max_pool2d_with_indices.default] = pooling.max_pool2d_with_indices
+        table[aten.max_pool2d_with_indices_backward.default] = pooling.max_pool2d_with_indices_backward
     return table
