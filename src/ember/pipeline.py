@@ -28,7 +28,8 @@ from ember.passes.freeze import static_input_indices
 from ember.passes.layout import layout_summary, report_output_strides
 from ember.report.records import GraphRecord
 from ember.runtime.artifacts import ProgramStore, caching_enabled, graph_key, restore_record, stored_program
-from ember.runtime.cudagraph import CudaGraphRunner, cudagraph_blocker
+from ember.runtime.capture_rules import cudagraph_blocker
+from ember.runtime.cudagraph import CudaGraphRunner
 from ember.runtime.kernels import compile_cpu_kernels, kernel_file, load_kernel
 from ember.runtime.precompile import job_for, precompile
 from ember.runtime.program import CompiledGraph, boxed, expect_strides
