@@ -47,7 +47,9 @@ class Block(nn.Module):
 
 class FlattenHead(nn.Module):
     """A VGG-like net: conv-relu-maxpool, then a flatten of a channels_last activation (a view
-    that must become a copy) into a linear layer; also returns a 4-D activation."""
+    that must become a copy) into a linear layer; also returns a 4-D activation. The pooling
+    overlaps its windows, so it stays ATen's channels_last kernel (tiling pooling is generated,
+    capture/pooling.py) and the returned activation needs a conversion back to eager's layout."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -55,7 +57,7 @@ class FlattenHead(nn.Module):
         self.fc = nn.Linear(6 * 4 * 4, 4)
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        y = nn.functional.max_pool2d(torch.relu(self.conv(x)), 2)
+        y = nn.functional.max_pool2d(torch.relu(self.conv(x)), 3, 2, 1)
         return self.fc(torch.flatten(y, 1)), y * 2.0
 
 
@@ -133,6 +135,25 @@ def test_user_visible_4d_output_keeps_eager_layout_and_flatten_copies() -> None:
     _compare(want, got)
     fw = next(g for g in compiled._ember_backend.log.graphs if g.kind == "forward")
     assert any("eager layout" in c for c in fw.layout["conversions"]), fw.layout
+
+
+class TilingPoolHead(FlattenHead):
+    """FlattenHead with VGG's 2x2 pooling, which Ember generates (capture/pooling.py) on the
+    channels_last activations the layout pass makes."""
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        y = nn.functional.max_pool2d(torch.relu(self.conv(x)), 2)
+        return self.fc(torch.flatten(y, 1)), y * 2.0
+
+
+@pytest.mark.parametrize("memory_format", [torch.contiguous_format, torch.channels_last], ids=["nchw", "nhwc"])
+def test_generated_pooling_under_the_layout_pass_matches_eager(memory_format: torch.memory_format) -> None:
+    torch.manual_seed(0)
+    with strict_env():
+        want, got, compiled = _train_step(TilingPoolHead(), torch.randn(2, 3, 8, 8).to(memory_format=memory_format))
+    _compare(want, got)
+    for graph in compiled._ember_backend.log.graphs:
+        assert not any("max_pool" in op for ops in graph.placement.values() for op in ops), graph.placement
 
 
 def test_option_off_keeps_nchw() -> None:
