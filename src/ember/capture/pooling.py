@@ -76,12 +76,15 @@ class _Frame:
     def first_max(self, xv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """(window maxima keepdim, each window's first argmax position, the positions)."""
         kh, kw = self.kh, self.kw
+        # Window positions in int8 where they fit: if the backward's partition saves ``first``,
+        # it is a byte per pooled value (ATen saves int64 indices).
+        small = torch.int8 if kh * kw < 127 else torch.int32
         top = aten.amax.default(xv, self.window_dims, True)
         hit = aten.logical_or.default(aten.eq.Tensor(xv, top), aten.isnan.default(xv))
-        rows = aten.arange.start_step(0, kh * kw, kw, dtype=torch.int64, device=xv.device)
-        cols = aten.arange.start_step(0, kw, 1, dtype=torch.int64, device=xv.device)
+        rows = aten.arange.start_step(0, kh * kw, kw, dtype=small, device=xv.device)
+        cols = aten.arange.start_step(0, kw, 1, dtype=small, device=xv.device)
         pos = aten.add.Tensor(self.along(rows, self.window_dims[0]), self.along(cols, self.window_dims[1]))
-        past = aten.scalar_tensor.default(kh * kw, dtype=torch.int64, device=xv.device)  # "no hit" sorts last
+        past = aten.scalar_tensor.default(kh * kw, dtype=small, device=xv.device)  # "no hit" sorts last
         first = aten.amin.default(aten.where.self(hit, pos, past), self.window_dims, True)
         return top, first, pos
 
