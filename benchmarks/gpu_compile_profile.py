@@ -14,11 +14,9 @@ happen at launch (a cache miss there means the precompiled specialisation did no
 from __future__ import annotations
 
 import argparse
-import json
-import os
-import subprocess
 import sys
-import tempfile
+
+from fresh_process import child_result, fresh_caches, write_rows
 
 CHILD = r"""
 import json, sys, time, torch, ember
@@ -56,18 +54,14 @@ def main() -> int:
     parser.add_argument("--json", default=None)
     args = parser.parse_args()
     rows = []
+    extra = {} if args.workers is None else {"EMBER_COMPILE_WORKERS": args.workers}
     for name in args.models:
-        with tempfile.TemporaryDirectory() as cache, tempfile.TemporaryDirectory() as triton_cache:
-            env = {**os.environ, "EMBER_CACHE_DIR": cache, "TRITON_CACHE_DIR": triton_cache}
-            if args.workers is not None:
-                env["EMBER_COMPILE_WORKERS"] = args.workers
-            proc = subprocess.run([sys.executable, "-c", CHILD, name], env=env, capture_output=True, text=True)
-        line = next((x for x in proc.stdout.splitlines() if x.startswith("RESULT ")), None)
-        if line is None:
-            print(f"{name}: ERROR {proc.stderr[-800:]}")
-            rows.append({"model": name, "error": proc.stderr[-3000:]})
+        with fresh_caches(**extra) as env:
+            r, stderr = child_result(CHILD, [name], env)
+        if r is None:
+            print(f"{name}: ERROR {stderr[-800:]}")
+            rows.append({"model": name, "error": stderr[-3000:]})
             continue
-        r = json.loads(line[7:])
         rows.append({"model": name, "workers_env": args.workers, **r})
         st = r["stages"]
         print(f"{name}: first call {r['first_call_s']:.2f} s = capture {r['capture_s']:.2f} + Ember "
@@ -76,11 +70,7 @@ def main() -> int:
         for note in r["compile_notes"]:
             print(f"  {note}")
         print(f"  Triton compiles at launch: {r['launch_compiles']}", flush=True)
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(rows, f, indent=1)
-    return 1 if any("error" in r for r in rows) else 0
-
+    return write_rows(args.json, rows)
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -13,11 +13,9 @@ lookups included) and running the graphs.
 from __future__ import annotations
 
 import argparse
-import json
-import os
-import subprocess
 import sys
-import tempfile
+
+from fresh_process import child_result, fresh_caches, write_rows
 
 CHILD = r"""
 import json, sys, torch, ember
@@ -41,24 +39,17 @@ def main() -> int:
     rows = []
     print(f"{'model':<10}{'run':<6}{'first call s':>13}{'capture s':>11}{'ember s':>9}{'run s':>8}  cache")
     for name in args.models:
-        with tempfile.TemporaryDirectory() as cache, tempfile.TemporaryDirectory() as triton_cache:
-            env = {**os.environ, "EMBER_CACHE_DIR": cache, "TRITON_CACHE_DIR": triton_cache}
+        with fresh_caches() as env:
             for run in ("cold", "warm"):
-                proc = subprocess.run([sys.executable, "-c", CHILD, name], env=env, capture_output=True, text=True)
-                line = next((x for x in proc.stdout.splitlines() if x.startswith("RESULT ")), None)
-                if line is None:
-                    print(f"{name:<10}{run:<6}ERROR {proc.stderr[-500:]}")
-                    rows.append({"model": name, "run": run, "error": proc.stderr[-3000:]})
+                r, stderr = child_result(CHILD, [name], env)
+                if r is None:
+                    print(f"{name:<10}{run:<6}ERROR {stderr[-500:]}")
+                    rows.append({"model": name, "run": run, "error": stderr[-3000:]})
                     continue
-                r = json.loads(line[7:])
                 print(f"{name:<10}{run:<6}{r['first_call_s']:>13.2f}{r['capture_s']:>11.2f}{r['ember_s']:>9.2f}"
                       f"{r['first_run_s']:>8.2f}  {','.join(r['cache'])}", flush=True)
                 rows.append({"model": name, "run": run, **r})
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(rows, f, indent=1)
-    return 1 if any("error" in r for r in rows) else 0
-
+    return write_rows(args.json, rows)
 
 if __name__ == "__main__":
     sys.exit(main())

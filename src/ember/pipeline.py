@@ -20,8 +20,9 @@ import torch.fx as fx
 
 from ember import config
 from ember.codegen.cpu_kernel import CpuUnsupported, generate_cpu
+from ember.codegen.kernel_source import KernelSource, launch_kernels
 from ember.codegen.program import base_namespace, generate_program, get_attr
-from ember.codegen.triton_kernel import KernelSource, generate_triton, launch_kernels
+from ember.codegen.triton_kernel import generate_triton
 from ember.config import Options
 from ember.passes import PassContext, PassResult, passes_for, run_passes
 from ember.passes.freeze import static_input_indices

@@ -55,7 +55,8 @@ def _decompositions(cpu_inference: bool = False, gpu: bool = False) -> dict:
 def _gpu_target(example_inputs: list, options: Options) -> bool:
     """Whether this frame compiles for a Triton target (the interpreter included: CI runs the GPU
     code path through it)."""
-    return options.target == "triton-interpret" or (options.target in ("auto", "triton") and _on_cuda(example_inputs))
+    on_cuda = any(isinstance(x, torch.Tensor) and x.device.type == "cuda" for x in example_inputs)
+    return options.target == "triton-interpret" or (options.target in ("auto", "triton") and on_cuda)
 
 
 def _cpu_inference(example_inputs: list, options: Options) -> bool:
@@ -193,10 +194,6 @@ class EmberBackend:
 # (what Inductor uses) saves a minimal set and recomputes cheap pointwise chains in the backward,
 # where they fuse into the backward's kernels: fewer, smaller saved activations, lower peak memory.
 _PARTITION = functools.partial(min_cut_rematerialization_partition, compiler="inductor")
-
-
-def _on_cuda(example_inputs: list) -> bool:
-    return any(isinstance(x, torch.Tensor) and x.device.type == "cuda" for x in example_inputs)
 
 
 def check_device(example_inputs: list, device: str) -> None:

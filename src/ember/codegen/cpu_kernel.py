@@ -40,7 +40,7 @@ import torch.fx as fx
 
 from ember.codegen import cpu_ops
 from ember.codegen.cpu_ops import NP_DTYPE, POINTER, Value, typed, value_dtype
-from ember.codegen.triton_kernel import KernelSource, _src, canonical_source
+from ember.codegen.kernel_source import KernelSource, canonical_source, node_source
 from ember.schedule.plan import FusedGroup
 from ember.schedule.rules import OpClass, classify, constant_value
 
@@ -324,7 +324,7 @@ class _CpuWriter:
             return target.cache[node]
         if node in self.scratch:  # computed in an earlier loop over this row
             var = self._tmp()
-            target.lines.append(f"{var} = {self.scratch[node]}[{self._rlin()}]  # kept: {_src(node)}")
+            target.lines.append(f"{var} = {self.scratch[node]}[{self._rlin()}]  # kept: {node_source(node)}")
             target.cache[node] = Value(var, node.meta["val"].dtype)
             return target.cache[node]
         cls = classify(node).cls
@@ -350,7 +350,7 @@ class _CpuWriter:
                 else:
                     ops.append(Value(repr(a), None))
             var = self._tmp()
-            target.lines.append(f"{var} = {cpu_ops.lower_pointwise(node, ops)}  # {_src(node)}")
+            target.lines.append(f"{var} = {cpu_ops.lower_pointwise(node, ops)}  # {node_source(node)}")
             result = Value(var, node.meta["val"].dtype)
             dtype = value_dtype(node)
             if (self.persistent and not self.final_loop and node.target in _COSTLY and self._walks_r(dims)
@@ -428,7 +428,7 @@ class _CpuWriter:
         if self.layout == "rows":
             return Value(var, dtype)  # finished scalar, computed after its level's loop
         out = self._tmp()
-        target.lines.append(f"{out} = {self._finish(node, f'{var}[xi - lo]')}  # {_src(node)}")
+        target.lines.append(f"{out} = {self._finish(node, f'{var}[xi - lo]')}  # {node_source(node)}")
         return Value(out, dtype)
 
     # -- loops --------------------------------------------------------------------------------
@@ -474,17 +474,17 @@ class _CpuWriter:
                     init += ["for xi in range(lo, hi):", f"    {blk}[xi - lo] = np.float32(0.0)"]
                     flush += ["for xi in range(lo, hi):",
                               f"    {acc}[xi - lo] = {acc}[xi - lo] + np.float64({blk}[xi - lo])"]
-                    body.lines.append(f"{blk}[xi - lo] = {blk}[xi - lo] + {v}  # {_src(r)}")
+                    body.lines.append(f"{blk}[xi - lo] = {blk}[xi - lo] + {v}  # {node_source(r)}")
                 else:
-                    body.lines.append(f"{acc}[xi - lo] = {self._combine(r, f'{acc}[xi - lo]', v)}  # {_src(r)}")
+                    body.lines.append(f"{acc}[xi - lo] = {self._combine(r, f'{acc}[xi - lo]', v)}  # {node_source(r)}")
             else:
                 self.unit.lines.append(f"{acc} = {self._identity(r)}")
                 if block:
                     init.append(f"{blk} = np.float32(0.0)")
                     flush.append(f"{acc} = {acc} + np.float64({blk})")
-                    body.lines.append(f"{blk} = {blk} + {v}  # {_src(r)}")
+                    body.lines.append(f"{blk} = {blk} + {v}  # {node_source(r)}")
                 else:
-                    body.lines.append(f"{acc} = {self._combine(r, acc, v)}  # {_src(r)}")
+                    body.lines.append(f"{acc} = {self._combine(r, acc, v)}  # {node_source(r)}")
             self.unit.cache[("acc", r)] = acc
         blocked = ((COLUMN_ACC_BLOCK if columns else ACC_BLOCK), init, flush) if init else ()
         self.unit.lines += self._nest(body, reduced=True, vector=columns, blocked=blocked)
@@ -492,7 +492,7 @@ class _CpuWriter:
             for r in reductions:
                 acc = self.unit.cache[("acc", r)]
                 var = self._tmp()
-                self.unit.lines.append(f"{var} = {self._finish(r, acc)}  # {_src(r)}")
+                self.unit.lines.append(f"{var} = {self._finish(r, acc)}  # {node_source(r)}")
                 self.unit.cache[("acc", r)] = var
 
     def _store(self, node: fx.Node, body: _Body) -> None:
@@ -600,7 +600,7 @@ class _CpuWriter:
                     "tensors": len(self.tensors)}
         trailer = INSTANCE_MARKER + json.dumps(instance, separators=(",", ":")) + "\n"
         name = f"{kernel_name}_{hashlib.sha256(trailer.encode()).hexdigest()[:8]}"
-        ops = "\n".join(f"#   {_src(n)}" for n in self.g.nodes)
+        ops = "\n".join(f"#   {node_source(n)}" for n in self.g.nodes)
         sizes = f"# S={list(self.S)} reduced={sorted(self.D)} units={units}\n"
         source = f"# source ops:\n{ops}\n{sizes}" + text.replace("KERNEL_NAME", kernel_name) + "\n" + trailer
         return KernelSource(name, source, digest, self.tensors, len(self.g.inputs), units, {"units": units}, head,

@@ -14,8 +14,8 @@ from dataclasses import dataclass, field
 import torch
 import torch.fx as fx
 
+from ember.codegen.kernel_source import KernelSource
 from ember.codegen.memory_plan import START, SlotKey, plan_memory, reuse_storage
-from ember.codegen.triton_kernel import KernelSource
 from ember.runtime.frozen import FrozenValues
 from ember.schedule.plan import FusedGroup, KernelPlan, Step
 from ember.schedule.rules import constant_value

@@ -14,14 +14,12 @@ the program checks the strides of tensors it did not allocate itself.
 
 from __future__ import annotations
 
-import dataclasses
 import hashlib
-import re
-from dataclasses import dataclass
 
 import torch
 import torch.fx as fx
 
+from ember.codegen.kernel_source import KernelSource, canonical_source, launch_kernels, node_source
 from ember.codegen.triton_ops import POINTWISE_OPS, TL_DTYPE, Operand, compute_dtype, literal
 from ember.codegen.triton_tiles import Split, next_pow2, order_dims, plan_split
 from ember.schedule.plan import FusedGroup, reduction_dims, reduction_keepdim
@@ -105,43 +103,6 @@ def _round_to_bf16(x):
 def _round_to_fp16(x):
     return x.to(tl.float16).to(tl.float32)
 ''' + _COMBINE
-
-
-@dataclass
-class KernelSource:
-    """Generated source plus everything the program needs to launch it."""
-
-    name: str
-    source: str  # the kernel function annotated with the graph nodes it came from (for people)
-    digest: str
-    args: list[fx.Node]  # pointer args in order: inputs then outputs
-    n_inputs: int
-    grid: int
-    meta: dict[str, int]
-    header: str
-    canonical: str = ""  # the function without node names: what is hashed, written and compiled
-    # "triton": launched as ``name[(grid,)](*args, **meta)``; "cpu": called as ``name(*args)``.
-    backend: str = "triton"
-    # Split reductions: float32 workspace elements (passed after ``args``), and the kernels that
-    # write its partial results, launched in order before this one with the same arguments.
-    workspace: int = 0
-    pre: list[KernelSource] = dataclasses.field(default_factory=list)
-
-    def arg_dtypes(self) -> list[torch.dtype]:
-        return [a.meta["val"].dtype for a in self.args] + ([torch.float32] if self.workspace else [])
-
-    def launch_order(self) -> list[KernelSource]:
-        """The kernels of this group in launch order (partial-result kernels, then this one)."""
-        return [*self.pre, self]
-
-    def module_source(self) -> str:
-        """The module Triton compiles: identical for identical kernels of any graph, so the
-        file, the name and Triton's own cache entry are shared."""
-        return self.header + "\n\n" + self.canonical
-
-    def annotated_source(self) -> str:
-        """The module with every line's source node, as dumped to EMBER_DEBUG_DIR."""
-        return self.header + "\n\n" + self.source
 
 
 _IDENTITY = {"sum": "0", "max": 'float("-inf")', "min": 'float("inf")'}
@@ -310,7 +271,7 @@ class _KernelWriter:
                 ops[first] = Operand(f"tl.full({self._shape(full)}, {ops[first].as_(dt)}, {TL_DTYPE[dt]})", dt)
             expr = POINTWISE_OPS[node.target](node, ops)
             var = self._tmp()
-            out.append(f"{var} = {expr}  # {_src(node)}")
+            out.append(f"{var} = {expr}  # {node_source(node)}")
             result = Operand(var, compute_dtype(node.meta["val"].dtype))
         cache[node] = result
         return result
@@ -354,7 +315,7 @@ class _KernelWriter:
         kind = _reduction_kind(node)
         var = self._tmp()
         masked = f"tl.where(xmask & rmask, {inp}, {self._identity(node, dtype)})"
-        scope.lines.append(f"{var} = {self._finish(node, f'tl.reduce({masked}, 1, {self._combine(kind, dtype)})[:, None]')}  # {_src(node)}")
+        scope.lines.append(f"{var} = {self._finish(node, f'tl.reduce({masked}, 1, {self._combine(kind, dtype)})[:, None]')}  # {node_source(node)}")
         return Operand(var, dtype)
 
     # -- stores ----------------------------------------------------------------------------
@@ -414,7 +375,7 @@ class _KernelWriter:
         args = list(self.g.inputs) + list(self.g.outputs)
         params = ", ".join(self.arg_names[a] for a in args) + (", ws" if self.split.split > 1 else "")
         consts = "XBLOCK: tl.constexpr" + (", RBLOCK: tl.constexpr" if self.reduction else "")
-        ops = "\n".join(f"#   {_src(n)}" for n in self.g.nodes)
+        ops = "\n".join(f"#   {node_source(n)}" for n in self.g.nodes)
         split = "" if self.split.split == 1 else (
             f" split={self.split.split}x{self.split.chunk} "
             + ("stores outputs" if self.phase is None else f"{self.phase[0]} of level {self.phase[1]}"))
@@ -496,7 +457,7 @@ class _KernelWriter:
             dtype = compute_dtype(r.meta["val"].dtype)
             var = self._tmp()
             root.lines.append(f"{var} = {self._finish(r, f'tl.load(ws + ({self._result_offset(r)}), xmask)')}"
-                              f"  # {_src(r)}")
+                              f"  # {node_source(r)}")
             root.cache[r] = Operand(var, dtype)
 
     def _combine_partials(self, root: _Scope, reductions: list[fx.Node]) -> None:
@@ -514,7 +475,7 @@ class _KernelWriter:
                               f"{self.split.split}), other={ident})")
             root.lines.append(f"    {self._accumulate(acc, part, kind)}")
             var = self._tmp()
-            root.lines.append(f"{var} = tl.reduce({acc}, 1, {self._combine(kind, dtype)})[:, None]  # {_src(r)}")
+            root.lines.append(f"{var} = tl.reduce({acc}, 1, {self._combine(kind, dtype)})[:, None]  # {node_source(r)}")
             root.lines.append(f"tl.store(ws + ({self._result_offset(r)}), {var}, xmask)")
 
     @staticmethod
@@ -557,10 +518,10 @@ class _KernelWriter:
             var = self._tmp()
             reduced = f"tl.reduce({acc}, 1, {self._combine(kind, dtype)})[:, None]"
             if partial:  # the chunk's partial result, combined by the next kernels
-                root.lines.append(f"{var} = {reduced}  # partial {_src(r)}")
+                root.lines.append(f"{var} = {reduced}  # partial {node_source(r)}")
                 root.lines.append(f"tl.store(ws + ({self._ws_offset(r, 'sid')}), {var}, xmask)")
                 continue
-            root.lines.append(f"{var} = {self._finish(r, reduced)}  # {_src(r)}")
+            root.lines.append(f"{var} = {self._finish(r, reduced)}  # {node_source(r)}")
             root.cache[r] = Operand(var, dtype)
 
 
@@ -571,21 +532,6 @@ class _Scope:
         self.lines: list[str] = []
         self.cache: dict = {}
         self.outer = outer if outer is not None else self
-
-
-_TRAILING_NODE = re.compile(r"(?<=\S)  # (partial )?\w+ = ([\w.]+)\(.*$", re.MULTILINE)
-
-
-def canonical_source(text: str) -> str:
-    """``text`` with each line's node annotation reduced to its op (``# partial sum_3 = sum...``
-    becomes ``# partial sum.dim_IntList``): identical kernels of different blocks hash alike."""
-    return _TRAILING_NODE.sub(r"  # \1\2", text)
-
-
-def _src(node: fx.Node) -> str:
-    target = getattr(node.target, "__name__", str(node.target))
-    args = ", ".join(a.name if isinstance(a, fx.Node) else repr(a) for a in node.args)
-    return f"{node.name} = {target}({args})"
 
 
 def generate_triton(group: FusedGroup, interpret: bool = False) -> KernelSource:
@@ -602,9 +548,4 @@ def generate_triton(group: FusedGroup, interpret: bool = False) -> KernelSource:
     return ks
 
 
-def launch_kernels(kernels: dict[int, KernelSource]) -> list[KernelSource]:
-    """Every kernel a graph's program launches (split reductions launch several per group)."""
-    return [k for ks in kernels.values() for k in ks.launch_order()]
-
-
-__all__ = ["generate_triton", "KernelSource", "reduction_keepdim"]
+__all__ = ["generate_triton", "KernelSource", "launch_kernels", "reduction_keepdim"]

@@ -23,7 +23,7 @@ from collections.abc import Callable
 from pathlib import Path
 from types import ModuleType
 
-from ember.codegen.triton_kernel import KernelSource
+from ember.codegen.kernel_source import KernelSource
 
 _LOADED: dict[tuple[str, str, bool], Callable] = {}
 _CPU_MODULES: dict[tuple[str, str], ModuleType] = {}
