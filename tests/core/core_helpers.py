@@ -60,3 +60,10 @@ def assert_compiled_cleanly(log: CompileLog) -> None:
     for g in log.graphs:
         assert g.error is None, f"{g.title}: {g.error}"
         assert g.program, f"{g.title}: no program"
+
+
+def bn_dropout_net() -> torch.nn.Module:
+    """A small training net with batch norm (buffers updated in place) and dropout (random)."""
+    nn = torch.nn
+    return nn.Sequential(nn.Conv2d(3, 4, 3), nn.BatchNorm2d(4), nn.ReLU(), nn.Flatten(), nn.Dropout(0.5),
+                         nn.Linear(4 * 6 * 6, 2)).train()
