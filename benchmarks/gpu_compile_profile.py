@@ -2,13 +2,16 @@
 any Triton compile left for the first launch.
 
 Run on the device (from the repo root):
-    PYTHONPATH=src python benchmarks/gpu_compile_profile.py resnet50 cyclegan --json $OUT/compile_profile.json
+    PYTHONPATH=src python benchmarks/gpu_compile_profile.py resnet50 cyclegan --json $OUT/compile_profile.json \
+        [--dump $OUT/kernels]
 
 Each model runs in a fresh process with a new EMBER_CACHE_DIR and TRITON_CACHE_DIR: one bf16
 training step through ``ember.explain``. Besides explain's split (capture / Ember stages / first
 run) and each graph's kernel_compile note (kernels, workers, wall vs summed compile seconds,
 worker start-up), a Triton compilation listener in the parent counts the compiles that still
 happen at launch (a cache miss there means the precompiled specialisation did not match).
+``--dump`` keeps every precompiled kernel's module and its compile seconds (``kernels.json``, the
+input of ``sm90_compile_time.py``), so slow compiles can be studied on a machine without a GPU.
 """
 
 from __future__ import annotations
@@ -40,6 +43,17 @@ model = case.build(False).cuda().train()
 (inputs, _t), = models.make_batches(case, case.default_batch("train"), torch.device("cuda"), count=1)
 with torch.autocast("cuda", dtype=torch.bfloat16):
     r = ember.explain(model, *inputs)
+if len(sys.argv) > 2:  # keep each kernel's source and its compile time (for sm90_compile_time.py)
+    import os, shutil
+    from ember.runtime.precompile import compile_log
+    os.makedirs(sys.argv[2], exist_ok=True)
+    kept = []
+    for job, secs in compile_log():
+        path = os.path.join(sys.argv[2], os.path.basename(job.path))
+        shutil.copyfile(job.path, path)
+        kept.append({"name": job.name, "path": path, "dtypes": list(job.arg_dtypes), "meta": dict(job.meta),
+                     "seconds_here": secs})
+    json.dump(kept, open(os.path.join(sys.argv[2], "kernels.json"), "w"), indent=1)
 print("RESULT " + json.dumps({"first_call_s": r.total_s, "capture_s": r.capture_s, "ember_s": r.ember_s,
       "first_run_s": r.first_run_s, "stages": r.stage_totals(), "kernels": r.kernels,
       "unique_kernels": r.unique_kernels, "compile_notes": [g.title + ": " + g.compile_note for g in r.graphs],
@@ -52,12 +66,14 @@ def main() -> int:
     parser.add_argument("models", nargs="*", default=["resnet50", "cyclegan"])
     parser.add_argument("--workers", default=None, help="EMBER_COMPILE_WORKERS for the child")
     parser.add_argument("--json", default=None)
+    parser.add_argument("--dump", default=None, help="folder for each model's kernel sources and compile times")
     args = parser.parse_args()
     rows = []
     extra = {} if args.workers is None else {"EMBER_COMPILE_WORKERS": args.workers}
     for name in args.models:
         with fresh_caches(**extra) as env:
-            r, stderr = child_result(CHILD, [name], env)
+            dump = [f"{args.dump}/{name}"] if args.dump else []
+            r, stderr = child_result(CHILD, [name, *dump], env)
         if r is None:
             print(f"{name}: ERROR {stderr[-800:]}")
             rows.append({"model": name, "error": stderr[-3000:]})

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One device call that checks and times the current tree on the H100 (run from the repo root):
-#   bash benchmarks/gpu_session.sh [PART]     PART 1 (default) to 5; results under $OUT (or ./gpu_session_out)
+#   bash benchmarks/gpu_session.sh [PART]     PART 1 (default) to 6; results under $OUT (or ./gpu_session_out)
 # Part 1 fits one 10-minute call; parts 2 and 3 are the training suite, one call each.
 # Each step has its own time limit, so one slow step cannot take the others' results with it;
 # the order is by priority (issue targets first). Writes one JSON per step and a log.
@@ -56,5 +56,15 @@ case "$PART" in
   step profile_bert 60 python benchmarks/gpu_profile.py bert --backend ember --no-trace --out "$OUT/profile_bert"
   step memory 150 python -m ember.cli bench resnet50 vgg16 mobilenet_v3 --mode train --precision bf16 \
     --backend eager,ember --iters 10 --warmup 3 --no-progress --json "$OUT/bench_memory.json"
+  ;;
+6)  # the pooling decomposition on vgg16; the tiny-BERT CUDA-graph check after refusing memory-efficient
+    # attention from capture; peak memory one process per backend; kernels of resnet50's cold compile
+  step train_vgg16 200 python -m ember.cli bench vgg16 --mode train --precision bf16 --iters 20 \
+    --no-progress --json "$OUT/bench_train_vgg16.json"
+  step cudagraph_tiny 80 python benchmarks/gpu_cudagraph_check.py --only train --train-models tiny_transformer \
+    --json "$OUT/cudagraph_check.json"
+  step memory 220 python benchmarks/gpu_memory.py resnet50 vgg16 bert --backends eager,ember --json "$OUT/memory.json"
+  step compile_profile 80 python benchmarks/gpu_compile_profile.py resnet50 --json "$OUT/compile_profile.json" \
+    --dump "$OUT/kernels"
   ;;
 esac

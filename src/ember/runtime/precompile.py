@@ -30,6 +30,7 @@ from pathlib import Path
 _POOL: cf.ProcessPoolExecutor | None = None
 _STARTED: list[cf.Future] = []  # the workers' start-up jobs
 _DONE: set[str] = set()  # kernel names compiled (or attempted) by this process's pool
+_LOG: list[tuple[CompileJob, float]] = []  # every job this process compiled ahead, with its seconds
 
 
 @dataclass(frozen=True)
@@ -162,11 +163,17 @@ def precompile(jobs: Sequence[CompileJob]) -> PrecompileStats:
             return stats
     stats.wall_s = time.time() - submitted
     stats.errors = [e for e, _, _ in results if e]
+    _LOG.extend((j, s) for j, (_, _, s) in zip(todo, results))
     stats.compile_s = sum(s for _, _, s in results)
     stats.wait_s = max(0.0, min(b for _, b, _ in results) - submitted)
     slowest = max(range(len(todo)), key=lambda i: results[i][2])
     stats.slowest, stats.slowest_s = todo[slowest].name, results[slowest][2]
     return stats
+
+
+def compile_log() -> list[tuple[CompileJob, float]]:
+    """(job, compile seconds) of every kernel this process compiled ahead of its first launch."""
+    return list(_LOG)
 
 
 def job_for(path: Path, name: str, arg_dtypes: Sequence[object], meta: dict[str, int]) -> CompileJob:

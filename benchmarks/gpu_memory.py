@@ -1,0 +1,97 @@
+"""Peak GPU memory of a training step, one fresh process per model and backend.
+
+Run on the device (from the repo root):
+    PYTHONPATH=src python benchmarks/gpu_memory.py resnet50 vgg16 --backends eager,ember,ember-nographs \\
+        --json $OUT/memory.json
+
+In one process, an earlier backend's cached blocks (and Ember's CUDA-graph pools, which live as
+long as the compiled model) would count towards the next backend's reserved peak; a process each
+keeps every row clean. Each child runs the benchmark's bf16 training step (SGD with momentum) for
+5 warm-up steps, resets the peak counters, runs 5 more, and reports:
+
+- ``peak_allocated``: ``torch.cuda.max_memory_allocated``. CUDA-graph replays allocate nothing,
+  so for Ember it misses the graphs' pool; not comparable on its own.
+- ``peak_reserved``: ``torch.cuda.max_memory_reserved``, the comparable figure: eager's caching
+  allocator and Ember's graph pools both count.
+- ``pools``: the reserved and active bytes of each memory pool at the end (the default pool and
+  each CUDA-graph pool), from ``torch.cuda.memory_snapshot``: reserved minus active in a graph
+  pool is memory the captured graphs never use at the same time (fragmentation).
+- ``state``: bytes of parameters, gradients and momentum buffers, which every backend holds.
+
+``ember-nographs`` is Ember with ``EMBER_CUDAGRAPHS=0``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+from fresh_process import child_result, fresh_caches, write_rows
+
+CHILD = r"""
+import json, sys, torch
+from ember.bench import harness, models
+name, backend = sys.argv[1], sys.argv[2]
+device = torch.device("cuda")
+case = models.get_case(name)
+torch.manual_seed(0)
+model = case.build(False).to(device).train()
+batches = models.make_batches(case, case.default_batch("train"), device, count=2)
+optimizer = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
+fn = harness.BACKENDS[backend](model)
+step = harness._make_step(case, fn, "train", "bf16", device, optimizer)
+for i in range(5):
+    step(*batches[i % 2])
+torch.cuda.synchronize()
+torch.cuda.reset_peak_memory_stats()
+for i in range(5):
+    step(*batches[i % 2])
+torch.cuda.synchronize()
+pools = {}
+for seg in torch.cuda.memory_snapshot():
+    key = "default" if tuple(seg.get("segment_pool_id", (0, 0))) == (0, 0) else str(tuple(seg["segment_pool_id"]))
+    p = pools.setdefault(key, {"segments": 0, "reserved": 0, "active": 0})
+    p["segments"] += 1
+    p["reserved"] += seg["total_size"]
+    p["active"] += seg["active_size"]
+params = sum(p.numel() * p.element_size() for p in model.parameters())
+momentum = sum(v.numel() * v.element_size() for s in optimizer.state.values() for v in s.values()
+               if torch.is_tensor(v) and v.is_cuda)
+print("RESULT " + json.dumps({"peak_allocated": torch.cuda.max_memory_allocated(),
+      "peak_reserved": torch.cuda.max_memory_reserved(), "pools": pools,
+      "state": {"params": params, "momentum": momentum}}))
+"""
+
+
+def _mib(n: int) -> str:
+    return f"{n / 2**20:,.0f}"
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("models", nargs="*", default=["resnet50", "vgg16", "bert"])
+    parser.add_argument("--backends", default="eager,ember")
+    parser.add_argument("--json", default=None)
+    args = parser.parse_args()
+    rows = []
+    print(f"{'model':<14}{'backend':<16}{'peak alloc MiB':>15}{'peak rsv MiB':>13}  pools (reserved / active MiB)")
+    for name in args.models:
+        for backend in args.backends.split(","):
+            extra = {"EMBER_CUDAGRAPHS": "0"} if backend == "ember-nographs" else {}
+            with fresh_caches(**extra) as env:
+                r, stderr = child_result(CHILD, [name, backend.split("-")[0]], env)
+            if r is None:
+                print(f"{name:<14}{backend:<16}ERROR {stderr[-600:]}", flush=True)
+                rows.append({"model": name, "backend": backend, "error": stderr[-3000:]})
+                continue
+            rows.append({"model": name, "backend": backend, **r})
+            pools = "; ".join(f"{k}: {_mib(p['reserved'])} / {_mib(p['active'])}" for k, p in r["pools"].items())
+            print(f"{name:<14}{backend:<16}{_mib(r['peak_allocated']):>15}{_mib(r['peak_reserved']):>13}  {pools}",
+                  flush=True)
+    return write_rows(args.json, rows)
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("PYTHONFAULTHANDLER", "1")
+    sys.exit(main())
