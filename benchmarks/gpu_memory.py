@@ -7,7 +7,8 @@ Run on the device (from the repo root):
 In one process, an earlier backend's cached blocks (and Ember's CUDA-graph pools, which live as
 long as the compiled model) would count towards the next backend's reserved peak; a process each
 keeps every row clean. Each child runs the benchmark's bf16 training step (SGD with momentum) for
-5 warm-up steps, resets the peak counters, runs 5 more, and reports:
+5 warm-up steps (their peak, CUDA-graph captures included, is ``peak_allocated_from_start``),
+resets the peak counters, runs 5 more, and reports:
 
 - ``peak_allocated``: ``torch.cuda.max_memory_allocated``. CUDA-graph replays allocate nothing,
   so for Ember it misses the graphs' pool; not comparable on its own.
@@ -18,7 +19,9 @@ keeps every row clean. Each child runs the benchmark's bf16 training step (SGD w
   pool is memory the captured graphs never use at the same time (fragmentation).
 - ``state``: bytes of parameters, gradients and momentum buffers, which every backend holds.
 
-``ember-nographs`` is Ember with ``EMBER_CUDAGRAPHS=0``.
+``ember-nographs`` is Ember with ``EMBER_CUDAGRAPHS=0``. ``--trace ember`` records every
+allocation of the first five steps and lists the blocks live at the highest point by the
+Python line that allocated them (for Ember: the generated program's line, which names its op).
 """
 
 from __future__ import annotations
@@ -41,9 +44,39 @@ batches = models.make_batches(case, case.default_batch("train"), device, count=2
 optimizer = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
 fn = harness.BACKENDS[backend](model)
 step = harness._make_step(case, fn, "train", "bf16", device, optimizer)
+trace = len(sys.argv) > 3
+if trace:
+    torch.cuda.memory._record_memory_history(context="alloc", stacks="python", max_entries=400000)
+torch.cuda.reset_peak_memory_stats()
 for i in range(5):
     step(*batches[i % 2])
 torch.cuda.synchronize()
+peak_all = torch.cuda.max_memory_allocated()
+live_at_peak = []
+if trace:
+    import linecache
+    events = torch.cuda.memory._snapshot()["device_traces"][0]
+    torch.cuda.memory._record_memory_history(enabled=None)
+    live, total, best, best_set = {}, 0, 0, {}
+    for e in events:
+        if e["action"] == "alloc":
+            live[e["addr"]] = e
+            total += e["size"]
+            if total > best:
+                best, best_set = total, dict(live)
+        elif e["action"] in ("free_requested",) and e["addr"] in live:
+            total -= live.pop(e["addr"])["size"]
+    by_site = {}
+    for e in best_set.values():
+        frames = [f for f in e.get("frames", []) if f["filename"].endswith(".py") and "/torch/" not in f["filename"]]
+        f = frames[0] if frames else (e.get("frames") or [{"filename": "?", "line": 0, "name": "?"}])[0]
+        code = linecache.getline(f["filename"], f["line"]).strip()[:140]
+        key = f"{f['filename'].rsplit('/', 1)[-1]}:{f['line']} {f['name']}: {code}"
+        by_site[key] = by_site.get(key, 0) + e["size"]
+    live_at_peak = sorted(by_site.items(), key=lambda kv: -kv[1])[:40]
+    print(f"TRACE peak live {best / 2**20:.0f} MiB over {len(best_set)} blocks (traced from before the first step)")
+    for k, v in live_at_peak[:25]:
+        print(f"TRACE {v / 2**20:9.1f} MiB  {k}")
 torch.cuda.reset_peak_memory_stats()
 for i in range(5):
     step(*batches[i % 2])
@@ -58,7 +91,8 @@ for seg in torch.cuda.memory_snapshot():
 params = sum(p.numel() * p.element_size() for p in model.parameters())
 momentum = sum(v.numel() * v.element_size() for s in optimizer.state.values() for v in s.values()
                if torch.is_tensor(v) and v.is_cuda)
-print("RESULT " + json.dumps({"peak_allocated": torch.cuda.max_memory_allocated(),
+print("RESULT " + json.dumps({"peak_allocated": torch.cuda.max_memory_allocated(), "peak_allocated_from_start": peak_all,
+      "live_at_peak": live_at_peak,
       "peak_reserved": torch.cuda.max_memory_reserved(), "pools": pools,
       "state": {"params": params, "momentum": momentum}}))
 """
@@ -73,6 +107,8 @@ def main() -> int:
     parser.add_argument("models", nargs="*", default=["resnet50", "vgg16", "bert"])
     parser.add_argument("--backends", default="eager,ember")
     parser.add_argument("--json", default=None)
+    parser.add_argument("--trace", default="", help="comma-separated backends whose allocations are traced from the "
+                        "first step: the blocks live at the peak, by allocation site")
     args = parser.parse_args()
     rows = []
     print(f"{'model':<14}{'backend':<16}{'peak alloc MiB':>15}{'peak rsv MiB':>13}  pools (reserved / active MiB)")
@@ -80,15 +116,19 @@ def main() -> int:
         for backend in args.backends.split(","):
             extra = {"EMBER_CUDAGRAPHS": "0"} if backend == "ember-nographs" else {}
             with fresh_caches(**extra) as env:
-                r, stderr = child_result(CHILD, [name, backend.split("-")[0]], env)
+                traced = ["trace"] if backend in args.trace.split(",") else []
+                r, stderr = child_result(CHILD, [name, backend.split("-")[0], *traced], env)
             if r is None:
                 print(f"{name:<14}{backend:<16}ERROR {stderr[-600:]}", flush=True)
                 rows.append({"model": name, "backend": backend, "error": stderr[-3000:]})
                 continue
             rows.append({"model": name, "backend": backend, **r})
             pools = "; ".join(f"{k}: {_mib(p['reserved'])} / {_mib(p['active'])}" for k, p in r["pools"].items())
-            print(f"{name:<14}{backend:<16}{_mib(r['peak_allocated']):>15}{_mib(r['peak_reserved']):>13}  {pools}",
+            print(f"{name:<14}{backend:<16}{_mib(r['peak_allocated']):>15}{_mib(r['peak_reserved']):>13}  {pools}; "
+                  f"peak allocated from the first step (captures included) {_mib(r['peak_allocated_from_start'])}",
                   flush=True)
+            for site, size in r["live_at_peak"][:20]:
+                print(f"    {_mib(size):>8} MiB live at the peak: {site}")
     return write_rows(args.json, rows)
 
 

@@ -179,6 +179,23 @@ def test_pointwise_branches_of_one_input_are_one_fused_group(name: str) -> None:
     assert kinds(plan) == ["fused"], plan.describe()
 
 
+def test_a_use_of_one_input_after_a_library_call_joins_the_group_that_reads_it() -> None:
+    # The partitioner may place a library call between two uses of one tensor (generated
+    # pooling's maximum and its NaN checks): the later use joins the earlier group, not a new
+    # kernel that reads the tensor again.
+    def fn(x, w):
+        a = torch.relu(x) * 2.0
+        m = x @ w
+        b = torch.sigmoid(x)
+        return (a + b)[:, :4] * m
+
+    x, w = torch.randn(8, 8), torch.randn(8, 4)
+    run_compiled(fn, x, w)
+    plan = plan_of(fn, x, w)
+    group = plan.step_of[next(n for n in plan.graph.nodes if n.target == aten.relu.default)]
+    assert "sigmoid" in op_names(group.nodes), plan.describe()
+
+
 def test_training_batch_norm_is_one_kernel_forward_and_one_backward() -> None:
     """Hoisted parameter views, sibling fusion and per-channel values beside the reduction make
     training batch norm + ReLU one kernel forward (statistics, normalise, affine, ReLU, running

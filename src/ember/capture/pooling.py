@@ -1,15 +1,18 @@
-"""Max pooling with non-overlapping windows as reductions the scheduler fuses (GPU targets).
+"""Max pooling with non-overlapping windows as generated pointwise kernels (GPU targets).
 
-VGG-style pooling (kernel == stride, no padding, no dilation, the window tiling the plane) is a
-``max`` over two extra dims of a view: ``x.view(N, C, H/kh, kh, W/kw, kw).amax((3, 5))``. Its
-backward sends each output gradient to the first position of the window holding the maximum,
-as ATen's kernel does (ties: the first in row-major window order; NaN counts as the maximum),
-computed from the input and recomputed maximum instead of from the saved indices. Both become
-generated kernels fused with their neighbours (the ReLU before, the ReLU's backward after),
-where ATen's NHWC pooling kernels took 3.2 of 24.5 ms of a vgg16 training step on the H100.
+VGG-style pooling (kernel == stride, no padding, no dilation, the window tiling the plane) is the
+elementwise maximum of the kh * kw strided views of the input (``x.view(N, C, H/kh, kh, W/kw, kw)``
+with one window element selected each), and each window's first maximum position is a chain of
+``where`` over the same views: one kernel reads the input once and writes the maxima and the
+positions (int8). The backward sends each output gradient to that position, as ATen's kernel
+does (ties: the first in row-major window order; NaN counts as the maximum): a pointwise kernel
+over the input's shape comparing every element's window position with the saved one. The
+partitioner saves the int8 positions (the backward recomputes them from the input, and CSE joins
+the two), where ATen's kernels save int64 indices; its NHWC kernels took 3.2 of 24.5 ms of a
+vgg16 training step on the H100.
 
 The indices output is still computed (a small arange-based expression) for callers that use
-it; in training the backward no longer reads it, so dead-code elimination drops it. Any other
+it; in training the backward does not read it, so dead-code elimination drops it. Any other
 pooling configuration returns ``NotImplemented`` and stays ATen's kernel.
 """
 
@@ -73,20 +76,37 @@ class _Frame:
         shape[window_dim] = -1
         return aten.view.default(values, shape)
 
-    def first_max(self, xv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """(window maxima keepdim, each window's first argmax position, the positions)."""
-        kh, kw = self.kh, self.kw
-        # Window positions in int8 where they fit: if the backward's partition saves ``first``,
-        # it is a byte per pooled value (ATen saves int64 indices).
-        small = torch.int8 if kh * kw < 127 else torch.int32
-        top = aten.amax.default(xv, self.window_dims, True)
-        hit = aten.logical_or.default(aten.eq.Tensor(xv, top), aten.isnan.default(xv))
-        rows = aten.arange.start_step(0, kh * kw, kw, dtype=small, device=xv.device)
-        cols = aten.arange.start_step(0, kw, 1, dtype=small, device=xv.device)
-        pos = aten.add.Tensor(self.along(rows, self.window_dims[0]), self.along(cols, self.window_dims[1]))
-        past = aten.scalar_tensor.default(kh * kw, dtype=small, device=xv.device)  # "no hit" sorts last
-        first = aten.amin.default(aten.where.self(hit, pos, past), self.window_dims, True)
-        return top, first, pos
+    def position_dtype(self) -> torch.dtype:
+        # A byte per pooled value where the positions fit (ATen saves int64 indices).
+        return torch.int8 if self.kh * self.kw < 127 else torch.int32
+
+    def positions(self, device: torch.device) -> torch.Tensor:
+        """Each window element's row-major position, shaped to broadcast over the window view:
+        a view of one arange, so no kernel computes it."""
+        shape = [1] * 6
+        shape[self.window_dims[0]], shape[self.window_dims[1]] = self.kh, self.kw
+        flat = aten.arange.start_step(0, self.kh * self.kw, 1, dtype=self.position_dtype(), device=device)
+        return aten.view.default(flat, shape)
+
+    def first_max(self, xv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(window maxima, each window's first argmax position), both (kh = kw = 1) window views.
+
+        Pointwise over the kh * kw strided views of the window elements, not a reduction: one
+        generated kernel reads the input once and writes the maxima and the int8 positions,
+        where a reduction needed a second pass over the input for the positions."""
+        dh, dw = self.window_dims
+        parts = [aten.unsqueeze.default(aten.unsqueeze.default(
+            aten.select.int(aten.select.int(xv, dw, j), dh, i), dh), dw)
+            for i in range(self.kh) for j in range(self.kw)]
+        top = parts[0]
+        for p in parts[1:]:
+            top = aten.maximum.default(top, p)  # NaN propagates, as in ATen's pooling
+        small = self.position_dtype()
+        first = aten.scalar_tensor.default(len(parts), dtype=small, device=xv.device)  # no hit: sorts last
+        for k in reversed(range(len(parts))):
+            hit = aten.logical_or.default(aten.eq.Tensor(parts[k], top), aten.isnan.default(parts[k]))
+            first = aten.where.self(hit, aten.scalar_tensor.default(k, dtype=small, device=xv.device), first)
+        return top, first
 
 
 def max_pool2d_with_indices(x: torch.Tensor, kernel_size: Sequence[int], stride: Sequence[int] = (),
@@ -98,7 +118,7 @@ def max_pool2d_with_indices(x: torch.Tensor, kernel_size: Sequence[int], stride:
     kh, kw = window
     f = _Frame(x, kh, kw)
     oh, ow = f.h // kh, f.w // kw
-    top, first, _ = f.first_max(f.split(x, kh, kw))
+    top, first = f.first_max(f.split(x, kh, kw))
     # Flat index into the input plane, as ATen returns it: (row * W + col) of the first maximum.
     row0 = f.along(aten.arange.start_step(0, f.h, kh, dtype=torch.int64, device=x.device), f.window_dims[0] - 1)
     col0 = f.along(aten.arange.start_step(0, f.w, kw, dtype=torch.int64, device=x.device), f.window_dims[1] - 1)
@@ -117,7 +137,8 @@ def max_pool2d_with_indices_backward(grad: torch.Tensor, x: torch.Tensor, kernel
         return NotImplemented
     kh, kw = window
     f = _Frame(x, kh, kw)
-    _, first, pos = f.first_max(f.split(x, kh, kw))
+    _, first = f.first_max(f.split(x, kh, kw))
     g = f.split(grad, 1, 1)
-    spread = aten.where.self(aten.eq.Tensor(pos, first), g, aten.zeros_like.default(g))
+    hit = aten.eq.Tensor(f.positions(x.device), first)
+    spread = aten.where.self(hit, g, aten.scalar_tensor.default(0, dtype=g.dtype, device=g.device))
     return f.merge(spread, f.h, f.w)

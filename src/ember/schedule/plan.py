@@ -106,6 +106,15 @@ def _shape(node: fx.Node) -> tuple[int, ...]:
     return tuple(node.meta["val"].shape)
 
 
+# How many steps back horizontal fusion looks for a group reading the same input.
+SIBLING_LOOKBACK = 32
+
+
+def _reads_any(group: FusedGroup, nodes: list[fx.Node]) -> bool:
+    wanted = set(nodes)
+    return any(a in wanted for ins in group.input_dims.values() for a in ins)
+
+
 def _is_tensor(node: object) -> bool:
     return isinstance(node, fx.Node) and isinstance(node.meta.get("val"), torch.Tensor)
 
@@ -363,29 +372,36 @@ class _Partitioner:
         return KernelPlan(self.graph, self.steps, self.step_of, self.constants, self.classes)
 
     def _sibling(self, node: fx.Node, cls: OpClass, tried: list[FusedGroup]) -> FusedGroup | None:
-        """Horizontal fusion: a pointwise node with no fused producer that would take joins the
-        latest fused group over the same iteration space (batch norm backward's ``x - mean``
-        beside the ReLU-mask group that reads the same gradient), when only views, getitems and
-        constants lie between them. One loop instead of two: the same loads and stores, one
-        kernel fewer, and later nodes can fuse with both."""
+        """Horizontal fusion: a pointwise node with no fused producer that would take joins a
+        fused group over the same iteration space. The latest group does when only views,
+        getitems and constants lie between them (batch norm backward's ``x - mean`` beside the
+        ReLU-mask group that reads the same gradient); an earlier group does when it reads one
+        of the node's inputs (the caller still checks that every input is ready when the group
+        starts), as the partitioner may place a library call between two uses of one tensor.
+        One loop instead of two: the same loads and stores, one kernel fewer, and later nodes
+        can fuse with both."""
         if cls != OpClass.POINTWISE:
             return None
-        for step in reversed(self.steps):
+        shape = _shape(node)
+        adjacent = True
+        for step in reversed(self.steps[-SIBLING_LOOKBACK:]):
             if isinstance(step, FusedGroup):
                 if step in tried or step.kind != "fused":
                     return None
-                shape = _shape(node)
-                if tuple(step.shape) == shape:
+                if adjacent:
+                    if tuple(step.shape) == shape:
+                        return step
+                    # A smaller value rides along only as a per-kept-point (x domain) value of a
+                    # reduction: computed once per kept point, never once per element.
+                    kept = [n for s, n in enumerate(step.shape) if s not in step.rdims]
+                    big = [n for n in shape if n != 1]
+                    if step.is_reduction and big and all(kept.count(n) == 1 for n in big):
+                        return step
+                elif tuple(step.shape) == shape and not step.rdims and _reads_any(step, node.all_input_nodes):
                     return step
-                # A smaller value rides along only as a per-kept-point (x domain) value of a
-                # reduction: computed once per kept point, never once per element.
-                kept = [n for s, n in enumerate(step.shape) if s not in step.rdims]
-                big = [n for n in shape if n != 1]
-                if step.is_reduction and big and all(kept.count(n) == 1 for n in big):
-                    return step
-                return None
-            if step.kind not in ("view", "getitem", "constant"):
-                return None
+                adjacent = False
+            elif step.kind not in ("view", "getitem", "constant"):
+                adjacent = False
         return None
 
     def _hoist_input_views(self) -> None:
