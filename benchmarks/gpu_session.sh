@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One device call that checks and times the current tree on the H100 (run from the repo root):
-#   bash benchmarks/gpu_session.sh [PART]     PART 1 (default) to 6; results under $OUT (or ./gpu_session_out)
+#   bash benchmarks/gpu_session.sh [PART]     PART 1 (default) to 7; results under $OUT (or ./gpu_session_out)
 # Part 1 fits one 10-minute call; parts 2 and 3 are the training suite, one call each.
 # Each step has its own time limit, so one slow step cannot take the others' results with it;
 # the order is by priority (issue targets first). Writes one JSON per step and a log.
@@ -66,5 +66,16 @@ case "$PART" in
   step memory 220 python benchmarks/gpu_memory.py resnet50 vgg16 bert --backends eager,ember --json "$OUT/memory.json"
   step compile_profile 80 python benchmarks/gpu_compile_profile.py resnet50 --json "$OUT/compile_profile.json" \
     --dump "$OUT/kernels"
+  ;;
+7)  # pointwise max pooling on vgg16; what is live at the memory peak (eager vs Ember); the kernels of
+    # resnet50's cold compile (tarred: too many files to fetch one by one); warm start
+  step train_vgg16 170 python -m ember.cli bench vgg16 --mode train --precision bf16 --iters 20 \
+    --no-progress --json "$OUT/bench_train_vgg16.json"
+  step memory 170 python benchmarks/gpu_memory.py resnet50 vgg16 --backends eager,ember --trace eager,ember \
+    --json "$OUT/memory.json"
+  step compile_profile 70 python benchmarks/gpu_compile_profile.py resnet50 --json "$OUT/compile_profile.json" \
+    --dump /tmp/ember_kernels
+  tar czf "$OUT/kernels_resnet50.tgz" -C /tmp ember_kernels 2>/dev/null
+  step warm_start 150 python benchmarks/gpu_warm_start.py resnet50 bert --json "$OUT/warm_start.json"
   ;;
 esac
