@@ -202,7 +202,7 @@ def _compile(gm: fx.GraphModule, example_inputs: list, options: Options, record:
     start = time.perf_counter()
     context = PassContext(record.kind, target, static_input_indices(), options.freeze, options.channels_last,
                           list(example_inputs))
-    run_passes(gm, passes_for(context), on_result=on_pass)
+    run_passes(gm, passes_for(context), on_result=on_pass, keep_text=level >= 3 or bool(options.debug_dir))
     record.layout = layout_summary(gm)
     report_output_strides(record.kind, record.layout)
     stage["passes"] = time.perf_counter() - start

@@ -119,8 +119,8 @@ def _add_becomes_sub(gm: torch.fx.GraphModule) -> int:
 
 @pytest.mark.parametrize("check", [True, False])
 def test_check_option_catches_a_miscompile(check: bool, monkeypatch: pytest.MonkeyPatch) -> None:
-    def broken_run_passes(gm, passes=None, on_result=None):
-        return real_run_passes(gm, [_add_becomes_sub], on_result)
+    def broken_run_passes(gm, passes=None, on_result=None, **kwargs):
+        return real_run_passes(gm, [_add_becomes_sub], on_result, **kwargs)
 
     monkeypatch.setattr(ember.pipeline, "run_passes", broken_run_passes)
     compiled = ember.compile(softmax_mul_add, target="aten", check=check)

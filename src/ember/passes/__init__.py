@@ -75,17 +75,25 @@ class PassResult:
 
 
 def run_passes(gm: fx.GraphModule, passes: list[GraphPass] | None = None,
-               on_result: Callable[[PassResult], None] | None = None) -> list[PassResult]:
-    """Run ``passes`` in order on ``gm``; return one PassResult per pass."""
+               on_result: Callable[[PassResult], None] | None = None, keep_text: bool = True) -> list[PassResult]:
+    """Run ``passes`` in order on ``gm``; return one PassResult per pass.
+
+    ``keep_text``: record each pass's resulting graph as Python (``graph_after``). Printing the
+    code regenerates it after every pass, most of the passes' time on a ResNet-50 graph, so the
+    pipeline asks for it only where it is shown (``DEBUG=3``, ``EMBER_DEBUG_DIR``); without it
+    ``graph_after`` is empty and the module's code is regenerated once, at the end."""
     results = []
     for p in DEFAULT_PASSES if passes is None else passes:
         start = time.perf_counter()
         changed = p(gm)
         gm.graph.lint()
-        gm.recompile()
+        if keep_text:
+            gm.recompile()
         seconds = time.perf_counter() - start
-        result = PassResult(p.__name__, seconds, changed, len(gm.graph.nodes), gm.code)
+        result = PassResult(p.__name__, seconds, changed, len(gm.graph.nodes), gm.code if keep_text else "")
         results.append(result)
         if on_result is not None:
             on_result(result)
+    if not keep_text:
+        gm.recompile()
     return results

@@ -80,14 +80,32 @@ def worker_count() -> int:
 
 
 def _start_worker() -> float:
-    """Runs in each worker once: the imports a compile needs. Returns when it finished."""
+    """Runs in each worker once: the imports a compile needs and one small compile (a worker's
+    first compile pays the compiler's set-up). Returns when it finished."""
     import torch  # noqa: F401
     import triton  # noqa: F401
     from triton.runtime import driver
 
     os.environ["TRITON_INTERPRET"] = "0"
     driver.active.get_current_target()
+    try:
+        from ember.runtime.compile_warmup import compile_warmup_kernel
+
+        compile_warmup_kernel()
+    except Exception:  # only a head start: the real compiles report their own errors
+        pass
     return time.time()
+
+
+def _build_launcher(kernel: object) -> None:
+    """Build the compiled kernel's launcher here, as its first launch in the parent would: where
+    Triton compiles a C launcher per signature, it lands in the on-disk cache. Best effort."""
+    from triton.runtime import driver
+
+    try:
+        driver.active.launcher_cls(kernel.src, kernel.metadata)
+    except Exception:
+        pass
 
 
 def compile_job(job: CompileJob) -> tuple[str | None, float, float]:
@@ -102,7 +120,7 @@ def compile_job(job: CompileJob) -> tuple[str | None, float, float]:
         spec.loader.exec_module(module)
         fn = getattr(module, job.name)
         dtypes = [getattr(torch, d) for d in job.arg_dtypes]
-        fn.warmup(*dtypes, grid=(1,), **dict(job.meta))
+        _build_launcher(fn.warmup(*dtypes, grid=(1,), **dict(job.meta)))
     except Exception as err:  # the launch in the parent compiles it again and reports properly
         return f"{job.name}: {type(err).__name__}: {err}", began, time.time() - began
     return None, began, time.time() - began
