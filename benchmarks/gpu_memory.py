@@ -68,7 +68,8 @@ if trace:
             total -= live.pop(e["addr"])["size"]
     by_site = {}
     for e in best_set.values():
-        frames = [f for f in e.get("frames", []) if f["filename"].endswith(".py") and "/torch/" not in f["filename"]]
+        frames = [f for f in e.get("frames", []) if "/torch/" not in f["filename"]
+                  and not f["filename"].endswith(("cudagraph.py", "capture_rules.py"))]
         f = frames[0] if frames else (e.get("frames") or [{"filename": "?", "line": 0, "name": "?"}])[0]
         code = linecache.getline(f["filename"], f["line"]).strip()[:140]
         key = f"{f['filename'].rsplit('/', 1)[-1]}:{f['line']} {f['name']}: {code}"

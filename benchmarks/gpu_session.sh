@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One device call that checks and times the current tree on the H100 (run from the repo root):
-#   bash benchmarks/gpu_session.sh [PART]     PART 1 (default) to 7; results under $OUT (or ./gpu_session_out)
+#   bash benchmarks/gpu_session.sh [PART]     PART 1 (default) to 8; results under $OUT (or ./gpu_session_out)
 # Part 1 fits one 10-minute call; parts 2 and 3 are the training suite, one call each.
 # Each step has its own time limit, so one slow step cannot take the others' results with it;
 # the order is by priority (issue targets first). Writes one JSON per step and a log.
@@ -77,5 +77,12 @@ case "$PART" in
     --dump /tmp/ember_kernels
   tar czf "$OUT/kernels_resnet50.tgz" -C /tmp ember_kernels 2>/dev/null
   step warm_start 150 python benchmarks/gpu_warm_start.py resnet50 bert --json "$OUT/warm_start.json"
+  ;;
+8)  # resnet50's cold compile with warmed-up workers and lazy pass text; where vgg16's step goes
+    # (Ember vs Inductor); what is live at Ember's memory peak on resnet50; bert's warm start
+  step compile_profile 70 python benchmarks/gpu_compile_profile.py resnet50 --json "$OUT/compile_profile.json"
+  step profile_vgg16 150 python benchmarks/gpu_profile.py vgg16 --backend ember,inductor --no-trace --out "$OUT/profile_vgg16"
+  step memory 90 python benchmarks/gpu_memory.py resnet50 --backends ember --trace ember --json "$OUT/memory.json"
+  step warm_start_bert 110 python benchmarks/gpu_warm_start.py bert --json "$OUT/warm_start_bert.json"
   ;;
 esac

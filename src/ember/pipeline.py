@@ -7,6 +7,7 @@ when set.
 
 from __future__ import annotations
 
+import linecache
 import os
 import time
 import traceback
@@ -294,7 +295,10 @@ def _link(record: GraphRecord, text: str, kernels: list, consts: list, attrs: di
     namespace["_expect"] = expect_strides
     for k in kernels:
         namespace[k.name] = load_kernel(k, options.kernel_dir(), interpret=target == "triton-interpret")
-    exec(compile(text, f"<ember program {record.title}>", "exec"), namespace)
+    filename = f"<ember program {record.title}>"
+    # Tracebacks, profilers and allocation traces then show the program's own lines.
+    linecache.cache[filename] = (len(text), None, text.splitlines(True), filename)
+    exec(compile(text, filename, "exec"), namespace)
     return namespace["run"]
 
 
