@@ -128,6 +128,28 @@ def test_resnet_block_training_matches_eager(memory_format: torch.memory_format)
             assert len(strides) == 4 and strides[1] == 1, line
 
 
+def test_autocast_weight_casts_write_channels_last() -> None:
+    # Under autocast each weight is cast to bf16 in the graph: that cast writes channels_last, so
+    # cuDNN does not convert the weight on every forward and backward call. No extra copy.
+    torch.manual_seed(0)
+    with strict_env(), torch.autocast("cpu", dtype=torch.bfloat16):
+        want, got, compiled = _train_step(Block(), torch.randn(2, 3, 8, 8))
+    _compare(want, got, norm_rtol=3e-2, rtol=2e-2)  # bf16: a few ulps
+    graphs = {g.kind: g for g in compiled._ember_backend.log.graphs}
+    fw, bw = graphs["forward"], graphs["backward"]
+    cast = [c for c in fw.layout["conversions"] if "its cast writes it" in c]
+    assert len(cast) == 3, fw.layout["conversions"]  # the 1x1 weight is channels_last already
+    assert not [c for c in fw.layout["conversions"] + bw.layout["conversions"]
+                if "weight" in c and c not in cast], (fw.layout, bw.layout)
+    # The backward reads the saved bf16 weights in channels_last (no copy at run time).
+    weights = [n.split(" ")[0] for n in cast]
+    for line in bw.program.splitlines():
+        name, _, rest = line.strip().partition(" = _expect(")
+        if rest and name in weights:
+            strides = ast.literal_eval(rest.partition(", ")[2].rstrip(")") + ")")
+            assert strides[1] == 1, line
+
+
 def test_user_visible_4d_output_keeps_eager_layout_and_flatten_copies() -> None:
     torch.manual_seed(0)
     with strict_env():

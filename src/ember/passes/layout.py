@@ -8,7 +8,9 @@ memory in order (codegen/triton_kernel.py). So:
 1. Every 4-D ``convolution`` / ``convolution_backward`` gets its activation arguments in
    channels_last: one ``clone(memory_format=channels_last)`` per source tensor that is not
    already channels_last (the first layer's input, a tensor from an op that ignores layouts).
-   Weights stay as they are (see ``_CONV_ARGS``).
+   Weights are not copied (see ``_CONV_ARGS``), but a weight that the graph computes anyway
+   (autocast's cast of the fp32 parameter to bf16) is written in channels_last by that cast:
+   cuDNN would otherwise convert it on every forward and backward call.
 2. Fake-tensor metadata is recomputed (``refresh_metadata``): convolution outputs become
    channels_last and the layout flows through pointwise ops, reductions and views by PyTorch's
    own stride rules, so nothing between two convolutions converts.
@@ -45,6 +47,26 @@ LAYOUT_META = "ember_layout"
 # weight-sized buffer per layer (peak memory 2x eager for resnet18 at batch 2) and, at batch 1,
 # more traffic than the activations.
 _CONV_ARGS = {aten.convolution.default: (0,), aten.convolution_backward.default: (0, 1)}
+
+
+_WEIGHT_ARG = {aten.convolution.default: 1, aten.convolution_backward.default: 2}
+
+
+def _cast_to_channels_last(node: fx.Node, weight: fx.Node, mode: object) -> bool:
+    """Make ``weight``, a cast only convolutions read as their weight, produce channels_last."""
+    if weight.op != "call_function" or weight.target != aten._to_copy.default or not _is_4d(weight):
+        return False
+    if weight.kwargs.get("memory_format") not in (None, torch.preserve_format):
+        return False
+    for user in weight.users:
+        if user.op == "output":
+            continue  # a saved activation: the backward reads it with these strides; others convert back
+        if user.target not in _WEIGHT_ARG or user.args[_WEIGHT_ARG[user.target]] is not weight or \
+                any(a is weight for i, a in enumerate(user.args) if i != _WEIGHT_ARG[user.target]):
+            return False
+    weight.kwargs = {**weight.kwargs, "memory_format": torch.channels_last}
+    _rerun(weight, mode)
+    return is_channels_last(weight.meta["val"])
 
 
 # channels_last pays off where activations outweigh weights: a convolution given a channels_last
@@ -188,6 +210,10 @@ def to_channels_last(gm: fx.GraphModule, kind: str = "inference",
         if node.op != "call_function":
             continue
         if node in conv_set:
+            w = node.args[_WEIGHT_ARG[node.target]]
+            if isinstance(w, fx.Node) and not is_channels_last(w.meta["val"]) and _cast_to_channels_last(node, w, mode):
+                record["conversions"].append(f"{_where(w)} -> channels_last (its cast writes it: weight of {node.name})")
+                changed += 1
             args = list(node.args)
             for i in _CONV_ARGS[node.target]:
                 src = args[i]
