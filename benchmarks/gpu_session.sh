@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One device call that checks and times the current tree on the H100 (run from the repo root):
-#   bash benchmarks/gpu_session.sh [PART]     PART 1 (default) to 8; results under $OUT (or ./gpu_session_out)
+#   bash benchmarks/gpu_session.sh [PART]     PART 1 (default) to 10; results under $OUT (or ./gpu_session_out)
 # Part 1 fits one 10-minute call; parts 2 and 3 are the training suite, one call each.
 # Each step has its own time limit, so one slow step cannot take the others' results with it;
 # the order is by priority (issue targets first). Writes one JSON per step and a log.
@@ -84,5 +84,13 @@ case "$PART" in
   step profile_vgg16 150 python benchmarks/gpu_profile.py vgg16 --backend ember,inductor --no-trace --out "$OUT/profile_vgg16"
   step memory 90 python benchmarks/gpu_memory.py resnet50 --backends ember --trace ember --json "$OUT/memory.json"
   step warm_start_bert 110 python benchmarks/gpu_warm_start.py bert --json "$OUT/warm_start_bert.json"
+  ;;
+9)  # the training suite, first half, alone (a call's 600 s fit no profile beside it)
+  step train_a 560 python -m ember.cli bench resnet50 bert vgg16 mobilenet_v3 --mode train --precision bf16 \
+    --iters 20 --no-progress --json "$OUT/bench_train_a.json"
+  ;;
+10)  # the training suite, second half, alone
+  step train_b 570 python -m ember.cli bench densenet121 resnet50v2 cyclegan style_transfer --mode train \
+    --precision bf16 --iters 20 --no-progress --json "$OUT/bench_train_b.json"
   ;;
 esac
