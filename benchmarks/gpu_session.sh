@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One device call that checks and times the current tree on the H100 (run from the repo root):
-#   bash benchmarks/gpu_session.sh [PART]     PART 1 (default) to 10; results under $OUT (or ./gpu_session_out)
+#   bash benchmarks/gpu_session.sh [PART]     PART 1 (default) to 11; results under $OUT (or ./gpu_session_out)
 # Part 1 fits one 10-minute call; parts 2 and 3 are the training suite, one call each.
 # Each step has its own time limit, so one slow step cannot take the others' results with it;
 # the order is by priority (issue targets first). Writes one JSON per step and a log.
@@ -92,5 +92,9 @@ case "$PART" in
 10)  # the training suite, second half, alone
   step train_b 570 python -m ember.cli bench densenet121 resnet50v2 cyclegan style_transfer --mode train \
     --precision bf16 --iters 20 --no-progress --json "$OUT/bench_train_b.json"
+  ;;
+11)  # what launches the ATen copies of a vgg16 Ember step, with and without CUDA graphs
+  step copies_graphs 150 python benchmarks/gpu_op_sites.py vgg16 --graphs --op aten::copy_
+  step copies_nographs 150 python benchmarks/gpu_op_sites.py vgg16 --op aten::copy_ --dump "$OUT/vgg16_debug"
   ;;
 esac
