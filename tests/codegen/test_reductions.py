@@ -256,8 +256,9 @@ def test_integer_max_and_min_of_narrow_types(dtype):
 @pytest.mark.parametrize("layout", ["contiguous", "channels_last"])
 @pytest.mark.parametrize("window", [2, (2, 3)])
 def test_tiling_max_pool_is_generated_and_routes_gradients_like_aten(layout, window):
-    # kernel == stride windows that tile the plane (capture/pooling.py): the maximum is an amax
-    # over a view, the backward sends each gradient to the window's first maximum as ATen does.
+    # kernel == stride windows that tile the plane (capture/pooling.py): the maximum is pointwise
+    # over the window's strided views, the backward sends each gradient to the window's first
+    # maximum as ATen does.
     # ReLU zeros make ties; a NaN must win its window, forward and backward.
     x = make_input((2, 3, 12, 6), layout)
     x[0, 1, 0, 1] = float("nan")
