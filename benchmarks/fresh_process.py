@@ -14,6 +14,17 @@ import sys
 import tempfile
 from collections.abc import Iterator, Sequence
 
+# Child code: ``ember.explain`` on one bf16 training step of the model named by ``sys.argv[1]`` at
+# its benchmark batch size, leaving the report in ``r`` (needs json, sys, torch, ember, models).
+EXPLAIN_TRAIN_STEP = r"""
+case = models.get_case(sys.argv[1])
+torch.manual_seed(0)
+model = case.build(False).cuda().train()
+(inputs, _t), = models.make_batches(case, case.default_batch("train"), torch.device("cuda"), count=1)
+with torch.autocast("cuda", dtype=torch.bfloat16):
+    r = ember.explain(model, *inputs)
+"""
+
 
 @contextlib.contextmanager
 def fresh_caches(**extra: str) -> Iterator[dict[str, str]]:

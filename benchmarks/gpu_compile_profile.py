@@ -19,7 +19,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from fresh_process import child_result, fresh_caches, write_rows
+from fresh_process import EXPLAIN_TRAIN_STEP, child_result, fresh_caches, write_rows
 
 CHILD = r"""
 import json, sys, time, torch, ember
@@ -37,12 +37,7 @@ if hasattr(knobs, "compilation") and hasattr(knobs.compilation, "listener"):
     knobs.compilation.listener = listener
 else:
     launch = {"note": "this Triton has no compilation listener"}
-case = models.get_case(sys.argv[1])
-torch.manual_seed(0)
-model = case.build(False).cuda().train()
-(inputs, _t), = models.make_batches(case, case.default_batch("train"), torch.device("cuda"), count=1)
-with torch.autocast("cuda", dtype=torch.bfloat16):
-    r = ember.explain(model, *inputs)
+""" + EXPLAIN_TRAIN_STEP + r"""
 if len(sys.argv) > 2:  # keep each kernel's source and its compile time (for sm90_compile_time.py)
     import os, shutil
     from ember.runtime.precompile import compile_log

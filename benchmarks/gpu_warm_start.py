@@ -15,17 +15,12 @@ from __future__ import annotations
 import argparse
 import sys
 
-from fresh_process import child_result, fresh_caches, write_rows
+from fresh_process import EXPLAIN_TRAIN_STEP, child_result, fresh_caches, write_rows
 
 CHILD = r"""
 import json, sys, torch, ember
 from ember.bench import models
-case = models.get_case(sys.argv[1])
-torch.manual_seed(0)
-model = case.build(False).cuda().train()
-(inputs, _t), = models.make_batches(case, case.default_batch("train"), torch.device("cuda"), count=1)
-with torch.autocast("cuda", dtype=torch.bfloat16):
-    r = ember.explain(model, *inputs)
+""" + EXPLAIN_TRAIN_STEP + r"""
 print("RESULT " + json.dumps({"first_call_s": r.total_s, "capture_s": r.capture_s, "ember_s": r.ember_s,
       "first_run_s": r.first_run_s, "stages": r.stage_totals(), "cache": [g.cache for g in r.graphs]}))
 """

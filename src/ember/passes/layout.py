@@ -37,6 +37,7 @@ import torch.fx as fx
 
 from ember.passes.freeze import FROZEN
 from ember.passes.graph_edit import add_node, fake_mode_of
+from ember.schedule.rules import OpClass, classify
 
 aten = torch.ops.aten
 LAYOUT_META = "ember_layout"
@@ -52,7 +53,7 @@ _CONV_ARGS = {aten.convolution.default: (0,), aten.convolution_backward.default:
 _WEIGHT_ARG = {aten.convolution.default: 1, aten.convolution_backward.default: 2}
 
 
-def _cast_to_channels_last(node: fx.Node, weight: fx.Node, mode: object) -> bool:
+def _cast_to_channels_last(weight: fx.Node, mode: object) -> bool:
     """Make ``weight``, a cast only convolutions read as their weight, produce channels_last."""
     if weight.op != "call_function" or weight.target != aten._to_copy.default or not _is_4d(weight):
         return False
@@ -211,7 +212,7 @@ def to_channels_last(gm: fx.GraphModule, kind: str = "inference",
             continue
         if node in conv_set:
             w = node.args[_WEIGHT_ARG[node.target]]
-            if isinstance(w, fx.Node) and not is_channels_last(w.meta["val"]) and _cast_to_channels_last(node, w, mode):
+            if isinstance(w, fx.Node) and not is_channels_last(w.meta["val"]) and _cast_to_channels_last(w, mode):
                 record["conversions"].append(f"{_where(w)} -> channels_last (its cast writes it: weight of {node.name})")
                 changed += 1
             args = list(node.args)
@@ -282,8 +283,6 @@ def _restride_for_merge(node: fx.Node, mode: object) -> int:
     stride rules gave the producer a layout the merge cannot view, and the reshape copied the
     gradient of every pooling layer (1.7 ms of a vgg16 step). The producer must be a pointwise
     op read by nothing else: its generated kernel allocates exactly the strides its metadata has."""
-    from ember.schedule.rules import OpClass, classify
-
     src = node.args[0]
     if not isinstance(src, fx.Node) or src.op != "call_function" or len(src.users) != 1:
         return 0
