@@ -17,12 +17,13 @@ input of ``sm90_compile_time.py``), so slow compiles can be studied on a machine
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
 from fresh_process import EXPLAIN_TRAIN_STEP, child_result, fresh_caches, write_rows
 
 CHILD = r"""
-import json, sys, time, torch, ember
+import json, os, sys, time, torch, ember
 from triton import knobs
 from ember.bench import models
 launch = {"miss": 0, "hit": 0, "miss_s": 0.0}
@@ -37,7 +38,17 @@ if hasattr(knobs, "compilation") and hasattr(knobs.compilation, "listener"):
     knobs.compilation.listener = listener
 else:
     launch = {"note": "this Triton has no compilation listener"}
+profile_to = os.environ.get("EMBER_PROFILE_CAPTURE")
+if profile_to:  # cProfile the whole first call (its overhead inflates Python-heavy stages)
+    import cProfile
+    _prof = cProfile.Profile()
+    _prof.enable()
 """ + EXPLAIN_TRAIN_STEP + r"""
+if profile_to:
+    _prof.disable()
+    _prof.dump_stats(profile_to)
+from torch._dynamo import utils as dynamo_utils  # torch's own compile-stage timers (dynamo_timed)
+dynamo_times = {k: round(sum(v), 3) for k, v in getattr(dynamo_utils, "compilation_time_metrics", {}).items()}
 if len(sys.argv) > 2:  # keep each kernel's source and its compile time (for sm90_compile_time.py)
     import os, shutil
     from ember.runtime.precompile import compile_log
@@ -52,7 +63,7 @@ if len(sys.argv) > 2:  # keep each kernel's source and its compile time (for sm9
 print("RESULT " + json.dumps({"first_call_s": r.total_s, "capture_s": r.capture_s, "ember_s": r.ember_s,
       "first_run_s": r.first_run_s, "stages": r.stage_totals(), "kernels": r.kernels,
       "unique_kernels": r.unique_kernels, "compile_notes": [g.title + ": " + g.compile_note for g in r.graphs],
-      "launch_compiles": launch}))
+      "launch_compiles": launch, "dynamo_times": dynamo_times}))
 """
 
 
@@ -62,11 +73,15 @@ def main() -> int:
     parser.add_argument("--workers", default=None, help="EMBER_COMPILE_WORKERS for the child")
     parser.add_argument("--json", default=None)
     parser.add_argument("--dump", default=None, help="folder for each model's kernel sources and compile times")
+    parser.add_argument("--cprofile", default=None, help="folder for a cProfile of each model's first call")
     args = parser.parse_args()
     rows = []
     extra = {} if args.workers is None else {"EMBER_COMPILE_WORKERS": args.workers}
+    if args.cprofile:
+        os.makedirs(args.cprofile, exist_ok=True)
     for name in args.models:
-        with fresh_caches(**extra) as env:
+        prof = {"EMBER_PROFILE_CAPTURE": f"{args.cprofile}/{name}.pstats"} if args.cprofile else {}
+        with fresh_caches(**extra, **prof) as env:
             dump = [f"{args.dump}/{name}"] if args.dump else []
             r, stderr = child_result(CHILD, [name, *dump], env)
         if r is None:
@@ -80,7 +95,9 @@ def main() -> int:
               f") + first run {r['first_run_s']:.2f}; kernels {r['kernels']} ({r['unique_kernels']} unique)")
         for note in r["compile_notes"]:
             print(f"  {note}")
-        print(f"  Triton compiles at launch: {r['launch_compiles']}", flush=True)
+        print(f"  Triton compiles at launch: {r['launch_compiles']}")
+        top = sorted(r.get("dynamo_times", {}).items(), key=lambda kv: -kv[1])[:10]
+        print("  torch's timers: " + ", ".join(f"{k} {v:.2f}" for k, v in top), flush=True)
     return write_rows(args.json, rows)
 
 if __name__ == "__main__":

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One device call that checks and times the current tree on the H100 (run from the repo root):
-#   bash benchmarks/gpu_session.sh [PART]     PART 1 (default) to 11; results under $OUT (or ./gpu_session_out)
+#   bash benchmarks/gpu_session.sh [PART]     PART 1 (default) to 12; results under $OUT (or ./gpu_session_out)
 # Part 1 fits one 10-minute call; parts 2 and 3 are the training suite, one call each.
 # Each step has its own time limit, so one slow step cannot take the others' results with it;
 # the order is by priority (issue targets first). Writes one JSON per step and a log.
@@ -96,5 +96,15 @@ case "$PART" in
 11)  # what launches the ATen copies of a vgg16 Ember step, with and without CUDA graphs
   step copies_graphs 150 python benchmarks/gpu_op_sites.py vgg16 --graphs --op aten::copy_
   step copies_nographs 150 python benchmarks/gpu_op_sites.py vgg16 --op aten::copy_ --dump "$OUT/vgg16_debug"
+  ;;
+12)  # where resnet50's capture goes (torch's timers, then a cProfile); peak memory with expandable
+     # segments in every pool (eager and Ember); where style_transfer's step goes (Ember vs Inductor)
+  step compile_profile 80 python benchmarks/gpu_compile_profile.py resnet50 --json "$OUT/compile_profile.json"
+  step compile_cprofile 100 python benchmarks/gpu_compile_profile.py resnet50 --json "$OUT/compile_cprofile.json" \
+    --cprofile "$OUT/cprofile"
+  PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True step memory_expandable 200 python benchmarks/gpu_memory.py \
+    resnet50 bert --backends eager,ember --json "$OUT/memory_expandable.json"
+  step profile_style 130 python benchmarks/gpu_profile.py style_transfer --backend ember,inductor --no-trace \
+    --out "$OUT/profile_style"
   ;;
 esac
