@@ -342,3 +342,41 @@ def test_identical_split_reductions_share_their_kernels(split_reductions: None) 
     assert any(n.startswith("ember_part1_") for n in names), names
     # The second group's kernels are the first's: one partial, combine and final kernel per level.
     assert len(names) == len({n.rsplit("_", 1)[0] for n in names}), names
+
+
+class PaddedConvs(nn.Module):
+    """Style-transfer-like layers: reflection (or replication) padding before each convolution,
+    instance norm and ReLU between them."""
+
+    def __init__(self, pad: type[nn.Module]) -> None:
+        super().__init__()
+        self.body = nn.Sequential(pad(2), nn.Conv2d(3, 6, 5), nn.InstanceNorm2d(6, affine=True), nn.ReLU(),
+                                  pad((1, 2, 0, 1)), nn.Conv2d(6, 4, 3))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.body(x)
+
+
+@pytest.mark.parametrize("pad", [nn.ReflectionPad2d, nn.ReplicationPad2d], ids=["reflection", "replication"])
+def test_padding_runs_over_the_nhwc_view_without_copies(pad: type[nn.Module]) -> None:
+    # The 2-D padding ops and their backward run as the 3-D ops over the NHWC view of channels_last
+    # tensors: same values and gradients as eager, and no conversions around the padded layers.
+    torch.manual_seed(0)
+    with strict_env():
+        want, got, compiled = _train_step(PaddedConvs(pad), torch.randn(2, 3, 9, 7))
+    _compare(want, got)
+    graphs = {g.kind: g for g in compiled._ember_backend.log.graphs}
+    name = pad.__name__.removesuffix("Pad2d").lower()
+    op = f"aten.{name}_pad"
+    for kind, n in (("forward", 2), ("backward", 1)):
+        # Every padding; the backward of the second (the first's reads the NCHW input as its shape).
+        g = graphs[kind]
+        suffix = "" if kind == "forward" else "_backward"
+        rewritten = [c for c in g.layout["conversions"] if "3-D form over the NHWC view" in c]
+        assert len(rewritten) == n, g.layout["conversions"]
+        fallback = g.placement["fallback"]
+        assert fallback[f"{op}3d{suffix}"] == n and fallback[f"{op}2d{suffix}"] == 2 - n, fallback
+    # Conversions: the (smaller) input of the first padding, and the incoming gradient; none between layers.
+    fw, bw = graphs["forward"].layout["conversions"], graphs["backward"].layout["conversions"]
+    assert [c.split(" ")[0] for c in fw if "-> channels_last" in c] == ["primals_1"], fw
+    assert [c.split(" ")[0] for c in bw if "-> channels_last" in c] == ["tangents_1"], bw

@@ -196,6 +196,23 @@ def test_a_use_of_one_input_after_a_library_call_joins_the_group_that_reads_it()
     assert "sigmoid" in op_names(group.nodes), plan.describe()
 
 
+def test_views_read_only_after_the_kernel_become_views_of_its_output() -> None:
+    # A permuted, unsqueezed view of a computed value that only a later op reads is an ATen view
+    # of the stored value, not a second (rearranged) store of the same data.
+    def fn(x):
+        y = torch.relu(x * 2.0)
+        z = y.permute(0, 2, 3, 1).unsqueeze(1)
+        return torch.cumsum(z, 2)  # cumsum: a fallback op
+
+    x = torch.randn(2, 3, 4, 5)
+    run_compiled(fn, x)
+    plan = plan_of(fn, x)
+    (group,) = plan.fused()
+    assert op_names(group.outputs) == ["relu"], plan.describe()
+    views = [s for s in plan.steps if s.kind == "view"]
+    assert op_names([n for s in views for n in s.nodes]) == ["permute", "unsqueeze"], plan.describe()
+
+
 def test_training_batch_norm_is_one_kernel_forward_and_one_backward() -> None:
     """Hoisted parameter views, sibling fusion and per-channel values beside the reduction make
     training batch norm + ReLU one kernel forward (statistics, normalise, affine, ReLU, running

@@ -30,6 +30,7 @@ from torch._functorch.partitioners import min_cut_rematerialization_partition
 from torch._subclasses.fake_tensor import unset_fake_temporarily
 
 from ember.capture.decompositions import decomposition_table
+from ember.capture.instance_norm import rewrite_instance_norm
 from ember.capture.upsample import rewrite_nearest_interpolate
 from ember.config import Options
 from ember.pipeline import compile_graph
@@ -182,7 +183,10 @@ class EmberBackend:
         gpu = _gpu_target(example_inputs, self.options)
         if gpu and self.options.target != "triton-interpret":
             start_workers()  # their start-up overlaps AOTAutograd's capture (runtime/precompile.py)
-        rewrite_nearest_interpolate(gm)
+        self.log.rewrites["F.interpolate(mode='nearest') -> ATen's nearest kernels (capture/upsample.py)"] += \
+            rewrite_nearest_interpolate(gm)
+        self.log.rewrites["F.instance_norm -> spatial reductions in the input's layout (capture/instance_norm.py)"] += \
+            rewrite_instance_norm(gm)
         backend = aot_autograd(fw_compiler=make("forward"), bw_compiler=make("backward"),
                                inference_compiler=make("inference"),
                                decompositions=_decompositions(_cpu_inference(example_inputs, self.options), gpu),

@@ -167,6 +167,7 @@ class ExplainReport:
             "graph_breaks": {"count": sum(self.graph_breaks.values()),
                              "reasons": [{"reason": r, "count": n} for r, n in self.graph_breaks.items()]},
             "recompiles": list(self.recompiles),
+            "capture_rewrites": dict(+self.log.rewrites),
             "model_history": {"compiles": list(self.model_compiles), "recompiles": list(self.model_recompiles),
                               "dynamic_shape_graphs": list(self.model_dynamic)},
             "kernels": self.kernels, "unique_kernels": self.unique_kernels,
@@ -222,6 +223,9 @@ class ExplainReport:
         lines += [f"  {n}x {short_reason(r)}" for r, n in self.graph_breaks.most_common()]
         lines.append(f"Recompiles: {len(self.recompiles)}")
         lines += [f"  {r}" for r in self.recompiles]
+        rewrites = +self.log.rewrites
+        if rewrites:
+            lines.append("Rewritten before AOTAutograd: " + "; ".join(f"{n}x {r}" for r, n in rewrites.items()))
         if self.model_compiles:
             static = len(self.model_compiles) - len(self.model_dynamic)
             lines.append(f"The compiled model so far: {len(self.model_compiles)} Dynamo graph(s), {static} with static "

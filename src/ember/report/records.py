@@ -44,3 +44,4 @@ class CompileLog:
     frames: list[tuple[str, list[str]]] = field(default_factory=list)  # compile id, input signature
     recompiles: list[str] = field(default_factory=list)  # one line per recompile: id and reason
     dynamic: list[str] = field(default_factory=list)  # compile ids of dynamic-shape Dynamo graphs
+    rewrites: Counter = field(default_factory=Counter)  # Dynamo-graph rewrites before AOTAutograd -> count

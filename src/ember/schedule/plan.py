@@ -425,6 +425,14 @@ class _Partitioner:
             ready.add(node)
 
     def _finish_groups(self) -> None:
+        steps: list[Step] = []
+        for step in self.steps:
+            steps.append(step)
+            if isinstance(step, FusedGroup):
+                steps += self._trailing_views(step)
+        for i, step in enumerate(steps):
+            step.index = i
+        self.steps = steps
         for step in self.steps:
             if not isinstance(step, FusedGroup):
                 continue
@@ -436,6 +444,45 @@ class _Partitioner:
             step.inputs = list(inputs)
             step.outputs = [n for n in step.nodes
                             if any(u not in members for u in n.users) and _is_tensor(n)]
+
+
+    def _trailing_views(self, group: FusedGroup) -> list[Step]:
+        """Views at the end of a group that only steps after it read (a permuted, unsqueezed copy
+        of a channels_last activation for the 3-D padding op, passes/layout.py) leave the group and
+        become ATen views of the value they view, run right after the kernel: the kernel stores that
+        value once instead of storing it and a rearranged copy of it."""
+        members = set(group.nodes)
+        trailing: list[fx.Node] = []
+        for node in reversed(group.nodes):
+            if node.target not in _ALWAYS_VIEWS or node in trailing:
+                continue
+            chain, cur = [], node
+            while cur in members and cur.target in _ALWAYS_VIEWS and not any(
+                    u in members and u not in chain and u not in trailing for u in cur.users):
+                chain.append(cur)
+                cur = cur.args[0]
+            if chain and cur in members and cur.target not in _ALWAYS_VIEWS and _is_tensor(cur):
+                trailing += chain
+        if not trailing:
+            return []
+        order = [n for n in group.nodes if n in set(trailing)]
+        group.nodes = [n for n in group.nodes if n not in set(trailing)]
+        steps = []
+        for n in order:
+            del group.dims[n]
+            group.input_dims.pop(n, None)
+            step = Step(-1, "view", [n], "a view of the kernel's output, read only after it")
+            self.step_of[n] = step
+            steps.append(step)
+        return steps
+
+
+# Views ATen always performs without copying (reshape may copy): safe to run on a stored value.
+_ALWAYS_VIEWS = {
+    aten.view.default, aten._unsafe_view.default, aten.unsqueeze.default, aten.squeeze.dim, aten.squeeze.dims,
+    aten.squeeze.default, aten.permute.default, aten.expand.default, aten.alias.default, aten.t.default,
+    aten.transpose.int,
+}
 
 
 def plan_graph(graph: fx.Graph) -> KernelPlan:
