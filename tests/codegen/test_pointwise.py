@@ -281,7 +281,10 @@ CHAIN_UNARY = [
 ]
 CHAIN_BINARY = [
     lambda v, w: v + w, lambda v, w: v - w, lambda v, w: v * w, lambda v, w: v / (w.abs() + 0.5),
-    torch.maximum, torch.minimum, lambda v, w: torch.where(v > w, v, w * 0.5), lambda v, w: torch.add(v, w, alpha=0.5),
+    torch.maximum, torch.minimum,
+    # Continuous where v == w: fused bf16 chains keep float32 intermediates (as Inductor's do), so
+    # a branch on a rounded-vs-unrounded sum may flip; it must not jump the result when it does.
+    lambda v, w: torch.where(v > w, v - w, (v - w) * 0.5), lambda v, w: torch.add(v, w, alpha=0.5),
 ]
 
 

@@ -185,8 +185,9 @@ class EmberBackend:
             start_workers()  # their start-up overlaps AOTAutograd's capture (runtime/precompile.py)
         self.log.rewrites["F.interpolate(mode='nearest') -> ATen's nearest kernels (capture/upsample.py)"] += \
             rewrite_nearest_interpolate(gm)
-        self.log.rewrites["F.instance_norm -> spatial reductions in the input's layout (capture/instance_norm.py)"] += \
-            rewrite_instance_norm(gm)
+        if gpu:
+            self.log.rewrites["F.instance_norm -> spatial reductions in the input's layout "
+                              "(capture/instance_norm.py)"] += rewrite_instance_norm(gm)
         backend = aot_autograd(fw_compiler=make("forward"), bw_compiler=make("backward"),
                                inference_compiler=make("inference"),
                                decompositions=_decompositions(_cpu_inference(example_inputs, self.options), gpu),

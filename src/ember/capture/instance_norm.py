@@ -12,6 +12,11 @@ uses the input's statistics and keeps no running statistics (``InstanceNorm2d`` 
 over the spatial dims, in float32 for half inputs, then the affine parameters. The reductions
 keep the input's layout, and autograd derives the backward from the same ops. Calls that update
 running statistics stay as they are.
+
+GPU targets only. Eager's CUDA batch norm accumulates in float32 as these reductions do, but
+ATen's CPU kernels accumulate in double, and the gradients of a deep instance-normed net cancel
+enough to show it: CycleGAN's first-layer weight gradient on the CPU test was 7e-4 from float64
+through Ember's float32 CPU kernels against 1.5e-6 for eager.
 """
 
 from __future__ import annotations

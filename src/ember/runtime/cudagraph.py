@@ -73,6 +73,8 @@ from ember.runtime.capture_rules import (  # noqa: F401 - the decision, re-expor
     cudagraphs_enabled,
     training_capture_enabled,
 )
+from ember.runtime.graph_backend import CudaBackend
+from ember.runtime.graph_pool import GraphPool, presize, share_pool  # noqa: F401 - re-exported
 
 aten = torch.ops.aten
 
@@ -93,6 +95,7 @@ class _PoolState:
         self.graphs: list[_Graph] = []
         self.live: dict[int, list[_Group]] = {}  # address -> output groups of live graphs there
         self.consts: set[int] = set()  # ids of host tensors that live graphs hand out unchanged
+        self.keeper: object = None  # the graph that pre-sized the pool (runtime/graph_pool.py)
 
     def add(self, g: _Graph) -> None:
         self.graphs.append(g)
@@ -121,95 +124,9 @@ class _PoolState:
         return id(t) in self.consts or self.source(t) is not None
 
 
-class GraphPool:
-    """The memory pool that the training graphs (forward and backward) of one compiled model share.
-
-    Captured in execution order into one pool, the backward's capture reuses the forward's
-    temporaries and the saved activations it frees as it goes, as eager does; one pool per
-    capture (what ``CudaGraphRunner`` does alone) keeps each graph's memory to itself. ``renew``
-    starts a new pool: every graph of the old one is captured again on its next call."""
-
-    def __init__(self) -> None:
-        self.state: _PoolState | None = None
-        self.renewals = 0
-
-    def renew(self) -> None:
-        self.state = None
-        self.renewals += 1
-
-
-def share_pool(compiled: Callable, pool: GraphPool) -> None:
-    """Make the CUDA-graph runner of ``compiled`` (an Ember program, boxed) capture into ``pool``."""
-    runner = getattr(getattr(compiled, "ember_graph", None), "run", None)
-    if isinstance(runner, CudaGraphRunner):
-        runner.pool = pool
-
-
 # ---------------------------------------------------------------------------------------------
 # The runner
 # ---------------------------------------------------------------------------------------------
-
-
-class _PoolMemory:
-    """``__cuda_array_interface__`` of pool memory. A tensor made from it holds this object (its
-    deleter drops the reference), and this object holds ``keeper``: the pool's state."""
-
-    def __init__(self, ptr: int, nbytes: int, keeper: object) -> None:
-        self.keeper = keeper
-        self.__cuda_array_interface__ = {"shape": (nbytes,), "typestr": "|u1", "data": (ptr, False),
-                                         "strides": None, "version": 3}
-
-
-class CudaBackend:
-    """What the runner asks of the device (a CPU stand-in replaces it in the tests)."""
-
-    def new_pool(self, device: torch.device, shared: bool) -> object:
-        """A pool handle for ``capture``; None: a private pool of the graph's own."""
-        return torch.cuda.graph_pool_handle() if shared else None
-
-    def capture(self, run: Callable[[list], object], inputs: list, device: torch.device,
-                pool: object = None) -> tuple[object, object]:
-        """Record ``run(inputs)`` into a new graph without executing it: (graph, outputs).
-
-        ``inputs`` is handed to the program, which clears it: an input nobody else holds is freed
-        when the program is done with it, and its memory can be reused within the capture."""
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.device(device):
-            stream = torch.cuda.Stream()
-            stream.wait_stream(torch.cuda.current_stream())
-            # thread_local: another thread's CUDA calls (a data loader pinning memory) must not
-            # break the capture, nor the capture break them.
-            with torch.cuda.graph(graph, pool=pool, stream=stream, capture_error_mode="thread_local"):
-                outputs = run(inputs)
-            torch.cuda.current_stream().wait_stream(stream)
-        return graph, outputs
-
-    def replay(self, graph: object, args: list) -> None:
-        """Replay ``graph``; ``args`` are this call's inputs (the graph reads their addresses)."""
-        graph.replay()  # type: ignore[attr-defined]
-
-    def on_device(self, t: torch.Tensor) -> bool:
-        """Whether the graph reads and writes ``t``'s memory (host tensors are read at capture)."""
-        return t.device.type == "cuda"
-
-    def view(self, ptr: int, nbytes: int, device: torch.device, keeper: object) -> torch.UntypedStorage:
-        """A storage on pool memory that does not own it (the pool does) and holds ``keeper``."""
-        return torch.as_tensor(_PoolMemory(ptr, nbytes, keeper), device=device).untyped_storage()
-
-    def recover(self, device: torch.device) -> None:
-        """After a failed capture. A capture that fails after it began leaves the default CUDA
-        generator in capture mode, and every later random op outside a capture raises ("Offset
-        increment outside graph capture"); a small capture that completes resets it."""
-        torch.cuda.synchronize(device)
-        try:
-            with torch.cuda.device(device):
-                graph = torch.cuda.CUDAGraph()
-                stream = torch.cuda.Stream()
-                with torch.cuda.graph(graph, stream=stream, capture_error_mode="thread_local"):
-                    torch.empty(1, device=device).zero_()
-                del graph
-        except Exception:  # noqa: BLE001 - best effort; the program still runs uncaptured
-            pass
 
 
 @dataclass
@@ -304,7 +221,16 @@ class CudaGraphRunner:
         if self.g is None:
             if self.prev_ptrs is None:
                 self.prev_ptrs = [_ptr(a) for a in args]
-                return self.run(args)
+                if self.pool is None:
+                    return self.run(args)
+                # The first calls of the model's graphs measure what its pool will need.
+                device = next((a.device for a in args if isinstance(a, torch.Tensor) and self.backend.on_device(a)),
+                              None)
+                counters = (lambda: self.backend.memory_counters(device)) if device is not None else (lambda: None)
+                self.pool.sizing.begin(counters())
+                out = self.run(args)
+                self.pool.sizing.end(counters())
+                return out
             return self._capture(args, "")
         why = self._check(args)
         if why is None:
@@ -394,7 +320,9 @@ class CudaGraphRunner:
         if self.pool is None:
             return _PoolState(self.backend.new_pool(device, False), shared=False)
         if self.pool.state is None:
-            self.pool.state = _PoolState(self.backend.new_pool(device, True), shared=True)
+            state = _PoolState(self.backend.new_pool(device, True), shared=True)
+            state.keeper = presize(self.pool, lambda nbytes: self.backend.reserve(state.handle, nbytes, device))
+            self.pool.state = state
         return self.pool.state
 
     def _defer(self, refs: list, why: str) -> object:
@@ -679,6 +607,8 @@ class CudaGraphRunner:
         if g.state.shared:
             others = len({id(y.graph) for y in g.state.graphs if y is not g})
             parts.append(f"memory pool shared with the model's training graphs ({others} other graph(s) in it)")
+            if self.pool is not None and self.pool.describe():
+                parts.append(self.pool.describe())
         elif self.pool is not None:
             parts.append("a memory pool of its own (its inputs were outputs of replays when it was captured)")
         if self.uncaptured:

@@ -1,0 +1,90 @@
+"""What the CUDA-graph runner (runtime/cudagraph.py) asks of the device: pools, capture, replay,
+views of pool memory, the allocator's counters. The tests replace it with a CPU stand-in."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+
+
+class _PoolMemory:
+    """``__cuda_array_interface__`` of pool memory. A tensor made from it holds this object (its
+    deleter drops the reference), and this object holds ``keeper``: the pool's state."""
+
+    def __init__(self, ptr: int, nbytes: int, keeper: object) -> None:
+        self.keeper = keeper
+        self.__cuda_array_interface__ = {"shape": (nbytes,), "typestr": "|u1", "data": (ptr, False),
+                                         "strides": None, "version": 3}
+
+
+class CudaBackend:
+    """What the runner asks of the device (a CPU stand-in replaces it in the tests)."""
+
+    def new_pool(self, device: torch.device, shared: bool) -> object:
+        """A pool handle for ``capture``; None: a private pool of the graph's own."""
+        return torch.cuda.graph_pool_handle() if shared else None
+
+    def capture(self, run: Callable[[list], object], inputs: list, device: torch.device,
+                pool: object = None) -> tuple[object, object]:
+        """Record ``run(inputs)`` into a new graph without executing it: (graph, outputs).
+
+        ``inputs`` is handed to the program, which clears it: an input nobody else holds is freed
+        when the program is done with it, and its memory can be reused within the capture."""
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.device(device):
+            stream = torch.cuda.Stream()
+            stream.wait_stream(torch.cuda.current_stream())
+            # thread_local: another thread's CUDA calls (a data loader pinning memory) must not
+            # break the capture, nor the capture break them.
+            with torch.cuda.graph(graph, pool=pool, stream=stream, capture_error_mode="thread_local"):
+                outputs = run(inputs)
+            torch.cuda.current_stream().wait_stream(stream)
+        return graph, outputs
+
+    def replay(self, graph: object, args: list) -> None:
+        """Replay ``graph``; ``args`` are this call's inputs (the graph reads their addresses)."""
+        graph.replay()  # type: ignore[attr-defined]
+
+    def on_device(self, t: torch.Tensor) -> bool:
+        """Whether the graph reads and writes ``t``'s memory (host tensors are read at capture)."""
+        return t.device.type == "cuda"
+
+    def view(self, ptr: int, nbytes: int, device: torch.device, keeper: object) -> torch.UntypedStorage:
+        """A storage on pool memory that does not own it (the pool does) and holds ``keeper``."""
+        return torch.as_tensor(_PoolMemory(ptr, nbytes, keeper), device=device).untyped_storage()
+
+    def memory_counters(self, device: torch.device) -> tuple[int, int] | None:
+        """(allocated bytes, the allocator's allocated-bytes peak) on ``device``; None off the GPU."""
+        if device.type != "cuda":
+            return None
+        return torch.cuda.memory_allocated(device), torch.cuda.max_memory_allocated(device)
+
+    def reserve(self, pool: object, nbytes: int, device: torch.device) -> object:
+        """Allocate ``nbytes`` into ``pool`` as one segment and free it (runtime/graph_pool.py); the
+        returned graph keeps the pool alive."""
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.device(device):
+            stream = torch.cuda.Stream()
+            stream.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.graph(graph, pool=pool, stream=stream, capture_error_mode="thread_local"):
+                block = torch.empty(nbytes, dtype=torch.uint8, device=device)
+                block[:1].zero_()  # a graph must record some work
+                del block
+            torch.cuda.current_stream().wait_stream(stream)
+        return graph
+
+    def recover(self, device: torch.device) -> None:
+        """After a failed capture. A capture that fails after it began leaves the default CUDA
+        generator in capture mode, and every later random op outside a capture raises ("Offset
+        increment outside graph capture"); a small capture that completes resets it."""
+        torch.cuda.synchronize(device)
+        try:
+            with torch.cuda.device(device):
+                graph = torch.cuda.CUDAGraph()
+                stream = torch.cuda.Stream()
+                with torch.cuda.graph(graph, stream=stream, capture_error_mode="thread_local"):
+                    torch.empty(1, device=device).zero_()
+                del graph
+        except Exception:  # noqa: BLE001 - best effort; the program still runs uncaptured
+            pass
