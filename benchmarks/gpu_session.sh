@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One device call that checks and times the current tree on the H100 (run from the repo root):
-#   bash benchmarks/gpu_session.sh [PART]     PART 1 (default) to 13; results under $OUT (or ./gpu_session_out)
+#   bash benchmarks/gpu_session.sh [PART]     PART 1 (default) to 14; results under $OUT (or ./gpu_session_out)
 # Part 1 fits one 10-minute call; parts 2 and 3 are the training suite, one call each.
 # Each step has its own time limit, so one slow step cannot take the others' results with it;
 # the order is by priority (issue targets first). Writes one JSON per step and a log.
@@ -113,6 +113,15 @@ case "$PART" in
     --iters 20 --no-progress --json "$OUT/bench_train_cyclegan_style.json"
   step memory 200 python benchmarks/gpu_memory.py resnet50 bert --backends eager,ember --json "$OUT/memory.json"
   step correctness 110 python benchmarks/gpu_correctness.py cyclegan style_transfer --json "$OUT/correctness.json"
+  step profile_style 70 python benchmarks/gpu_profile.py style_transfer --backend ember --no-trace --out "$OUT/profile_style"
+  ;;
+14)  # one capture stream for every graph (the backward can reuse the forward's memory), pool
+     # pre-sizing on and off; float32 sums generated; cyclegan / style_transfer again
+  step train_cyclegan_style 170 python -m ember.cli bench cyclegan style_transfer --mode train --precision bf16 \
+    --iters 20 --no-progress --json "$OUT/bench_train_cyclegan_style.json"
+  step memory 120 python benchmarks/gpu_memory.py resnet50 bert --backends ember --json "$OUT/memory.json"
+  EMBER_POOL_PRESIZE=0 step memory_no_presize 120 python benchmarks/gpu_memory.py resnet50 bert --backends ember \
+    --json "$OUT/memory_no_presize.json"
   step profile_style 70 python benchmarks/gpu_profile.py style_transfer --backend ember --no-trace --out "$OUT/profile_style"
   ;;
 esac

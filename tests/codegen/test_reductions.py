@@ -287,3 +287,19 @@ def test_max_pool_indices_and_other_windows():
     assert torch.equal(out, want_out) and torch.equal(idx, want_idx)
     # Overlapping windows stay ATen's kernel.
     check(lambda t: F.max_pool2d(t, 3, 2), [x], grad=False, allow_fallback=["aten.max_pool2d_with_indices"])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_float32_sums_are_generated(dtype: torch.dtype) -> None:
+    # CUDA autocast gives every sum dtype=float32: the kernels load half inputs as float32 anyway.
+    x = make_input((6, 33), "contiguous", dtype=dtype, requires_grad=dtype == torch.float32)
+    tol = {} if dtype == torch.float32 else {"norm_rtol": 1e-2}
+    check(lambda t: torch.sum(t * 2, 1, dtype=torch.float32) + 1, [x], expect_ops=["aten.sum"], **tol)
+
+
+def test_sums_to_another_dtype_stay_aten() -> None:
+    # int32 -> int64 (and a narrowing float sum) keep ATen's kernel.
+    x = torch.randint(-50, 50, (4, 9), dtype=torch.int32)
+    check(lambda t: torch.sum(t + 1, 1, dtype=torch.int64), [x], allow_fallback=["aten.sum"])
+    y = make_input((4, 9), "contiguous")
+    check(lambda t: torch.sum(t * 3, 0, dtype=torch.bfloat16), [y], allow_fallback=["aten.sum"], norm_rtol=1e-2)

@@ -18,6 +18,22 @@ class _PoolMemory:
                                          "strides": None, "version": 3}
 
 
+# One capture stream per device for every capture of the process. The caching allocator hands a
+# freed block only to allocations on the stream it was freed on: with a new stream per capture
+# (what this module did first) the backward's capture could reuse none of the forward's memory in
+# the pool they share, and ResNet-50's pool held both graphs' peaks side by side (7,132 MiB
+# reserved on the H100 for about 5,400 MiB ever live at once).
+_CAPTURE_STREAMS: dict[int, torch.cuda.Stream] = {}
+
+
+def capture_stream(device: torch.device) -> torch.cuda.Stream:
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    if index not in _CAPTURE_STREAMS:
+        with torch.cuda.device(index):
+            _CAPTURE_STREAMS[index] = torch.cuda.Stream()
+    return _CAPTURE_STREAMS[index]
+
+
 class CudaBackend:
     """What the runner asks of the device (a CPU stand-in replaces it in the tests)."""
 
@@ -33,7 +49,7 @@ class CudaBackend:
         when the program is done with it, and its memory can be reused within the capture."""
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.device(device):
-            stream = torch.cuda.Stream()
+            stream = capture_stream(device)
             stream.wait_stream(torch.cuda.current_stream())
             # thread_local: another thread's CUDA calls (a data loader pinning memory) must not
             # break the capture, nor the capture break them.
@@ -65,7 +81,7 @@ class CudaBackend:
         returned graph keeps the pool alive."""
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.device(device):
-            stream = torch.cuda.Stream()
+            stream = capture_stream(device)  # the captures' stream: only they can take the block
             stream.wait_stream(torch.cuda.current_stream())
             with torch.cuda.graph(graph, pool=pool, stream=stream, capture_error_mode="thread_local"):
                 block = torch.empty(nbytes, dtype=torch.uint8, device=device)

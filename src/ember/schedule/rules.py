@@ -102,6 +102,15 @@ def _has_symbolic_shape(value: object) -> bool:
     return any(not isinstance(s, int) for s in value.shape) or any(not isinstance(s, int) for s in value.stride())
 
 
+def _widening_sum(node: fx.Node, dtype: torch.dtype) -> bool:
+    """A float32 (or same-dtype) reduction of a float tensor: what the kernels do anyway (they load
+    half inputs as float32 and accumulate there). CUDA autocast gives every ``sum`` this dtype."""
+    src = node_value(node.args[0]) if node.args and isinstance(node.args[0], fx.Node) else None
+    if not isinstance(src, torch.Tensor):
+        return False
+    return dtype == src.dtype or (dtype == torch.float32 and src.dtype in (torch.float16, torch.bfloat16))
+
+
 def classify(node: fx.Node) -> Classification:
     """The one rule that decides how ``node`` is executed."""
     target = node.target
@@ -127,7 +136,8 @@ def classify(node: fx.Node) -> Classification:
     if target in REDUCTION_OPS:
         if not (_tensor_ok(value) and inputs_ok):
             return Classification(OpClass.FALLBACK, "reduction over unsupported dtype")
-        if node.kwargs.get("dtype") is not None:
+        dtype = node.kwargs.get("dtype")
+        if dtype is not None and not _widening_sum(node, dtype):
             return Classification(OpClass.FALLBACK, "reduction with explicit dtype")
         return Classification(OpClass.REDUCTION)
     if target in POINTWISE_OPS:
