@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One device call that checks and times the current tree on the H100 (run from the repo root):
-#   bash benchmarks/gpu_session.sh [PART]     PART 1 (default) to 14; results under $OUT (or ./gpu_session_out)
+#   bash benchmarks/gpu_session.sh [PART]     PART 1 (default) to 15; results under $OUT (or ./gpu_session_out)
 # Part 1 fits one 10-minute call; parts 2 and 3 are the training suite, one call each.
 # Each step has its own time limit, so one slow step cannot take the others' results with it;
 # the order is by priority (issue targets first). Writes one JSON per step and a log.
@@ -123,5 +123,9 @@ case "$PART" in
   EMBER_POOL_PRESIZE=0 step memory_no_presize 120 python benchmarks/gpu_memory.py resnet50 bert --backends ember \
     --json "$OUT/memory_no_presize.json"
   step profile_style 70 python benchmarks/gpu_profile.py style_transfer --backend ember --no-trace --out "$OUT/profile_style"
+  ;;
+15)  # peak memory of the other six seed models, one fresh process per backend
+  step memory_rest 580 python benchmarks/gpu_memory.py vgg16 mobilenet_v3 densenet121 resnet50v2 cyclegan \
+    style_transfer --backends eager,ember --json "$OUT/memory_rest.json"
   ;;
 esac
