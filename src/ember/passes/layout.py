@@ -266,6 +266,7 @@ _PAD_AS_3D = {
     aten.reflection_pad2d_backward.default: aten.reflection_pad3d_backward.default,
     aten.replication_pad2d_backward.default: aten.replication_pad3d_backward.default,
 }
+_PAD_BACKWARD = {aten.reflection_pad2d_backward.default, aten.replication_pad2d_backward.default}
 
 
 def _pad_over_nhwc(gm: fx.GraphModule, mode: object, node: fx.Node, converted_input: list[str]) -> bool:
@@ -276,7 +277,7 @@ def _pad_over_nhwc(gm: fx.GraphModule, mode: object, node: fx.Node, converted_in
     graph copied its input, then its output back for the next convolution, and the backward the
     same (45 copies, 1.1 ms of a style_transfer training step on the H100). The padding order is
     (left, right, top, bottom[, front, back]) from the last dim: (0, 0, left, right, top, bottom)."""
-    backward = node.target in (aten.reflection_pad2d_backward.default, aten.replication_pad2d_backward.default)
+    backward = node.target in _PAD_BACKWARD
     tensors = list(node.args[:2] if backward else node.args[:1])
     pad = node.args[2] if backward else node.args[1]
     if not (isinstance(pad, (list, tuple)) and len(pad) == 4 and all(isinstance(p, int) for p in pad)):

@@ -221,15 +221,14 @@ class CudaGraphRunner:
         if self.g is None:
             if self.prev_ptrs is None:
                 self.prev_ptrs = [_ptr(a) for a in args]
-                if self.pool is None:
-                    return self.run(args)
-                # The first calls of the model's graphs measure what its pool will need.
                 device = next((a.device for a in args if isinstance(a, torch.Tensor) and self.backend.on_device(a)),
                               None)
-                counters = (lambda: self.backend.memory_counters(device)) if device is not None else (lambda: None)
-                self.pool.sizing.begin(counters())
+                if self.pool is None or device is None:
+                    return self.run(args)
+                # The first calls of the model's graphs measure what its pool will need.
+                self.pool.sizing.begin(self.backend.memory_counters(device))
                 out = self.run(args)
-                self.pool.sizing.end(counters())
+                self.pool.sizing.end(self.backend.memory_counters(device))
                 return out
             return self._capture(args, "")
         why = self._check(args)
@@ -607,8 +606,9 @@ class CudaGraphRunner:
         if g.state.shared:
             others = len({id(y.graph) for y in g.state.graphs if y is not g})
             parts.append(f"memory pool shared with the model's training graphs ({others} other graph(s) in it)")
-            if self.pool is not None and self.pool.describe():
-                parts.append(self.pool.describe())
+            sizing = self.pool.describe() if self.pool is not None else ""
+            if sizing:
+                parts.append(sizing)
         elif self.pool is not None:
             parts.append("a memory pool of its own (its inputs were outputs of replays when it was captured)")
         if self.uncaptured:
