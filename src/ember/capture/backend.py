@@ -29,6 +29,7 @@ from torch._dynamo.backends.common import aot_autograd
 from torch._functorch.partitioners import min_cut_rematerialization_partition
 from torch._subclasses.fake_tensor import unset_fake_temporarily
 
+from ember.capture.aot_logs import aot_graph_text_off
 from ember.capture.decompositions import decomposition_table
 from ember.capture.instance_norm import rewrite_instance_norm
 from ember.capture.upsample import rewrite_nearest_interpolate
@@ -192,7 +193,8 @@ class EmberBackend:
                                inference_compiler=make("inference"),
                                decompositions=_decompositions(_cpu_inference(example_inputs, self.options), gpu),
                                partition_fn=_PARTITION)
-        return backend(gm, example_inputs)
+        with aot_graph_text_off():
+            return backend(gm, example_inputs)
 
 
 # The default partitioner saves every forward value the backward reads. The min-cut partitioner

@@ -320,7 +320,8 @@ class CudaGraphRunner:
             return _PoolState(self.backend.new_pool(device, False), shared=False)
         if self.pool.state is None:
             state = _PoolState(self.backend.new_pool(device, True), shared=True)
-            state.keeper = presize(self.pool, lambda nbytes: self.backend.reserve(state.handle, nbytes, device))
+            state.keeper = presize(self.pool, lambda nbytes: self.backend.reserve(state.handle, nbytes, device),
+                                   lambda: self.backend.release_cached(device))
             self.pool.state = state
         return self.pool.state
 
