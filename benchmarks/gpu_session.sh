@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One device call that checks and times the current tree on the H100 (run from the repo root):
-#   bash benchmarks/gpu_session.sh [PART]     PART 1 (default) to 15; results under $OUT (or ./gpu_session_out)
+#   bash benchmarks/gpu_session.sh [PART]     PART 1 (default) to 16; results under $OUT (or ./gpu_session_out)
 # Part 1 fits one 10-minute call; parts 2 and 3 are the training suite, one call each.
 # Each step has its own time limit, so one slow step cannot take the others' results with it;
 # the order is by priority (issue targets first). Writes one JSON per step and a log.
@@ -127,5 +127,17 @@ case "$PART" in
 15)  # peak memory of the other six seed models, one fresh process per backend
   step memory_rest 580 python benchmarks/gpu_memory.py vgg16 mobilenet_v3 densenet121 resnet50v2 cyclegan \
     style_transfer --backends eager,ember --json "$OUT/memory_rest.json"
+  ;;
+16)  # session 7: cold compile in the suite's conditions (Inductor first in the process) for the three
+     # models over 1/3; cyclegan memory after releasing the first calls' cached blocks; bert infer bs1;
+     # warm start; where resnet50's step goes (Ember vs Inductor)
+  step compile_profile 150 python benchmarks/gpu_compile_profile.py vgg16 resnet50 mobilenet_v3 --after-inductor \
+    --json "$OUT/compile_profile.json"
+  step memory_cyclegan 80 python benchmarks/gpu_memory.py cyclegan --backends eager,ember --json "$OUT/memory_cyclegan.json"
+  step infer_bert_bs1 100 python -m ember.cli bench bert --mode infer --batch 1 --precision bf16 \
+    --no-progress --json "$OUT/bench_infer_bert_bs1.json"
+  step warm_start 130 python benchmarks/gpu_warm_start.py resnet50 bert --json "$OUT/warm_start.json"
+  step profile_resnet50 130 python benchmarks/gpu_profile.py resnet50 --backend ember,inductor --no-trace \
+    --out "$OUT/profile_resnet50"
   ;;
 esac
