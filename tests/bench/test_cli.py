@@ -86,6 +86,19 @@ def test_infer_with_fake_ember_compile(monkeypatch: pytest.MonkeyPatch) -> None:
     assert rows[1]["speedup_vs_eager"] == pytest.approx(rows[0]["ms_median"] / rows[1]["ms_median"])
 
 
+def test_ember_rows_split_the_first_call() -> None:
+    rows = harness.run_benchmark(["tiny_transformer"], modes=["train"], backends=["ember"], device="cpu", batch=2,
+                                 warmup=0, iters=1, progress=False, small=True)
+    r = rows[0]
+    assert r["error"] is None, r["error"]
+    split = r["compile_split"]
+    assert split["graphs"] == 2 and split["kernels"] > 0  # the forward and the backward
+    assert set(split["ember_stages_s"]) >= {"passes", "schedule", "codegen", "program"}
+    assert split["ember_s"] == pytest.approx(sum(split["ember_stages_s"].values()))
+    assert 0 < split["ember_s"] < r["compile_s"]
+    assert split["capture_run_and_rest_s"] == pytest.approx(r["compile_s"] - split["ember_s"])
+
+
 def test_ember_backend_missing(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delattr(ember, "compile", raising=False)
     rows = harness.run_benchmark(["tiny_transformer"], backends=["ember"], device="cpu", batch=1,

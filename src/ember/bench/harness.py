@@ -205,6 +205,24 @@ def _make_step(
     return infer_step
 
 
+def _compile_split(fn: Callable[..., Any], total_s: float) -> dict[str, Any] | None:
+    """Where an Ember first call went: Ember's stages summed over its graphs, and the rest (Dynamo
+    and AOTAutograd capture, the step's own run, eager code between graphs; ``ember.explain``
+    splits those further). None for other backends."""
+    backend = getattr(fn, "_ember_backend", None)
+    if backend is None:
+        return None
+    graphs = backend.log.graphs
+    stages: dict[str, float] = {}
+    for g in graphs:
+        for name, secs in g.stage_seconds.items():
+            stages[name] = stages.get(name, 0.0) + secs
+    ember_s = sum(stages.values())
+    return {"ember_s": ember_s, "ember_stages_s": stages, "capture_run_and_rest_s": max(0.0, total_s - ember_s),
+            "graphs": len(graphs),
+            "kernels": sum(g.kernels for g in graphs), "unique_kernels": sum(g.unique_kernels for g in graphs)}
+
+
 def _measure(
     case: BenchCase, base: nn.Module, factory: BackendFactory, batches: list, mode: str, precision: str,
     device: torch.device, warmup: int, iters: int, row: dict[str, Any], progress: _Progress, label: str,
@@ -229,6 +247,9 @@ def _measure(
     first = step(*batches[0])
     _sync(device)
     row["compile_s"] = time.perf_counter() - t0
+    split = _compile_split(fn, row["compile_s"])
+    if split:
+        row["compile_split"] = split
     first_out = primary_tensor(first).detach().float().cpu()
     if mode == "train":
         row["first_loss"] = float(first_out)

@@ -320,8 +320,7 @@ class CudaGraphRunner:
             return _PoolState(self.backend.new_pool(device, False), shared=False)
         if self.pool.state is None:
             state = _PoolState(self.backend.new_pool(device, True), shared=True)
-            state.keeper = presize(self.pool, lambda nbytes: self.backend.reserve(state.handle, nbytes, device),
-                                   lambda: self.backend.release_cached(device))
+            state.keeper = presize(self.pool, lambda nbytes: self.backend.reserve(state.handle, nbytes, device))
             self.pool.state = state
         return self.pool.state
 
@@ -382,6 +381,8 @@ class CudaGraphRunner:
                 raise RuntimeError(f"{self.title}: CUDA-graph capture failed after the program freed "
                                    f"its inputs: {self.disabled}") from err
             return self.run(refs)
+        if state.shared and self.pool is not None:  # the first calls' cached memory (runtime/graph_pool.py)
+            self.pool.sizing.released += self.backend.release_cached(device)
         self._describe()
         return self._first_outputs(self.g, outputs, refs)
 

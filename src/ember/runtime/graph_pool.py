@@ -22,11 +22,12 @@ first capture into a new pool, one block of the measured size is allocated into 
 tiny captured graph (which keeps the pool alive) and freed again: the segment stays in the pool
 for the captures to carve. ``EMBER_POOL_PRESIZE=0`` turns this off.
 
-Just before that reservation the default pool's cached, unused blocks are released
-(``torch.cuda.empty_cache``): they are the uncaptured first calls' activations and temporaries,
-whose memory the captured graphs now take from their own pool. Left cached, both copies stay
-reserved: CycleGAN at batch 1 reserved 408 MiB on the H100 (174 in the default pool with 94
-active, 234 in the graph pool) against eager's 368.
+After each capture into a shared pool, the caching allocator's cached, unused blocks are released
+(``torch.cuda.empty_cache``): they are mostly the uncaptured first calls' activations and
+temporaries, whose memory the captured graphs now take from their own pool. Left cached, both
+copies stay reserved: CycleGAN at batch 1 reserved 408 MiB on the H100 (174 in the default pool
+with 94 active, 234 in the graph pool) against eager's 368. Captures are rare (the first steps,
+a recapture), so the synchronization this costs is paid a few times, never per replay.
 """
 
 from __future__ import annotations
@@ -47,7 +48,7 @@ class PoolSizing:
     window: tuple[int, int] | None = None  # (allocated, peak) when the first first call began
     need: int = 0  # bytes: the peak's rise over the measured calls (0: not measured)
     reserved: list[int] = field(default_factory=list)  # bytes pre-allocated into each pool made
-    released: int = 0  # bytes of cached default-pool memory released before the first reservation
+    released: int = 0  # bytes of cached memory released after captures into the pool
     note: str = ""
 
     def begin(self, counters: tuple[int, int] | None) -> None:
@@ -84,26 +85,23 @@ class GraphPool:
 
     def describe(self) -> str:
         s = self.sizing
+        released = f"{s.released / 2**20:,.0f} MiB of cached memory released after capture" if s.released else ""
         if s.reserved:
-            released = f"; {s.released / 2**20:,.0f} MiB of the first calls' cached memory released" \
-                if s.released else ""
-            return (f"pool pre-sized to {s.reserved[-1] / 2**20:,.0f} MiB in one segment (measured on the "
-                    f"first calls){released}")
-        return s.note
+            sized = (f"pool pre-sized to {s.reserved[-1] / 2**20:,.0f} MiB in one segment (measured on the "
+                     "first calls)")
+        else:
+            sized = s.note
+        return "; ".join(x for x in (sized, released) if x)
 
 
-def presize(pool: GraphPool, reserve: Callable[[int], object],
-            release_cached: Callable[[], int] = lambda: 0) -> object | None:
-    """Before the first capture into a new pool: release the default pool's cached blocks
-    (``release_cached()`` returns the bytes released), then allocate the measured size into the
-    new pool once (``reserve(nbytes)`` returns what keeps the pool alive). None when nothing was
-    reserved."""
+def presize(pool: GraphPool, reserve: Callable[[int], object]) -> object | None:
+    """Before the first capture into a new pool: allocate the measured size into it once
+    (``reserve(nbytes)`` returns what keeps the pool alive). None when nothing was reserved."""
     if not presize_enabled():
         pool.sizing.note = "not pre-sized (EMBER_POOL_PRESIZE=0)"
         return None
     if not pool.sizing.need:
         return None
-    pool.sizing.released += release_cached()
     try:
         keeper = reserve(pool.sizing.need)
     except Exception as err:  # noqa: BLE001 - out of memory, say: the pool grows as it would have
