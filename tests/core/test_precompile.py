@@ -43,6 +43,25 @@ def test_serial_precompile_reports_each_failure_once(jobs, monkeypatch):
     assert again.kernels == 0 and again.describe() == "no new kernels"
 
 
+def test_submit_returns_before_waiting_and_wait_reports_once(jobs, monkeypatch):
+    monkeypatch.setenv("EMBER_COMPILE_WORKERS", "2")
+    started = []
+
+    class Pool:  # a pool whose jobs finish only when their results are read
+        def submit(self, fn, job):
+            started.append(job.name)
+            future = pc.cf.Future()
+            future.set_result((None, 100.0, 0.5))
+            return future
+
+    monkeypatch.setattr(pc, "_pool", lambda workers: Pool())
+    pending = pc.submit(jobs)
+    assert started == ["ember_k_a", "ember_k_b"] and pending.stats.wall_s == 0.0  # not waited for yet
+    stats = pending.wait()
+    assert stats.kernels == 2 and stats.workers == 2 and stats.compile_s == pytest.approx(1.0)
+    assert stats.errors == [] and pending.wait() is stats
+
+
 def test_compile_job_returns_an_error_without_a_gpu(jobs, monkeypatch):
     import torch
 

@@ -209,3 +209,13 @@ def test_no_debug_prints_nothing(capsys: pytest.CaptureFixture[str]) -> None:
     compiled = ember.compile(softmax_mul_add, target="aten")
     check_against_eager(compiled, softmax_mul_add, tiny_inputs())
     assert "# ember" not in capsys.readouterr().out
+
+
+def test_the_first_call_waits_for_what_the_program_needs_once() -> None:
+    from ember.runtime.program import CompiledGraph
+
+    events: list[str] = []
+    graph = CompiledGraph("g", "", lambda args: events.append(f"run {len(args)}") or len(args))
+    graph.before_first_call = lambda: events.append("wait")
+    assert graph([1, 2]) == 2 and graph([3]) == 1
+    assert events == ["wait", "run 2", "run 1"] and graph.first_call_s is not None

@@ -193,8 +193,23 @@ class EmberBackend:
                                inference_compiler=make("inference"),
                                decompositions=_decompositions(_cpu_inference(example_inputs, self.options), gpu),
                                partition_fn=_PARTITION)
-        with aot_graph_text_off():
+        with aot_graph_text_off(), _backward_with_forward(gpu):
             return backend(gm, example_inputs)
+
+
+@contextlib.contextmanager
+def _backward_with_forward(on: bool) -> Iterator[None]:
+    """AOTAutograd compiles a training graph's backward on its first use. On GPU targets Ember has
+    it compiled right after the forward instead: the forward's kernels are still compiling in the
+    workers (runtime/precompile.py), and the backward's passes and code generation overlap them
+    rather than follow its first run. A backward that fails to compile falls back inside
+    ``compile_graph`` as before, so the eager compile raises nothing new."""
+    cfg = torch._functorch.config
+    if not on or not hasattr(cfg, "force_non_lazy_backward_lowering"):
+        yield
+        return
+    with cfg.patch(force_non_lazy_backward_lowering=True):
+        yield
 
 
 # The default partitioner saves every forward value the backward reads. The min-cut partitioner

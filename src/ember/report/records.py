@@ -34,6 +34,7 @@ class GraphRecord:
     layout: dict = field(default_factory=dict)  # passes/layout.py: conversions, saved-output strides
     cache: str = ""  # compiled-program cache: hit | stored | miss | off | not cacheable (...)
     compile_note: str = ""  # where the kernel_compile stage went (runtime/precompile.py)
+    kernel_wait_s: float = 0.0  # of kernel_compile: the first call's wait for the compile workers
 
 
 @dataclass

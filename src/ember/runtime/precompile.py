@@ -12,6 +12,11 @@ Workers are spawned (not forked: the parent may hold a CUDA context) once per pr
 needs seconds to import torch and Triton, so ``start_workers`` lets the backend begin that while
 Dynamo and AOTAutograd are still capturing. ``EMBER_COMPILE_WORKERS=0`` compiles serially in
 this process instead. Each call returns a ``PrecompileStats`` that ``ember.explain`` reports.
+
+``submit`` does not wait: the pipeline hands the pending compile to the compiled program, whose
+first call waits for it. Meanwhile the parent goes on with the next graph (the backward, which
+the backend has AOTAutograd compile right after the forward on GPU targets): its passes and code
+generation run while the workers compile the forward's kernels, instead of after them.
 """
 
 from __future__ import annotations
@@ -158,35 +163,67 @@ def start_workers() -> None:
             _STARTED.extend(pool.submit(_start_worker) for _ in range(workers))
 
 
-def precompile(jobs: Sequence[CompileJob]) -> PrecompileStats:
-    """Compile the jobs not compiled before in this process."""
-    todo = [j for j in {j.name: j for j in jobs}.values() if j.name not in _DONE]
-    stats = PrecompileStats(kernels=len(todo))
-    if not todo:
-        return stats
-    _DONE.update(j.name for j in todo)
-    workers = worker_count()
-    submitted = time.time()
-    if workers == 0 or len(todo) == 1:
-        results = [compile_job(j) for j in todo]
-    else:
-        stats.workers = workers
+class PendingCompile:
+    """Jobs handed to the workers; ``wait()`` blocks until they are done and returns their stats
+    (the first call only; later calls return the same stats)."""
+
+    def __init__(self, todo: list[CompileJob], workers: int) -> None:
+        self.todo = todo
+        self.stats = PrecompileStats(kernels=len(todo), workers=workers)
+        self.submitted = time.time()
+        self.futures: list[cf.Future] = []
+        self.results: list[tuple[str | None, float, float]] | None = None
+        self.done = not todo
+        if not todo:
+            return
+        if workers == 0:
+            self.results = [compile_job(j) for j in todo]
+            return
         try:
             with _as_worker_env():
-                futures = [_pool(workers).submit(compile_job, j) for j in todo]
-            results = [f.result() for f in futures]
-        except Exception as err:  # a broken pool (killed worker): launches compile on demand
-            stats.errors.append(f"parallel compile failed: {type(err).__name__}: {err}")
-            stats.wall_s = time.time() - submitted
+                self.futures = [_pool(workers).submit(compile_job, j) for j in todo]
+        except Exception as err:  # noqa: BLE001 - a broken pool (killed worker): launches compile on demand
+            self._broken(err)
+
+    def _broken(self, err: Exception) -> None:
+        self.stats.errors.append(f"parallel compile failed: {type(err).__name__}: {err}")
+        self.futures, self.results = [], []
+
+    def wait(self) -> PrecompileStats:
+        if self.done:
+            return self.stats
+        self.done = True
+        if self.results is None:
+            try:
+                self.results = [f.result() for f in self.futures]
+            except Exception as err:  # noqa: BLE001 - as above
+                self._broken(err)
+        stats, results = self.stats, self.results or []
+        stats.wall_s = time.time() - self.submitted
+        if not results:
             return stats
-    stats.wall_s = time.time() - submitted
-    stats.errors = [e for e, _, _ in results if e]
-    _LOG.extend((j, s) for j, (_, _, s) in zip(todo, results))
-    stats.compile_s = sum(s for _, _, s in results)
-    stats.wait_s = max(0.0, min(b for _, b, _ in results) - submitted)
-    slowest = max(range(len(todo)), key=lambda i: results[i][2])
-    stats.slowest, stats.slowest_s = todo[slowest].name, results[slowest][2]
-    return stats
+        stats.errors = [e for e, _, _ in results if e]
+        _LOG.extend((j, s) for j, (_, _, s) in zip(self.todo, results))
+        stats.compile_s = sum(s for _, _, s in results)
+        if stats.workers:
+            stats.wait_s = max(0.0, min(b for _, b, _ in results) - self.submitted)
+        slowest = max(range(len(self.todo)), key=lambda i: results[i][2])
+        stats.slowest, stats.slowest_s = self.todo[slowest].name, results[slowest][2]
+        return stats
+
+
+def submit(jobs: Sequence[CompileJob]) -> PendingCompile:
+    """Start compiling the jobs not compiled before in this process; returns without waiting
+    (with no workers, or one job, it compiles them here first)."""
+    todo = [j for j in {j.name: j for j in jobs}.values() if j.name not in _DONE]
+    _DONE.update(j.name for j in todo)
+    workers = worker_count()
+    return PendingCompile(todo, 0 if len(todo) == 1 else workers)
+
+
+def precompile(jobs: Sequence[CompileJob]) -> PrecompileStats:
+    """Compile the jobs not compiled before in this process, and wait for them."""
+    return submit(jobs).wait()
 
 
 def compile_log() -> list[tuple[CompileJob, float]]:

@@ -1,5 +1,7 @@
-"""AOTAutograd's graph text (capture/aot_logs.py): not rendered while Ember compiles unless a log
-shows it; a model still trains as in eager either way."""
+"""How Ember's backend sets AOTAutograd up: its graph text (capture/aot_logs.py) is not rendered
+unless a log shows it, and on GPU targets the backward compiles right after the forward
+(capture/backend.py), so its compile overlaps the forward's kernel compile. A model still trains
+as in eager either way."""
 
 from __future__ import annotations
 
@@ -53,3 +55,29 @@ def test_graph_text_is_rendered_for_a_log_that_shows_it(monkeypatch: pytest.Monk
         assert _train_step_rendering(monkeypatch) >= 2  # the forward and the backward
     finally:
         log.setLevel(level)
+
+
+def test_on_gpu_targets_the_backward_compiles_with_the_forward() -> None:
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 4))
+    twin = copy.deepcopy(model)
+    compiled = ember.compile(model, target="triton-interpret")
+    x = torch.randn(5, 8)
+    out = compiled(x)
+    log = compiled._ember_backend.log
+    assert [g.kind for g in log.graphs] == ["forward", "backward"]  # before any backward ran
+    out.square().sum().backward()
+    twin(x).square().sum().backward()
+    assert len(log.graphs) == 2
+    for p, q in zip(model.parameters(), twin.parameters(), strict=True):
+        assert_close(p.grad, q.grad, torch.float32)
+    assert not torch._functorch.config.force_non_lazy_backward_lowering  # only while Ember compiles
+
+
+def test_cpu_targets_compile_the_backward_on_first_use() -> None:
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 4))
+    compiled = ember.compile(model, target="cpu")
+    loss = compiled(torch.randn(5, 8)).sum()
+    assert [g.kind for g in compiled._ember_backend.log.graphs] == ["forward"]
+    loss.backward()
+    assert [g.kind for g in compiled._ember_backend.log.graphs] == ["forward", "backward"]
