@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One device call that checks and times the current tree on the H100 (run from the repo root):
-#   bash benchmarks/gpu_session.sh [PART]     PART 1 (default) to 16; results under $OUT (or ./gpu_session_out)
+#   bash benchmarks/gpu_session.sh [PART]     PART 1 (default) to 18; results under $OUT (or ./gpu_session_out)
 # Part 1 fits one 10-minute call; parts 2 and 3 are the training suite, one call each.
 # Each step has its own time limit, so one slow step cannot take the others' results with it;
 # the order is by priority (issue targets first). Writes one JSON per step and a log.
@@ -139,5 +139,18 @@ case "$PART" in
   step warm_start 130 python benchmarks/gpu_warm_start.py resnet50 bert --json "$OUT/warm_start.json"
   step profile_resnet50 130 python benchmarks/gpu_profile.py resnet50 --backend ember,inductor --no-trace \
     --out "$OUT/profile_resnet50"
+  ;;
+17)  # after the asynchronous kernel compile with the backward compiled beside the forward: the three
+     # models whose cold compile was over 1/3 (eager, Inductor, Ember in one run, as the suite), cyclegan
+     # memory, resnet50's fresh-process compile split
+  step train_compile 430 python -m ember.cli bench resnet50 vgg16 mobilenet_v3 --mode train --precision bf16 \
+    --iters 20 --no-progress --json "$OUT/bench_train_compile.json"
+  step memory_cyclegan 60 python benchmarks/gpu_memory.py cyclegan --backends ember --json "$OUT/memory_cyclegan.json"
+  step compile_profile 70 python benchmarks/gpu_compile_profile.py resnet50 --json "$OUT/compile_profile.json"
+  ;;
+18)  # warm start (resnet50, bert) and GPU correctness vs fp32 eager after the compile-order change
+  step warm_start 200 python benchmarks/gpu_warm_start.py resnet50 bert --json "$OUT/warm_start.json"
+  step correctness 200 python benchmarks/gpu_correctness.py resnet50 bert mobilenet_v3 cyclegan --json "$OUT/correctness.json"
+  step cudagraph_check 120 python benchmarks/gpu_cudagraph_check.py --json "$OUT/cudagraph_check.json"
   ;;
 esac
