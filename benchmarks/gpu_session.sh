@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One device call that checks and times the current tree on the H100 (run from the repo root):
-#   bash benchmarks/gpu_session.sh [PART]     PART 1 (default) to 18; results under $OUT (or ./gpu_session_out)
+#   bash benchmarks/gpu_session.sh [PART]     PART 1 (default) to 19; results under $OUT (or ./gpu_session_out)
 # Part 1 fits one 10-minute call; parts 2 and 3 are the training suite, one call each.
 # Each step has its own time limit, so one slow step cannot take the others' results with it;
 # the order is by priority (issue targets first). Writes one JSON per step and a log.
@@ -148,9 +148,17 @@ case "$PART" in
   step memory_cyclegan 60 python benchmarks/gpu_memory.py cyclegan --backends ember --json "$OUT/memory_cyclegan.json"
   step compile_profile 70 python benchmarks/gpu_compile_profile.py resnet50 --json "$OUT/compile_profile.json"
   ;;
-18)  # warm start (resnet50, bert) and GPU correctness vs fp32 eager after the compile-order change
-  step warm_start 200 python benchmarks/gpu_warm_start.py resnet50 bert --json "$OUT/warm_start.json"
+18)  # after pausing the garbage collector during compiles: the three models again; what holds
+     # cyclegan's default-pool memory at Ember's peak; GPU correctness vs fp32 eager after the
+     # compile-order change
+  step train_compile 300 python -m ember.cli bench resnet50 vgg16 mobilenet_v3 --mode train --precision bf16 \
+    --iters 20 --no-progress --json "$OUT/bench_train_compile.json"
+  step memory_cyclegan 70 python benchmarks/gpu_memory.py cyclegan --backends ember --trace ember \
+    --json "$OUT/memory_cyclegan.json"
   step correctness 200 python benchmarks/gpu_correctness.py resnet50 bert mobilenet_v3 cyclegan --json "$OUT/correctness.json"
+  ;;
+19)  # warm start (resnet50, bert); CUDA-graph checks; the second half of the suite
+  step warm_start 200 python benchmarks/gpu_warm_start.py resnet50 bert --json "$OUT/warm_start.json"
   step cudagraph_check 120 python benchmarks/gpu_cudagraph_check.py --json "$OUT/cudagraph_check.json"
   ;;
 esac

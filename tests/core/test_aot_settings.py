@@ -1,6 +1,6 @@
-"""How Ember's backend sets AOTAutograd up: its graph text (capture/aot_logs.py) is not rendered
+"""How Ember's backend sets AOTAutograd up: its graph text (capture/aot_settings.py) is not rendered
 unless a log shows it, and on GPU targets the backward compiles right after the forward
-(capture/backend.py), so its compile overlaps the forward's kernel compile. A model still trains
+(capture/aot_settings.py), so its compile overlaps the forward's kernel compile. A model still trains
 as in eager either way."""
 
 from __future__ import annotations
@@ -81,3 +81,23 @@ def test_cpu_targets_compile_the_backward_on_first_use() -> None:
     assert [g.kind for g in compiled._ember_backend.log.graphs] == ["forward"]
     loss.backward()
     assert [g.kind for g in compiled._ember_backend.log.graphs] == ["forward", "backward"]
+
+
+def test_garbage_collection_pauses_only_while_ember_compiles(monkeypatch: pytest.MonkeyPatch) -> None:
+    import gc
+
+    import ember.capture.backend as backend
+
+    seen = []
+    real = backend.compile_graph
+
+    def spy(gm, inputs, options, record):
+        seen.append(gc.isenabled())
+        return real(gm, inputs, options, record)
+
+    monkeypatch.setattr(backend, "compile_graph", spy)
+    assert gc.isenabled()
+    model = torch.nn.Sequential(torch.nn.Linear(8, 4), torch.nn.ReLU())
+    x = torch.randn(3, 8)
+    assert_close(ember.compile(model)(x), model(x), torch.float32)
+    assert seen == [False] and gc.isenabled()

@@ -29,7 +29,7 @@ from torch._dynamo.backends.common import aot_autograd
 from torch._functorch.partitioners import min_cut_rematerialization_partition
 from torch._subclasses.fake_tensor import unset_fake_temporarily
 
-from ember.capture.aot_logs import aot_graph_text_off
+from ember.capture.aot_settings import aot_graph_text_off, backward_with_forward, gc_paused
 from ember.capture.decompositions import decomposition_table
 from ember.capture.instance_norm import rewrite_instance_norm
 from ember.capture.upsample import rewrite_nearest_interpolate
@@ -193,23 +193,8 @@ class EmberBackend:
                                inference_compiler=make("inference"),
                                decompositions=_decompositions(_cpu_inference(example_inputs, self.options), gpu),
                                partition_fn=_PARTITION)
-        with aot_graph_text_off(), _backward_with_forward(gpu):
+        with aot_graph_text_off(), backward_with_forward(gpu), gc_paused():  # capture/aot_settings.py
             return backend(gm, example_inputs)
-
-
-@contextlib.contextmanager
-def _backward_with_forward(on: bool) -> Iterator[None]:
-    """AOTAutograd compiles a training graph's backward on its first use. On GPU targets Ember has
-    it compiled right after the forward instead: the forward's kernels are still compiling in the
-    workers (runtime/precompile.py), and the backward's passes and code generation overlap them
-    rather than follow its first run. A backward that fails to compile falls back inside
-    ``compile_graph`` as before, so the eager compile raises nothing new."""
-    cfg = torch._functorch.config
-    if not on or not hasattr(cfg, "force_non_lazy_backward_lowering"):
-        yield
-        return
-    with cfg.patch(force_non_lazy_backward_lowering=True):
-        yield
 
 
 # The default partitioner saves every forward value the backward reads. The min-cut partitioner
