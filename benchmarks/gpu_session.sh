@@ -157,8 +157,11 @@ case "$PART" in
     --json "$OUT/memory_cyclegan.json"
   step correctness 200 python benchmarks/gpu_correctness.py resnet50 bert mobilenet_v3 cyclegan --json "$OUT/correctness.json"
   ;;
-19)  # warm start (resnet50, bert); CUDA-graph checks; the second half of the suite
-  step warm_start 200 python benchmarks/gpu_warm_start.py resnet50 bert --json "$OUT/warm_start.json"
-  step cudagraph_check 120 python benchmarks/gpu_cudagraph_check.py --json "$OUT/cudagraph_check.json"
+19)  # releasing the first calls' cached blocks: cyclegan memory (one process per backend); vgg16's
+     # compile split with the first run; cyclegan / style_transfer speed; warm start (resnet50, bert)
+  step memory_cyclegan 80 python benchmarks/gpu_memory.py cyclegan --backends eager,ember --json "$OUT/memory_cyclegan.json"
+  step train_small 240 python -m ember.cli bench vgg16 cyclegan style_transfer --mode train --precision bf16 \
+    --iters 20 --no-progress --json "$OUT/bench_train_small.json"
+  step warm_start 220 python benchmarks/gpu_warm_start.py resnet50 bert --json "$OUT/warm_start.json"
   ;;
 esac

@@ -322,6 +322,7 @@ def _finish(record: GraphRecord, run: Callable[[list], object], text: str, block
     else:
         record.cudagraph = f"not captured: {blocker}"
     graph = CompiledGraph(record.title, text, run, reference, options.check)
+    graph.after_first_call = lambda seconds: setattr(record, "first_call_s", seconds)
     if pending is not None:
         graph.before_first_call = lambda: _await_kernels(record, pending)
     return graph

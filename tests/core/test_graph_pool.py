@@ -52,10 +52,11 @@ def test_the_first_calls_measure_the_pool_and_the_first_capture_reserves_it() ->
     assert backend.reserved == [(pool.state.handle, 350)]  # once, into the pool both graphs use
     assert backend.pools[0] is backend.pools[1] is pool.state.handle
     assert pool.state.keeper is not None
-    # cached memory is released after each capture into the pool, the reservation before them
-    assert backend.events == ["reserve", "release", "release"] and pool.sizing.released == 6 * 2**20
+    # cached memory is released after each first call and each capture, the reservation before those
+    assert backend.events == ["release", "release", "reserve", "release", "release"]
+    assert pool.sizing.released == 12 * 2**20
     assert "pre-sized to" in fw.status and "pre-sized to" in bw.status
-    assert "6 MiB of cached memory released after capture" in bw.status
+    assert "12 MiB of cached memory released after first calls and captures" in bw.status
 
 
 def test_a_renewed_pool_is_reserved_again() -> None:
@@ -82,7 +83,7 @@ def test_no_reservation_and_the_reason(case: str, monkeypatch: pytest.MonkeyPatc
     for _ in range(3):
         _step(fw, bw, w)  # results still match eager (checked in _step)
     assert fw.captures == bw.captures == 1 and not backend.reserved and pool.state.keeper is None
-    assert backend.events == ["release", "release"]  # after each capture, pre-sized or not
+    assert backend.events == ["release"] * 4  # after each first call and capture, pre-sized or not
     note = {"no new peak": "set no new allocation peak", "switched off": "EMBER_POOL_PRESIZE=0",
             "reserve fails": "reserving 0 MiB failed (OutOfMemoryError)", "no counters": ""}[case]
     assert note in pool.describe(), pool.describe()

@@ -20,8 +20,8 @@ NOTES = {
     "ms_median": "median wall time of one step (ms); train = forward + loss + backward + SGD step",
     "compile_s": "wall time of the first call (s), including compilation; cold or warm disk cache "
     "as the process found it",
-    "compile_split": "Ember rows: compile_s split into Ember's stages (summed over graphs) and the rest "
-    "(Dynamo + AOTAutograd capture, the step's own run)",
+    "compile_split": "Ember rows: compile_s split into Ember's stages (summed over graphs), the compiled "
+    "graphs' first run, and the rest (Dynamo + AOTAutograd capture, eager code such as the optimizer step)",
     "peak_mem_bytes": "cuda_max_memory_allocated: torch.cuda.max_memory_allocated over the timed "
     "steps (reset after warm-up); cpu_profiler_step_peak (CPU): the most tensor memory one more step "
     "held at once on top of what was allocated when it started (weights, optimizer state, inputs), "

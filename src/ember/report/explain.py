@@ -345,7 +345,8 @@ class ExplainReport:
 # -- running the model ---------------------------------------------------------------------------
 
 class _TimedBackend:
-    """Times each Dynamo graph's first call: GraphRecord.first_call_s is not filled by the core."""
+    """Times each Dynamo graph's first call: the fallback when the records have no first-run times
+    (GraphRecord.first_call_s, filled by the compiled program)."""
 
     def __init__(self, backend: EmberBackend) -> None:
         self.backend = backend

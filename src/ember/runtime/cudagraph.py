@@ -229,6 +229,7 @@ class CudaGraphRunner:
                 self.pool.sizing.begin(self.backend.memory_counters(device))
                 out = self.run(args)
                 self.pool.sizing.end(self.backend.memory_counters(device))
+                self.pool.sizing.released += self.backend.release_cached(device)  # (runtime/graph_pool.py)
                 return out
             return self._capture(args, "")
         why = self._check(args)

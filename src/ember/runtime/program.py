@@ -64,6 +64,7 @@ class CompiledGraph:
     # Waits for what the first run needs and is still being prepared: the kernels the compile
     # workers build (runtime/precompile.py), so the next graph compiles meanwhile.
     before_first_call: Callable[[], None] | None = None
+    after_first_call: Callable[[float], None] | None = None  # told the first run's seconds
 
     def __call__(self, args: list) -> object:
         self.calls += 1
@@ -77,6 +78,8 @@ class CompiledGraph:
         out = self.run(args)
         if self.first_call_s is None:
             self.first_call_s = time.perf_counter() - start
+            if self.after_first_call is not None:
+                self.after_first_call(self.first_call_s)
         if saved is not None:
             self.check = False
             with torch.no_grad():
