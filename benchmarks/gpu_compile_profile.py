@@ -29,6 +29,9 @@ from ember.bench import models
 launch = {"miss": 0, "hit": 0, "miss_s": 0.0}
 def listener(*, src, metadata, metadata_group, times, cache_hit):
     launch["hit" if cache_hit else "miss"] += 1
+    if not cache_hit and len(launch.setdefault("missed", [])) < 6:  # which kernels, specialised how
+        launch["missed"].append(f"{getattr(src, 'name', '?')}: attrs {str(getattr(src, 'attrs', ''))[:300]} "
+                                f"signature {str(getattr(src, 'signature', ''))[:200]}")
     if not cache_hit:
         try:  # microseconds
             launch["miss_s"] += (times.ir_initialization + times.total_lowering + times.store_results) / 1e6

@@ -89,6 +89,22 @@ for seg in torch.cuda.memory_snapshot():
     p["segments"] += 1
     p["reserved"] += seg["total_size"]
     p["active"] += seg["active_size"]
+if trace:  # the default pool's inactive blocks at the end, largest first, with their last allocation
+    free = []
+    for seg in torch.cuda.memory_snapshot():
+        if tuple(seg.get("segment_pool_id", (0, 0))) != (0, 0):
+            continue
+        for b in seg.get("blocks", []):
+            if b.get("state") == "inactive":
+                fr = [f for f in b.get("frames", []) if "/torch/" not in f["filename"]][:2]
+                free.append((b["size"], seg["total_size"], seg["active_size"],
+                             "; ".join(f"{f['filename'].rsplit('/', 1)[-1]}:{f['line']} {f['name']}" for f in fr)))
+    for size, seg_size, seg_active, where in sorted(free, reverse=True)[:12]:
+        print(f"INACTIVE {size / 2**20:8.1f} MiB in a {seg_size / 2**20:.0f} MiB segment ({seg_active / 2**20:.1f} "
+              f"active): {where}")
+    if hasattr(fn, "_ember_backend"):
+        for g in fn._ember_backend.log.graphs:
+            print(f"GRAPH {g.title}: {g.cudagraph}")
 params = sum(p.numel() * p.element_size() for p in model.parameters())
 momentum = sum(v.numel() * v.element_size() for s in optimizer.state.values() for v in s.values()
                if torch.is_tensor(v) and v.is_cuda)
