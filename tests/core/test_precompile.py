@@ -85,3 +85,11 @@ def test_worker_count_from_env(monkeypatch):
     assert pc.worker_count() == 3
     monkeypatch.setenv("EMBER_COMPILE_WORKERS", "-2")
     assert pc.worker_count() == 0
+
+
+def test_bool_pointers_warm_up_with_a_tensor_and_others_with_their_dtype():
+    import torch
+
+    assert pc._warmup_arg(torch, "bfloat16") is torch.bfloat16
+    arg = pc._warmup_arg(torch, "bool")
+    assert isinstance(arg, torch.Tensor) and arg.dtype is torch.bool and arg.data_ptr() % 16 == 0

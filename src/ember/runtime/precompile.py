@@ -113,6 +113,18 @@ def _build_launcher(kernel: object) -> None:
         pass
 
 
+def _warmup_arg(torch: object, dtype_name: str) -> object:
+    """What ``warmup`` gets for a pointer argument: its dtype, which Triton specialises as an
+    aligned pointer of that type. Except bool: the dtype gives another signature than a bool
+    tensor gives at launch on the H100's Triton (every vgg16 kernel reading a dropout or ReLU
+    mask compiled again at its first launch), so a small aligned CPU bool tensor stands in,
+    specialised exactly as the launch's tensor is."""
+    dtype = getattr(torch, dtype_name)
+    if dtype is torch.bool:  # type: ignore[attr-defined]
+        return torch.zeros(16, dtype=dtype)  # type: ignore[attr-defined]
+    return dtype
+
+
 def compile_job(job: CompileJob) -> tuple[str | None, float, float]:
     """Compile one kernel in this process: (error text or None, start time, seconds). Runs in the workers."""
     began = time.time()
@@ -124,8 +136,7 @@ def compile_job(job: CompileJob) -> tuple[str | None, float, float]:
         module = importlib.util.module_from_spec(spec)
         spec.loader.exec_module(module)
         fn = getattr(module, job.name)
-        dtypes = [getattr(torch, d) for d in job.arg_dtypes]
-        _build_launcher(fn.warmup(*dtypes, grid=(1,), **dict(job.meta)))
+        _build_launcher(fn.warmup(*[_warmup_arg(torch, d) for d in job.arg_dtypes], grid=(1,), **dict(job.meta)))
     except Exception as err:  # the launch in the parent compiles it again and reports properly
         return f"{job.name}: {type(err).__name__}: {err}", began, time.time() - began
     return None, began, time.time() - began
