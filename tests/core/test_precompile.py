@@ -41,6 +41,9 @@ def test_serial_precompile_reports_each_failure_once(jobs, monkeypatch):
     assert "2 kernels on this process" in stats.describe() and "2 failed" in stats.describe()
     again = pc.precompile(jobs)
     assert again.kernels == 0 and again.describe() == "no new kernels"
+    # the same kernel with other launch parameters is another compile
+    other = pc.CompileJob(jobs[0].path, jobs[0].name, jobs[0].arg_dtypes, (("BLOCK", 16), ("N", 8)))
+    assert pc.precompile([other]).kernels == 1
 
 
 def test_submit_returns_before_waiting_and_wait_reports_once(jobs, monkeypatch):
@@ -86,10 +89,3 @@ def test_worker_count_from_env(monkeypatch):
     monkeypatch.setenv("EMBER_COMPILE_WORKERS", "-2")
     assert pc.worker_count() == 0
 
-
-def test_bool_pointers_warm_up_with_a_tensor_and_others_with_their_dtype():
-    import torch
-
-    assert pc._warmup_arg(torch, "bfloat16") is torch.bfloat16
-    arg = pc._warmup_arg(torch, "bool")
-    assert isinstance(arg, torch.Tensor) and arg.dtype is torch.bool and arg.data_ptr() % 16 == 0

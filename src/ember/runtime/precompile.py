@@ -34,7 +34,10 @@ from pathlib import Path
 
 _POOL: cf.ProcessPoolExecutor | None = None
 _STARTED: list[cf.Future] = []  # the workers' start-up jobs
-_DONE: set[str] = set()  # kernel names compiled (or attempted) by this process's pool
+# (kernel name, launch meta) compiled or attempted by this process. The meta is part of the key:
+# one kernel source can launch with other block sizes or warps (a split reduction's combining
+# kernel does, across layers of a model), and each is its own compile.
+_DONE: set[tuple[str, tuple]] = set()
 _LOG: list[tuple[CompileJob, float]] = []  # every job this process compiled ahead, with its seconds
 
 
@@ -113,18 +116,6 @@ def _build_launcher(kernel: object) -> None:
         pass
 
 
-def _warmup_arg(torch: object, dtype_name: str) -> object:
-    """What ``warmup`` gets for a pointer argument: its dtype, which Triton specialises as an
-    aligned pointer of that type. Except bool: the dtype gives another signature than a bool
-    tensor gives at launch on the H100's Triton (every vgg16 kernel reading a dropout or ReLU
-    mask compiled again at its first launch), so a small aligned CPU bool tensor stands in,
-    specialised exactly as the launch's tensor is."""
-    dtype = getattr(torch, dtype_name)
-    if dtype is torch.bool:  # type: ignore[attr-defined]
-        return torch.zeros(16, dtype=dtype)  # type: ignore[attr-defined]
-    return dtype
-
-
 def compile_job(job: CompileJob) -> tuple[str | None, float, float]:
     """Compile one kernel in this process: (error text or None, start time, seconds). Runs in the workers."""
     began = time.time()
@@ -136,7 +127,8 @@ def compile_job(job: CompileJob) -> tuple[str | None, float, float]:
         module = importlib.util.module_from_spec(spec)
         spec.loader.exec_module(module)
         fn = getattr(module, job.name)
-        _build_launcher(fn.warmup(*[_warmup_arg(torch, d) for d in job.arg_dtypes], grid=(1,), **dict(job.meta)))
+        dtypes = [getattr(torch, d) for d in job.arg_dtypes]
+        _build_launcher(fn.warmup(*dtypes, grid=(1,), **dict(job.meta)))
     except Exception as err:  # the launch in the parent compiles it again and reports properly
         return f"{job.name}: {type(err).__name__}: {err}", began, time.time() - began
     return None, began, time.time() - began
@@ -226,8 +218,8 @@ class PendingCompile:
 def submit(jobs: Sequence[CompileJob]) -> PendingCompile:
     """Start compiling the jobs not compiled before in this process; returns without waiting
     (with no workers, or one job, it compiles them here first)."""
-    todo = [j for j in {j.name: j for j in jobs}.values() if j.name not in _DONE]
-    _DONE.update(j.name for j in todo)
+    todo = [j for j in {(j.name, j.meta): j for j in jobs}.values() if (j.name, j.meta) not in _DONE]
+    _DONE.update((j.name, j.meta) for j in todo)
     workers = worker_count()
     return PendingCompile(todo, 0 if len(todo) == 1 else workers)
 
