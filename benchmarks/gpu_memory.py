@@ -89,6 +89,7 @@ for seg in torch.cuda.memory_snapshot():
     p["segments"] += 1
     p["reserved"] += seg["total_size"]
     p["active"] += seg["active_size"]
+notes = []
 if trace:  # the default pool's inactive blocks at the end, largest first, with their last allocation
     free = []
     for seg in torch.cuda.memory_snapshot():
@@ -99,17 +100,18 @@ if trace:  # the default pool's inactive blocks at the end, largest first, with 
                 fr = [f for f in b.get("frames", []) if "/torch/" not in f["filename"]][:2]
                 free.append((b["size"], seg["total_size"], seg["active_size"],
                              "; ".join(f"{f['filename'].rsplit('/', 1)[-1]}:{f['line']} {f['name']}" for f in fr)))
-    for size, seg_size, seg_active, where in sorted(free, reverse=True)[:12]:
-        print(f"INACTIVE {size / 2**20:8.1f} MiB in a {seg_size / 2**20:.0f} MiB segment ({seg_active / 2**20:.1f} "
-              f"active): {where}")
+    notes += [f"inactive {size / 2**20:8.1f} MiB in a {seg_size / 2**20:.0f} MiB segment ({seg_active / 2**20:.1f} "
+              f"active): {where}" for size, seg_size, seg_active, where in sorted(free, reverse=True)[:12]]
+    notes.append("default-pool blocks by state: " + json.dumps({st: sum(b["size"] for seg in torch.cuda.memory_snapshot()
+                 if tuple(seg.get("segment_pool_id", (0, 0))) == (0, 0) for b in seg.get("blocks", [])
+                 if b.get("state") == st) for st in ("active_allocated", "active_pending_free", "inactive")}))
     if hasattr(fn, "_ember_backend"):
-        for g in fn._ember_backend.log.graphs:
-            print(f"GRAPH {g.title}: {g.cudagraph}")
+        notes += [f"graph {g.title}: {g.cudagraph}" for g in fn._ember_backend.log.graphs]
 params = sum(p.numel() * p.element_size() for p in model.parameters())
 momentum = sum(v.numel() * v.element_size() for s in optimizer.state.values() for v in s.values()
                if torch.is_tensor(v) and v.is_cuda)
 print("RESULT " + json.dumps({"peak_allocated": torch.cuda.max_memory_allocated(), "peak_allocated_from_start": peak_all,
-      "live_at_peak": live_at_peak,
+      "live_at_peak": live_at_peak, "notes": notes,
       "peak_reserved": torch.cuda.max_memory_reserved(), "pools": pools,
       "state": {"params": params, "momentum": momentum}}))
 """
@@ -146,6 +148,8 @@ def main() -> int:
                   flush=True)
             for site, size in r["live_at_peak"][:20]:
                 print(f"    {_mib(size):>8} MiB live at the peak: {site}")
+            for note in r.get("notes", []):
+                print(f"    {note}")
     return write_rows(args.json, rows)
 
 

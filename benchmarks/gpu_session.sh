@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One device call that checks and times the current tree on the H100 (run from the repo root):
-#   bash benchmarks/gpu_session.sh [PART]     PART 1 (default) to 21; results under $OUT (or ./gpu_session_out)
+#   bash benchmarks/gpu_session.sh [PART]     PART 1 (default) to 22; results under $OUT (or ./gpu_session_out)
 # Part 1 fits one 10-minute call; parts 2 and 3 are the training suite, one call each.
 # Each step has its own time limit, so one slow step cannot take the others' results with it;
 # the order is by priority (issue targets first). Writes one JSON per step and a log.
@@ -172,5 +172,13 @@ case "$PART" in
   ;;
 21)  # bool pointers precompiled with a tensor: vgg16's launch misses (fresh process)
   step compile_profile 80 python benchmarks/gpu_compile_profile.py vgg16 --json "$OUT/compile_profile.json"
+  ;;
+22)  # after deduplicating kernels by launch parameters: vgg16's launch compiles and compile split
+     # (fresh process, then after Inductor); cyclegan's default-pool blocks by state and the graphs' status
+  step compile_profile 80 python benchmarks/gpu_compile_profile.py vgg16 --json "$OUT/compile_profile.json"
+  step memory_cyclegan 70 python benchmarks/gpu_memory.py cyclegan --backends ember --trace ember \
+    --json "$OUT/memory_cyclegan.json"
+  step train_vgg16 150 python -m ember.cli bench vgg16 --mode train --precision bf16 --iters 20 --no-progress \
+    --json "$OUT/bench_train_vgg16.json"
   ;;
 esac
