@@ -1,128 +1,39 @@
 """CUDA graphs, on CPU: the replay runner (the capture rule: test_capture_rules.py).
 
-CI has no GPU. ``CudaGraphRunner`` is checked with ``FakeGraphs``, a CPU stand-in with the
-memory semantics that matter: capture runs nothing, a replay reads the captured input tensors
-and writes its results into the captured output tensors, so a replay overwrites whatever a caller still holds from an earlier one unless the
-runner prevents it. Capture itself runs in benchmarks/gpu_cudagraph_check.py on the device.
+CI has no GPU. ``CudaGraphRunner`` is checked with ``FakeGraphs`` (cudagraph_fakes.py), a CPU
+stand-in with the memory semantics of CUDA graphs that matter here. Capture itself runs in
+benchmarks/gpu_cudagraph_check.py on the device.
 """
 
 from __future__ import annotations
 
 import copy
-import ctypes
 import functools
-import weakref
 
 import pytest
 import torch
 from core_helpers import bn_dropout_net
+from cudagraph_fakes import (
+    COTANGENT,
+    FakeGraphs,
+    fake_runner,
+    graphs_on_cpu,
+    new_batch,
+    runner_pair,
+    tanh_backward,
+    tanh_forward,
+    train_step,
+)
 from torch import nn
-from torch.multiprocessing.reductions import StorageWeakRef
 
 import ember
 from ember.runtime import cudagraph
-from ember.runtime.cudagraph import (
-    MAX_CAPTURES,
-    PROMOTE_AFTER,
-    CudaBackend,
-    CudaGraphRunner,
-)
+from ember.runtime.cudagraph import MAX_CAPTURES, PROMOTE_AFTER, CudaGraphRunner
 
 aten = torch.ops.aten
 
 
-# -- the runner, with a CPU stand-in for CUDA graphs --------------------------------------------
-
-
-class _FakeGraph:
-    """Like a CUDA graph it holds addresses, not the caller's tensors (only the runner's buffers
-    stay alive, held by the runner). Its outputs' memory is its own (a pool): it keeps aliases."""
-
-    def __init__(self, run, inputs: list, outputs: object) -> None:
-        self.run = run
-        self.outputs = [x.detach() if isinstance(x, torch.Tensor) else x for x in _leaves(outputs)]
-        self.inputs = [weakref.ref(x) if isinstance(x, torch.Tensor) else (lambda x=x: x) for x in inputs]
-        self.ptrs = [x.data_ptr() if isinstance(x, torch.Tensor) else None for x in inputs]
-        # A consumed input whose memory is still alive (another graph's pool) is read from it.
-        self.memory = [(StorageWeakRef(x.untyped_storage()), x.storage_offset(), x.shape, x.stride(), x.dtype)
-                       if isinstance(x, torch.Tensor) else None for x in inputs]
-
-    def read(self, args: list) -> list:
-        """The tensors at the captured addresses: the caller's where they are there, else buffers."""
-        out = []
-        for i, (ref, ptr) in enumerate(zip(self.inputs, self.ptrs)):
-            if isinstance(args[i], torch.Tensor) and args[i].data_ptr() == ptr:
-                out.append(args[i])
-            else:
-                x = ref()
-                if x is None and ptr is not None and not self.memory[i][0].expired():
-                    weak, offset, shape, stride, dtype = self.memory[i]
-                    storage = torch.UntypedStorage._new_with_weak_ptr(weak.cdata)
-                    x = torch.empty(0, dtype=dtype).set_(storage, offset, shape, stride)
-                assert x is not None or ptr is None, f"the graph reads freed memory (input {i})"
-                out.append(x)
-        return out
-
-
-def _leaves(out: object) -> list:
-    return list(out) if isinstance(out, (list, tuple)) else [out]
-
-
-class FakeGraphs(CudaBackend):
-    """CUDA-graph memory semantics on CPU. Capture runs the program once to learn its outputs,
-    then restores every input's contents and the RNG (a real capture executes nothing). A replay
-    runs the program on the captured input tensors (fixed addresses) and copies its results
-    into the captured outputs (fixed addresses), without touching version counters."""
-
-    def __init__(self, fail: bool = False) -> None:
-        self.fail = fail
-        self.captured = 0
-        self.recovered = False
-        self.pools: list[object] = []
-
-    def new_pool(self, device: torch.device, shared: bool) -> object:
-        return object()
-
-    def on_device(self, t: torch.Tensor) -> bool:
-        return True  # CPU tensors play device memory here
-
-    def view(self, ptr: int, nbytes: int, device: torch.device, keeper: object) -> torch.UntypedStorage:
-        # A storage on the same memory that does not own it, like the CUDA one.
-        buf = (ctypes.c_char * nbytes).from_address(ptr)
-        buf.keeper = keeper
-        return torch.frombuffer(buf, dtype=torch.uint8).untyped_storage()
-
-    def capture(self, run, inputs: list, device: torch.device, pool: object = None) -> tuple[object, object]:
-        if self.fail:
-            raise RuntimeError("operation not permitted when stream is capturing")
-        self.captured += 1
-        self.pools.append(pool)
-        saved = [x.clone() if isinstance(x, torch.Tensor) else None for x in inputs]
-        rng = torch.get_rng_state()
-        outputs = run(list(inputs))
-        for x, s in zip(inputs, saved):
-            if s is not None:
-                x.data.copy_(s)  # .data: restoring contents is not a mutation
-        torch.set_rng_state(rng)
-        return _FakeGraph(run, list(inputs), outputs), outputs
-
-    def replay(self, graph: object, args: list) -> None:
-        assert isinstance(graph, _FakeGraph)
-        inputs = graph.read(args)
-        tensors = [x for x in inputs if isinstance(x, torch.Tensor)]
-        versions = [x._version for x in tensors]
-        new = graph.run(list(inputs))
-        torch._C._autograd._unsafe_set_version_counter(tensors, versions)
-        for old, fresh in zip(graph.outputs, _leaves(new)):
-            if isinstance(old, torch.Tensor) and old.untyped_storage()._cdata != fresh.untyped_storage()._cdata:
-                old.data.copy_(fresh)
-
-    def recover(self, device: torch.device) -> None:
-        self.recovered = True
-
-
-def _runner(program, backend: FakeGraphs | None = None) -> CudaGraphRunner:
-    return CudaGraphRunner(program, "test", backend=backend or FakeGraphs())
+# -- the runner, on the CPU stand-in for CUDA graphs --------------------------------------------
 
 
 def _mm_relu(args: list) -> tuple:
@@ -133,7 +44,7 @@ def _mm_relu(args: list) -> tuple:
 
 def test_replays_match_uncaptured_calls() -> None:
     w = torch.randn(8, 4)
-    runner = _runner(_mm_relu)
+    runner = fake_runner(_mm_relu)
     for _ in range(6):
         x = torch.randn(3, 8)
         (got,) = runner([x, w])  # still held during the next call: copied after one uncaptured call
@@ -145,7 +56,7 @@ def test_replays_match_uncaptured_calls() -> None:
 
 def test_outputs_held_by_the_caller_are_never_overwritten() -> None:
     w = torch.randn(8, 4)
-    runner = _runner(_mm_relu)
+    runner = fake_runner(_mm_relu)
     kept = []
     for _ in range(3 * MAX_CAPTURES):
         x = torch.randn(3, 8)
@@ -158,29 +69,16 @@ def test_outputs_held_by_the_caller_are_never_overwritten() -> None:
 
 def test_outputs_dropped_before_the_next_call_come_from_the_graph_memory() -> None:
     w = torch.randn(8, 4)
-    runner = _runner(_mm_relu)
+    runner = fake_runner(_mm_relu)
     for _ in range(5):
         runner([torch.randn(3, 8), w])  # result dropped at once
     assert runner.captures == 1 and runner.uncaptured == 0
     assert "outputs: 1 handed out from the graph's memory, 0 copied" in runner.status
 
 
-def _forward(args: list) -> tuple:
-    x, w = args
-    args.clear()
-    h = x @ w
-    return torch.tanh(h).sum(), h  # the loss and a saved activation
-
-
-def _backward(args: list) -> tuple:
-    h, w, grad = args
-    args.clear()
-    return (grad * (1 - torch.tanh(h) ** 2)).sum(0) + w.sum(),
-
-
 def test_saved_activations_survive_a_second_forward_before_the_backward() -> None:
     w = torch.randn(8, 4)
-    fw, bw = _runner(_forward), _runner(_backward)
+    fw, bw = fake_runner(tanh_forward), fake_runner(tanh_backward)
     for _ in range(6):
         xs = [torch.randn(3, 8) for _ in range(2)]
         outs = [fw([x, w]) for x in xs]  # two forwards, then both backwards
@@ -195,7 +93,7 @@ def test_saved_activations_survive_a_second_forward_before_the_backward() -> Non
 
 def test_parameters_are_read_in_place_and_a_moved_one_is_copied_from_then_on() -> None:
     w = torch.randn(8, 4)
-    runner = _runner(_mm_relu)
+    runner = fake_runner(_mm_relu)
     x = torch.randn(3, 8)
     runner([x, w])
     runner([x, w])
@@ -216,7 +114,7 @@ def _bn_stats(args: list) -> tuple:
 def test_a_mutated_static_input_is_written_once_per_call() -> None:
     mean = torch.zeros(4)
     want = torch.zeros(4)
-    runner = _runner(_bn_stats)
+    runner = fake_runner(_bn_stats)
     x = torch.randn(5, 4)
     for _ in range(5):
         before = mean._version
@@ -231,7 +129,7 @@ def test_a_mutated_static_input_is_written_once_per_call() -> None:
 
 def test_a_mutated_copied_input_is_written_back() -> None:
     mean = torch.zeros(4)
-    runner = _runner(lambda args: _bn_stats([args[1], args[0]]))  # (mean, x): the statistic moves
+    runner = fake_runner(lambda args: _bn_stats([args[1], args[0]]))  # (mean, x): the statistic moves
     for _ in range(5):
         x, m = torch.randn(5, 4), torch.randn(4)
         want_m = m * 0.9 + x.mean(0) * 0.1
@@ -252,7 +150,7 @@ def _views(args: list) -> tuple:
 
 def test_outputs_that_alias_inputs_or_each_other_alias_as_uncaptured() -> None:
     w = torch.randn(8, 4)
-    runner = _runner(_views)
+    runner = fake_runner(_views)
     kept = []
     for _ in range(4):
         x = torch.randn(3, 8)
@@ -277,7 +175,7 @@ def test_random_ops_draw_new_numbers_each_replay_as_uncaptured_calls_do() -> Non
     torch.manual_seed(0)
     want = [_dropout([x])[1] for _ in range(5)]
     torch.manual_seed(0)
-    runner = _runner(_dropout)
+    runner = fake_runner(_dropout)
     got = [runner([x])[1] for _ in range(5)]  # all kept: one uncaptured call, then copies
     assert runner.replays == 3 and runner.uncaptured == 1
     for g, w in zip(got, want):
@@ -287,7 +185,7 @@ def test_random_ops_draw_new_numbers_each_replay_as_uncaptured_calls_do() -> Non
 
 def test_an_input_that_keeps_its_address_is_read_in_place_after_a_while() -> None:
     w = torch.randn(8, 4)
-    runner = _runner(_mm_relu)
+    runner = fake_runner(_mm_relu)
     runner([torch.randn(3, 8), w])
     x = torch.randn(3, 8)  # from the second call on the same tensor
     for _ in range(PROMOTE_AFTER + 3):
@@ -298,7 +196,7 @@ def test_an_input_that_keeps_its_address_is_read_in_place_after_a_while() -> Non
 
 
 def test_after_the_last_capture_everything_is_copied() -> None:
-    runner = _runner(_mm_relu)
+    runner = fake_runner(_mm_relu)
     for _ in range(MAX_CAPTURES + 3):
         x, w = torch.randn(3, 8), torch.randn(8, 4)
         keep = torch.randn(8, 4)  # noqa: F841 - keeps the freed w's memory from being reused
@@ -308,7 +206,7 @@ def test_after_the_last_capture_everything_is_copied() -> None:
 
 
 def test_final_capture_is_stable() -> None:
-    runner = _runner(_mm_relu)
+    runner = fake_runner(_mm_relu)
     runner.captures = MAX_CAPTURES - 1  # the next capture is the last
     w = torch.randn(8, 4)
     for _ in range(5):
@@ -321,7 +219,7 @@ def test_final_capture_is_stable() -> None:
 def test_a_failed_capture_runs_uncaptured_and_says_why() -> None:
     w = torch.randn(8, 4)
     backend = FakeGraphs(fail=True)
-    runner = _runner(_mm_relu, backend)
+    runner = fake_runner(_mm_relu, backend)
     for _ in range(3):
         x = torch.randn(3, 8)
         torch.testing.assert_close(runner([x, w])[0], torch.relu(x @ w))
@@ -393,17 +291,10 @@ def _check_module():
     return module
 
 
-def _graphs_on_cpu(monkeypatch) -> None:
-    """Ember's programs go through CudaGraphRunner on the CPU stand-in when cudagraphs=True."""
-    monkeypatch.setattr(ember.pipeline, "cudagraph_blocker",
-                        lambda gm, inputs, kind, target, enabled=True: None if enabled else "turned off")
-    monkeypatch.setattr(ember.pipeline, "CudaGraphRunner", functools.partial(CudaGraphRunner, backend=FakeGraphs()))
-
-
 @pytest.mark.parametrize("mode", ["plain", "accumulate", "together"])
 def test_gpu_check_training_rows_pass_on_cpu(monkeypatch, mode: str) -> None:
     check = _check_module()
-    _graphs_on_cpu(monkeypatch)
+    graphs_on_cpu(monkeypatch)
     row = check.check_training("convnet", "fp32", mode, device="cpu", steps=3, graphs_off=mode == "plain",
                                compile_fn=functools.partial(ember.compile, target="aten"))
     assert row["ok"], row["problems"]
@@ -414,7 +305,7 @@ def test_gpu_check_training_rows_pass_on_cpu(monkeypatch, mode: str) -> None:
 
 def test_gpu_check_fails_when_a_replay_overwrites_held_outputs(monkeypatch) -> None:
     check = _check_module()
-    _graphs_on_cpu(monkeypatch)
+    graphs_on_cpu(monkeypatch)
     monkeypatch.setattr(cudagraph, "_held", lambda grp: False)  # the runner's guard, switched off
     row = check.check_training("convnet", "fp32", "together", device="cpu", steps=3, graphs_off=False,
                                compile_fn=functools.partial(ember.compile, target="aten"))
@@ -455,46 +346,12 @@ def test_gpu_check_plan_and_output(monkeypatch, tmp_path) -> None:
 # -- one memory pool for a model's training graphs --------------------------------------------
 
 
-# The runner decides from addresses: an input that stays put is read in place, one that moves
-# is copied or makes its graph capture again. CPU malloc reuses addresses at random, so these
-# tests fix them: every batch is new memory (kept alive, never reused) and the cotangent is one
-# tensor. Fresh tensors made inside the tests made them flaky (about 1 run in 3).
-_BATCHES: list[torch.Tensor] = []
-_COT = torch.ones(3, 4)
-
-
-def _batch() -> torch.Tensor:
-    x = torch.randn(3, 8)
-    _BATCHES.append(x)
-    return x
-
-
-def _pair(backend: FakeGraphs | None = None) -> tuple[CudaGraphRunner, CudaGraphRunner, cudagraph.GraphPool]:
-    backend = backend or FakeGraphs()
-    pool = cudagraph.GraphPool()
-    fw, bw = _runner(_forward, backend), _runner(_backward, backend)
-    fw.pool = bw.pool = pool
-    return fw, bw, pool
-
-
-def _step(fw: CudaGraphRunner, bw: CudaGraphRunner, w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    x = _batch()
-    out = fw([x, w])
-    loss, h = out[0].clone(), out[1]  # the loss read, as a training loop does before the backward
-    del out
-    (g,) = bw([h, w, _COT])
-    want_h = x @ w
-    torch.testing.assert_close(loss, torch.tanh(want_h).sum())
-    torch.testing.assert_close(g, (1 - torch.tanh(want_h) ** 2).sum(0) + w.sum())
-    return loss, g
-
-
 def test_forward_and_backward_share_one_pool_and_the_backward_reads_activations_in_place() -> None:
     backend = FakeGraphs()
-    fw, bw, pool = _pair(backend)
+    fw, bw, pool = runner_pair(backend)
     w = torch.randn(8, 4)
     for _ in range(5):
-        _step(fw, bw, w)  # nothing kept across steps
+        train_step(fw, bw, w)  # nothing kept across steps
     assert fw.captures == bw.captures == 1 and fw.uncaptured == bw.uncaptured == 0
     assert backend.pools[0] is backend.pools[1] is pool.state.handle
     assert 0 in bw.g.sources and 0 in bw.g.static_idx  # the activation h: read where fw wrote it
@@ -502,7 +359,7 @@ def test_forward_and_backward_share_one_pool_and_the_backward_reads_activations_
 
 
 def test_ember_training_graphs_get_the_models_pool(monkeypatch) -> None:
-    _graphs_on_cpu(monkeypatch)
+    graphs_on_cpu(monkeypatch)
     torch._dynamo.reset()
     model = bn_dropout_net()
     compiled = ember.compile(model, target="aten")
@@ -514,83 +371,83 @@ def test_ember_training_graphs_get_the_models_pool(monkeypatch) -> None:
 
 
 def test_a_held_output_of_another_graph_where_a_replay_writes_makes_that_call_uncaptured() -> None:
-    fw, bw, _ = _pair()
+    fw, bw, _ = runner_pair()
     w = torch.randn(8, 4)
-    _step(fw, bw, w)
-    _step(fw, bw, w)  # both captured
+    train_step(fw, bw, w)
+    train_step(fw, bw, w)  # both captured
     fw.g.protected = []  # as on the GPU when the backward's gradients reuse forward memory
-    kept = _step(fw, bw, w)[1]  # a replay's gradient, still held during the next forward
+    kept = train_step(fw, bw, w)[1]  # a replay's gradient, still held during the next forward
     want = kept.clone()
     before = fw.uncaptured
-    _step(fw, bw, w)
+    train_step(fw, bw, w)
     assert fw.uncaptured == before + 1 and "another graph" in fw.last_reason
     assert all(grp.copy for grp in bw.g.groups)  # handed out as copies from now on
     torch.testing.assert_close(kept, want)
     del kept
-    _step(fw, bw, w)
-    kept = _step(fw, bw, w)[1]  # now a copy: holds no pool memory
-    _step(fw, bw, w)  # replayed again
+    train_step(fw, bw, w)
+    kept = train_step(fw, bw, w)[1]  # now a copy: holds no pool memory
+    train_step(fw, bw, w)  # replayed again
     assert fw.uncaptured == before + 1 and fw.captures == 1
     del kept
 
 
 def test_protected_memory_is_never_a_hazard() -> None:
-    fw, bw, _ = _pair()
+    fw, bw, _ = runner_pair()
     w = torch.randn(8, 4)
     for _ in range(3):
-        _step(fw, bw, w)
-    kept = _step(fw, bw, w)[1]  # a replay's gradient
+        train_step(fw, bw, w)
+    kept = train_step(fw, bw, w)[1]  # a replay's gradient
     fw.g.protected = [(grp.ptr, grp.ptr + grp.nbytes) for grp in bw.g.groups]
-    assert cudagraph._hazards(fw.g, [_batch(), w]) == []
+    assert cudagraph._hazards(fw.g, [new_batch(), w]) == []
     fw.g.protected = []
-    assert cudagraph._hazards(fw.g, [_batch(), w]) == bw.g.groups
+    assert cudagraph._hazards(fw.g, [new_batch(), w]) == bw.g.groups
     del kept
 
 
 def test_arguments_that_the_program_consumes_are_not_a_hazard() -> None:
-    fw, bw, _ = _pair()
+    fw, bw, _ = runner_pair()
     w = torch.randn(8, 4)
     for _ in range(3):
-        _step(fw, bw, w)
+        train_step(fw, bw, w)
     bw.g.protected = []
-    h = fw([_batch(), w])[1]
-    assert cudagraph._hazards(bw.g, [h, w, _COT]) == []  # only the backward's arguments hold h
+    h = fw([new_batch(), w])[1]
+    assert cudagraph._hazards(bw.g, [h, w, COTANGENT]) == []  # only the backward's arguments hold h
     kept = h[1:]  # somebody else holds it too
-    assert cudagraph._hazards(bw.g, [h, w, _COT]) != []
+    assert cudagraph._hazards(bw.g, [h, w, COTANGENT]) != []
     del kept
 
 
 def test_a_capture_never_lands_on_memory_of_a_held_replay_output() -> None:
-    fw, bw, pool = _pair()
+    fw, bw, pool = runner_pair()
     w = torch.randn(8, 4)
-    fw([_batch(), w])
-    fw([_batch(), w])  # captured
-    kept, h = fw([_batch(), w])  # a replay's loss, held by the caller
+    fw([new_batch(), w])
+    fw([new_batch(), w])  # captured
+    kept, h = fw([new_batch(), w])  # a replay's loss, held by the caller
     state = pool.state
     assert cudagraph._unclean(state, {})
-    assert bw([h, w, _COT]) is not None  # first call: uncaptured anyway
-    loss, h = fw([_batch(), w])
-    bw([h, w, _COT])  # the held loss is in the pool: renewed, this call uncaptured
+    assert bw([h, w, COTANGENT]) is not None  # first call: uncaptured anyway
+    loss, h = fw([new_batch(), w])
+    bw([h, w, COTANGENT])  # the held loss is in the pool: renewed, this call uncaptured
     assert pool.state is None and pool.renewals == 1 and bw.g is None and "renewed" in bw.status
     del kept, loss, h
-    _step(fw, bw, w)  # the forward captures into the new pool, then the backward
+    train_step(fw, bw, w)  # the forward captures into the new pool, then the backward
     assert fw.g.state is bw.g.state is pool.state and "renewed" in fw.last_reason
-    _step(fw, bw, w)
+    train_step(fw, bw, w)
 
 
 def test_a_backward_whose_inputs_are_replay_outputs_gets_a_private_pool() -> None:
     # A forward captured in a call whose backward never ran, replayed before the first backward
     # capture: only this call's arguments hold the replay's outputs.
-    fw, bw, pool = _pair()
+    fw, bw, pool = runner_pair()
     w = torch.randn(8, 4)
-    h = fw([_batch(), w])[1]
-    bw([h, w, _COT])
+    h = fw([new_batch(), w])[1]
+    bw([h, w, COTANGENT])
     del h
-    fw([_batch(), w])  # captured, outputs dropped (the probe)
-    _step(fw, bw, w)  # fw replays; bw captured into a pool of its own
+    fw([new_batch(), w])  # captured, outputs dropped (the probe)
+    train_step(fw, bw, w)  # fw replays; bw captured into a pool of its own
     assert not bw.g.state.shared and "a memory pool of its own" in bw.status and pool.renewals == 0
     for _ in range(3):
-        _step(fw, bw, w)
+        train_step(fw, bw, w)
     assert bw.replays >= 3
 
 
@@ -608,7 +465,7 @@ def _seeded(args: list) -> tuple:
 
 
 def test_a_host_input_that_changes_between_calls_is_never_captured() -> None:
-    runner = _runner(_seeded, _HostSeeds())
+    runner = fake_runner(_seeded, _HostSeeds())
     for i in range(4):
         x = torch.randn(4)
         torch.testing.assert_close(runner([x, torch.tensor(i + 1)])[0], x * (i + 1))

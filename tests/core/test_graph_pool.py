@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from test_cudagraph import FakeGraphs, _pair, _step
+from cudagraph_fakes import FakeGraphs, runner_pair, train_step
 
 from ember.runtime.graph_pool import PoolSizing
 
@@ -42,12 +42,12 @@ STEP_COUNTERS = [(100, 100), (150, 300), (150, 300), (120, 450)]
 
 def test_the_first_calls_measure_the_pool_and_the_first_capture_reserves_it() -> None:
     backend = CountingGraphs(STEP_COUNTERS)
-    fw, bw, pool = _pair(backend)
+    fw, bw, pool = runner_pair(backend)
     w = torch.randn(8, 4)
-    _step(fw, bw, w)  # uncaptured: measured
+    train_step(fw, bw, w)  # uncaptured: measured
     assert pool.sizing.need == 350 and not backend.reserved
     for _ in range(3):
-        _step(fw, bw, w)
+        train_step(fw, bw, w)
     assert fw.captures == bw.captures == 1
     assert backend.reserved == [(pool.state.handle, 350)]  # once, into the pool both graphs use
     assert backend.pools[0] is backend.pools[1] is pool.state.handle
@@ -61,13 +61,13 @@ def test_the_first_calls_measure_the_pool_and_the_first_capture_reserves_it() ->
 
 def test_a_renewed_pool_is_reserved_again() -> None:
     backend = CountingGraphs(STEP_COUNTERS)
-    fw, bw, pool = _pair(backend)
+    fw, bw, pool = runner_pair(backend)
     w = torch.randn(8, 4)
-    _step(fw, bw, w)
-    _step(fw, bw, w)
+    train_step(fw, bw, w)
+    train_step(fw, bw, w)
     pool.renew()
     for _ in range(2):
-        _step(fw, bw, w)
+        train_step(fw, bw, w)
     assert [n for _, n in backend.reserved] == [350, 350]
     assert backend.reserved[0][0] is not backend.reserved[1][0]
 
@@ -78,10 +78,10 @@ def test_no_reservation_and_the_reason(case: str, monkeypatch: pytest.MonkeyPatc
     backend = CountingGraphs(counters.get(case, STEP_COUNTERS), fail_reserve=case == "reserve fails")
     if case == "switched off":
         monkeypatch.setenv("EMBER_POOL_PRESIZE", "0")
-    fw, bw, pool = _pair(backend)
+    fw, bw, pool = runner_pair(backend)
     w = torch.randn(8, 4)
     for _ in range(3):
-        _step(fw, bw, w)  # results still match eager (checked in _step)
+        train_step(fw, bw, w)  # results still match eager (checked in train_step)
     assert fw.captures == bw.captures == 1 and not backend.reserved and pool.state.keeper is None
     assert backend.events == ["release"] * 4  # after each first call and capture, pre-sized or not
     note = {"no new peak": "set no new allocation peak", "switched off": "EMBER_POOL_PRESIZE=0",

@@ -1,6 +1,7 @@
 """A FusedGroup -> ONE numba CPU kernel (a ``cfunc``) plus the data of this use of it.
 
-Iteration space (as for Triton): the group's reference shape S, kept dims K and reduced dims D.
+Iteration space (as for Triton; planned in cpu_iteration_space.py): the group's reference shape
+S, kept dims K and reduced dims D.
 The loops walk S in the memory order of the group's largest tensor, and adjacent dims that are
 contiguous in every tensor the kernel touches merge into one loop ("loop dims"), so a
 contiguous NCHW pointwise chain is one flat loop. The innermost loop is the *vector loop*; LLVM
@@ -31,7 +32,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
@@ -39,6 +39,15 @@ import torch
 import torch.fx as fx
 
 from ember.codegen import cpu_ops
+from ember.codegen.cpu_iteration_space import (
+    Access,
+    Loop,
+    choose_layout,
+    collect_accesses,
+    loop_dims,
+    loop_size,
+    reduction_levels,
+)
 from ember.codegen.cpu_ops import NP_DTYPE, POINTER, Value, typed, value_dtype
 from ember.codegen.kernel_source import KernelSource, canonical_source, node_source
 from ember.schedule.plan import FusedGroup
@@ -56,7 +65,6 @@ COLUMN_ACC_BLOCK = 128  # float32 column sums: rows per float32 block before flo
 _COSTLY = {aten.exp.default, aten.log.default, aten.erf.default, aten.tanh.default, aten.sigmoid.default,
            aten.sin.default, aten.cos.default}
 FASTMATH = '{"reassoc", "nsz", "contract"}'  # never nnan/ninf: NaN and inf behave as in torch
-_BIG = 1 << 62
 _SUPPORT = Path(__file__).resolve().parents[1] / "runtime" / "cpu_support.py"
 
 
@@ -79,34 +87,6 @@ def header() -> str:
             f"# cpu_support {_support_digest()}: kernels are renamed when their helpers change\n")
 
 
-@dataclass
-class _Access:
-    """One tensor read or written by the kernel, with its stride along every S dim."""
-
-    node: fx.Node
-    dims: tuple
-    store: bool
-    strides: dict[int, int] = field(default_factory=dict)  # S dim -> stride (walked dims only)
-    pointer: str = ""
-
-
-@dataclass
-class _Loop:
-    """A loop dim: S dims that merged, outermost first. ``kind`` x (kept) or r (reduced)."""
-
-    members: list[int]
-    kind: str
-    index: int = 0
-
-    @property
-    def var(self) -> str:
-        return f"{self.kind}{self.index}"
-
-    @property
-    def size_param(self) -> str:
-        return f"{self.kind}s{self.index}"
-
-
 class _Body:
     """Lines and value cache of one loop body, or of a unit's top level (``xbody`` is where
     values that walk no reduced dim are computed: the unit for rows, the body itself for columns)."""
@@ -126,14 +106,14 @@ class _CpuWriter:
         self.tensors = list(group.inputs) + list(group.outputs)
         self.pointer = {n: f"in{i}" for i, n in enumerate(group.inputs)}
         self.pointer.update({n: f"out{i}" for i, n in enumerate(group.outputs)})
-        self.accesses = self._collect_accesses()
-        self.loops_x, self.loops_r = self._loop_dims()
+        self.accesses = collect_accesses(group, self.pointer)
+        self.loops_x, self.loops_r = loop_dims(self.S, self.D, self.accesses)
         self.reductions = [n for n in group.nodes if classify(n).cls == OpClass.REDUCTION]
-        self.layout = self._layout()
+        self.layout = choose_layout(self.loops_x, self.loops_r, self.accesses, self.D)
         self.static: list[int] = []  # argv after the pointers: sizes, strides, scalars
         self.prologue: list[str] = []  # parameter reads at the top of the kernel
         self.counter = 0
-        self.level = self._levels()
+        self.level = reduction_levels(group)
         self.stack_arrays: list[str] = []
         self.scalars: dict[tuple, Value] = {}
         # Persistent rows (short reduced extent, as Triton's persistent reductions): costly values
@@ -158,76 +138,12 @@ class _CpuWriter:
             if cls not in (OpClass.POINTWISE, OpClass.REDUCTION, OpClass.VIEW):
                 raise CpuUnsupported(f"{n.target} is not a fusable op")
 
-    # -- iteration space ----------------------------------------------------------------------
-    def _collect_accesses(self) -> list[_Access]:
-        seen: dict[tuple, _Access] = {}
-        for n in self.g.nodes:
-            for a, dims in self.g.input_dims[n].items():
-                seen.setdefault((a, dims, False), _Access(a, dims, False))
-        for n in self.g.outputs:
-            seen.setdefault((n, self.g.dims[n], True), _Access(n, self.g.dims[n], True))
-        for acc in seen.values():
-            strides = acc.node.meta["val"].stride()
-            for j, s in enumerate(acc.dims):
-                if s is not None and self.S[s] != 1 and strides[j] != 0:
-                    acc.strides[s] = acc.strides.get(s, 0) + strides[j]
-            acc.pointer = self.pointer[acc.node]
-        return list(seen.values())
-
-    def _loop_dims(self) -> tuple[list[_Loop], list[_Loop]]:
-        # Order by the memory layout of the tensors that walk the most dims (largest first, loads
-        # before stores); a dim a tensor broadcasts counts as its outermost.
-        prio = sorted(self.accesses, key=lambda a: -len(a.strides))
-
-        def key(s: int) -> tuple:
-            return tuple(-(a.strides.get(s, 0) or _BIG) for a in prio), s
-
-        loops: dict[str, list[_Loop]] = {}
-        for kind in ("x", "r"):
-            dims = sorted((d for d in range(len(self.S)) if self.S[d] != 1 and (d in self.D) == (kind == "r")),
-                          key=key)
-            merged: list[_Loop] = []
-            for s in dims:
-                prev = merged[-1].members[-1] if merged else None
-                if prev is not None and all(a.strides.get(prev, 0) == a.strides.get(s, 0) * self.S[s]
-                                            for a in self.accesses):
-                    merged[-1].members.append(s)
-                else:
-                    merged.append(_Loop([s], kind, len(merged)))
-            loops[kind] = merged
-        return loops["x"], loops["r"]
-
-    def _size(self, loop: _Loop) -> int:
-        size = 1
-        for s in loop.members:
-            size *= self.S[s]
-        return size
-
-    def _stride(self, acc: _Access, loop: _Loop) -> int:
-        return acc.strides.get(loop.members[-1], 0)
-
-    def _layout(self) -> str:
-        if not self.loops_r:
-            return "columns"  # pointwise: blocks of the innermost kept loop
-        if not self.loops_x:
-            return "rows"
-        full = [a for a in self.accesses if not a.store and any(s in self.D for s in a.strides)]
-        ref = max(full, key=lambda a: len(a.strides)) if full else self.accesses[0]
-        if not ref.strides:
-            return "rows"
-        inner = min(ref.strides, key=lambda s: (abs(ref.strides[s]), -s))
-        return "rows" if inner in self.D else "columns"
-
-    def _levels(self) -> dict[fx.Node, int]:
-        level: dict[fx.Node, int] = {}
-        members = set(self.g.nodes)
-        for n in self.g.nodes:
-            base = max((level[a] for a in n.all_input_nodes if a in members), default=0)
-            level[n] = base + 1 if classify(n).cls == OpClass.REDUCTION else base
-        return level
+    # -- iteration space (cpu_iteration_space.py) -------------------------------------------
+    def _size(self, loop: Loop) -> int:
+        return loop_size(self.S, loop)
 
     @property
-    def vector_loop(self) -> _Loop | None:
+    def vector_loop(self) -> Loop | None:
         if self.layout == "rows":
             return self.loops_r[-1] if self.loops_r else None
         return self.loops_x[-1] if self.loops_x else None
@@ -260,10 +176,10 @@ class _CpuWriter:
         return f"t{self.counter}"
 
     # -- index expressions --------------------------------------------------------------------
-    def _terms(self, acc: _Access, loops: list[_Loop], coord: dict[str, str]) -> list[str]:
+    def _terms(self, acc: Access, loops: list[Loop], coord: dict[str, str]) -> list[str]:
         terms = []
         for loop in loops:
-            st = self._stride(acc, loop)
+            st = acc.stride(loop)
             if st == 0:
                 continue
             var = coord.get(loop.var, loop.var)
@@ -273,18 +189,18 @@ class _CpuWriter:
                 terms.append(f"{var} * {self._stride_param(acc, loop, st)}")
         return terms
 
-    def _stride_param(self, acc: _Access, loop: _Loop, st: int) -> str:
+    def _stride_param(self, acc: Access, loop: Loop, st: int) -> str:
         key = ("stride", id(acc), loop.var)
         if key not in self.unit.cache:
             self.counter += 1
             self.unit.cache[key] = self._param(f"st{self.counter}", st)
         return self.unit.cache[key]
 
-    def _row_loops(self) -> list[_Loop]:
+    def _row_loops(self) -> list[Loop]:
         """Kept loops whose coordinate is fixed per unit."""
         return self.loops_x if self.layout == "rows" else self.loops_x[:-1]
 
-    def _index(self, acc: _Access) -> str:
+    def _index(self, acc: Access) -> str:
         """Offset of ``acc`` at the current point: the per-unit base plus the loop terms."""
         key = ("base", id(acc))
         if key not in self.unit.cache:
