@@ -27,7 +27,7 @@ from cudagraph_fakes import (
 from torch import nn
 
 import ember
-from ember.runtime import cudagraph
+from ember.runtime import cudagraph, graph_memory
 from ember.runtime.cudagraph import MAX_CAPTURES, PROMOTE_AFTER, CudaGraphRunner
 
 aten = torch.ops.aten
@@ -306,7 +306,7 @@ def test_gpu_check_training_rows_pass_on_cpu(monkeypatch, mode: str) -> None:
 def test_gpu_check_fails_when_a_replay_overwrites_held_outputs(monkeypatch) -> None:
     check = _check_module()
     graphs_on_cpu(monkeypatch)
-    monkeypatch.setattr(cudagraph, "_held", lambda grp: False)  # the runner's guard, switched off
+    monkeypatch.setattr(cudagraph, "is_held", lambda grp: False)  # the runner's guard, switched off
     row = check.check_training("convnet", "fp32", "together", device="cpu", steps=3, graphs_off=False,
                                compile_fn=functools.partial(ember.compile, target="aten"))
     assert not row["ok"] and any("vs eager" in p for p in row["problems"]), row["problems"]
@@ -398,9 +398,9 @@ def test_protected_memory_is_never_a_hazard() -> None:
         train_step(fw, bw, w)
     kept = train_step(fw, bw, w)[1]  # a replay's gradient
     fw.g.protected = [(grp.ptr, grp.ptr + grp.nbytes) for grp in bw.g.groups]
-    assert cudagraph._hazards(fw.g, [new_batch(), w]) == []
+    assert graph_memory.overwrite_hazards(fw.g, [new_batch(), w]) == []
     fw.g.protected = []
-    assert cudagraph._hazards(fw.g, [new_batch(), w]) == bw.g.groups
+    assert graph_memory.overwrite_hazards(fw.g, [new_batch(), w]) == bw.g.groups
     del kept
 
 
@@ -411,9 +411,9 @@ def test_arguments_that_the_program_consumes_are_not_a_hazard() -> None:
         train_step(fw, bw, w)
     bw.g.protected = []
     h = fw([new_batch(), w])[1]
-    assert cudagraph._hazards(bw.g, [h, w, COTANGENT]) == []  # only the backward's arguments hold h
+    assert graph_memory.overwrite_hazards(bw.g, [h, w, COTANGENT]) == []  # only the backward's arguments hold h
     kept = h[1:]  # somebody else holds it too
-    assert cudagraph._hazards(bw.g, [h, w, COTANGENT]) != []
+    assert graph_memory.overwrite_hazards(bw.g, [h, w, COTANGENT]) != []
     del kept
 
 
@@ -424,7 +424,7 @@ def test_a_capture_never_lands_on_memory_of_a_held_replay_output() -> None:
     fw([new_batch(), w])  # captured
     kept, h = fw([new_batch(), w])  # a replay's loss, held by the caller
     state = pool.state
-    assert cudagraph._unclean(state, {})
+    assert graph_memory.unclean(state, {})
     assert bw([h, w, COTANGENT]) is not None  # first call: uncaptured anyway
     loss, h = fw([new_batch(), w])
     bw([h, w, COTANGENT])  # the held loss is in the pool: renewed, this call uncaptured

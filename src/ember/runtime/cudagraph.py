@@ -60,8 +60,7 @@ The rules a replay must keep, and how:
 from __future__ import annotations
 
 import weakref
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Callable
 
 import torch
 from torch.multiprocessing.reductions import StorageWeakRef
@@ -74,6 +73,22 @@ from ember.runtime.capture_rules import (  # noqa: F401 - the decision, re-expor
     training_capture_enabled,
 )
 from ember.runtime.graph_backend import CudaBackend
+from ember.runtime.graph_memory import (
+    CapturedGraph,
+    OutputGroup,
+    PoolState,
+    Slot,
+    copy_group,
+    few,
+    is_held,
+    meta_of,
+    overwrite_hazards,
+    ptr_of,
+    rebase,
+    storage_refs,
+    unclean,
+    version_of,
+)
 from ember.runtime.graph_pool import GraphPool, presize, share_pool  # noqa: F401 - re-exported
 
 aten = torch.ops.aten
@@ -82,105 +97,9 @@ MAX_CAPTURES = 5  # the last one copies every input and output, so it is final
 PROMOTE_AFTER = 3  # calls a copied input must keep its address before it is read in place
 
 
-class _PoolState:
-    """One CUDA memory pool and every graph captured into it.
-
-    Graphs are never dropped from it: the allocator asserts that a pool captured into again still
-    has a graph using it. A tensor handed out after a replay lies on a view of the pool's memory
-    that holds this object (``CudaBackend.view``), so the pool stays valid while anybody can read it."""
-
-    def __init__(self, handle: object, shared: bool) -> None:
-        self.handle = handle
-        self.shared = shared
-        self.graphs: list[_Graph] = []
-        self.live: dict[int, list[_Group]] = {}  # address -> output groups of live graphs there
-        self.consts: set[int] = set()  # ids of host tensors that live graphs hand out unchanged
-        self.keeper: object = None  # the graph that pre-sized the pool (runtime/graph_pool.py)
-
-    def add(self, g: _Graph) -> None:
-        self.graphs.append(g)
-        for grp in g.groups:
-            self.live.setdefault(grp.ptr, []).append(grp)
-        self.consts.update(id(s.value) for s in g.slots if s.kind == "const")
-
-    def retire(self, g: _Graph) -> None:
-        """``g`` is replayed no more (its outputs may still be held: it stays in ``graphs``)."""
-        for grp in g.groups:
-            at = self.live.get(grp.ptr, [])
-            if grp in at:
-                at.remove(grp)
-            if not at:
-                self.live.pop(grp.ptr, None)
-        self.consts.difference_update(id(s.value) for s in g.slots if s.kind == "const")
-
-    def source(self, t: object) -> _Group | None:
-        """The output group of a live graph that ``t`` lies in (None: not this pool's memory)."""
-        if not isinstance(t, torch.Tensor) or t.numel() == 0:
-            return None
-        at = self.live.get(t.untyped_storage().data_ptr())
-        return at[-1] if at else None
-
-    def holds(self, t: object) -> bool:
-        return id(t) in self.consts or self.source(t) is not None
-
-
 # ---------------------------------------------------------------------------------------------
 # The runner
 # ---------------------------------------------------------------------------------------------
-
-
-@dataclass
-class _Slot:
-    """How one leaf of the program's output is handed to the caller after a replay."""
-
-    kind: str  # value | const | input | alias | pool | same | empty
-    value: object = None  # non-tensor value, host tensor (const), or shape/strides/dtype on "meta"
-    index: int = 0  # input index (input, alias), group index (pool), earlier slot (same)
-    delta: int = 0  # alias: bytes from the input's first element; pool: storage offset (elements)
-
-
-@dataclass
-class _Group:
-    """Outputs that share one storage (one block) of the graph's pool.
-
-    The runner holds none of them: the outputs of the capturing call are the allocator's own
-    tensors (``own``, watched through a weak reference); after a replay they are handed out on
-    ``view``, a storage on the same memory that the allocator does not know of. Either way a
-    reference count above the runner's own says that somebody holds one."""
-
-    ptr: int
-    nbytes: int
-    members: list[int]  # slot indices
-    own: StorageWeakRef
-    own_base: int = 0  # references to ``own`` that are not the caller's (the CPU stand-in's)
-    lo: int = 0  # byte range the members cover
-    hi: int = 0
-    copy: bool = False
-    view: torch.UntypedStorage | None = None
-    view_base: int = 0
-    bases: dict[int, torch.Tensor] = field(default_factory=dict)  # slot -> tensor on ``view``
-    copy_leaves: set[int] | None = None  # the owning runner's set: marked here from other graphs
-
-
-@dataclass
-class _Graph:
-    graph: object
-    state: _PoolState
-    static_idx: list[int]
-    static_ptrs: list[int]
-    dynamic_idx: list[int]
-    buffers: list[torch.Tensor]
-    writeback: list[int]  # positions in dynamic_idx the graph mutates
-    bump: list[int]  # static inputs the graph mutates (their versions are bumped per replay)
-    slots: list[_Slot]
-    groups: list[_Group]
-    container: type | None  # tuple or list of leaves; None: a single leaf
-    final: bool
-    device: torch.device
-    sources: dict[int, _Group] = field(default_factory=dict)  # static input -> pool group it was read from
-    protected: list[tuple[int, int]] = field(default_factory=list)  # pool ranges held throughout capture
-    dyn_ptrs: list[int] = field(default_factory=list)
-    same_calls: list[int] = field(default_factory=list)
 
 
 class CudaGraphRunner:
@@ -197,7 +116,7 @@ class CudaGraphRunner:
         self.captures = 0
         self.replays = 0
         self.uncaptured = 0  # calls after the first that ran uncaptured (outputs held, a pool renewed ...)
-        self.g: _Graph | None = None
+        self.g: CapturedGraph | None = None
         self.prev_ptrs: list[int] | None = None
         self.demoted: set[int] = set()  # moved while read in place: copied in from now on
         self.copy_leaves: set[int] = set()  # output leaves handed out as copies from now on
@@ -220,7 +139,7 @@ class CudaGraphRunner:
             return self.run(args)
         if self.g is None:
             if self.prev_ptrs is None:
-                self.prev_ptrs = [_ptr(a) for a in args]
+                self.prev_ptrs = [ptr_of(a) for a in args]
                 device = next((a.device for a in args if isinstance(a, torch.Tensor) and self.backend.on_device(a)),
                               None)
                 if self.pool is None or device is None:
@@ -256,7 +175,7 @@ class CudaGraphRunner:
         self.transient = 0
         # Every group, copied ones too: an output handed out before its group became a copy
         # may still be held, and the replay would overwrite it.
-        held = [k for k, grp in enumerate(g.groups) if _held(grp)]
+        held = [k for k, grp in enumerate(g.groups) if is_held(grp)]
         if held:
             for k in held:
                 g.groups[k].copy = True
@@ -265,10 +184,10 @@ class CudaGraphRunner:
             self.alive_last = set(held)
             if again:
                 self.next_static = [i for i in g.static_idx if i not in g.sources]
-                return f"output {_few(sorted(m for k in again for m in g.groups[k].members))} of a replay still held"
+                return f"output {few(sorted(m for k in again for m in g.groups[k].members))} of a replay still held"
             return ""
         self.alive_last = set()
-        hazards = _hazards(g, args)
+        hazards = overwrite_hazards(g, args)
         if hazards:
             # Outputs of another graph in this pool, held by somebody other than this call, where
             # this graph's replay writes: this call runs uncaptured, and their graph hands them
@@ -287,10 +206,10 @@ class CudaGraphRunner:
         ready = [i for i, n in zip(g.dynamic_idx, g.same_calls) if n >= PROMOTE_AFTER and i not in self.demoted]
         if ready:
             self.next_static = sorted(g.static_idx + ready)
-            return f"input {_few(ready)} kept its address for {PROMOTE_AFTER} calls (now read in place)"
+            return f"input {few(ready)} kept its address for {PROMOTE_AFTER} calls (now read in place)"
         return None
 
-    def _moved(self, g: _Graph, args: list) -> str:
+    def _moved(self, g: CapturedGraph, args: list) -> str:
         """Some static input is not where the graph reads it: why to capture again, or "" to run
         uncaptured (its producer, a graph of this pool, ran uncaptured this time)."""
         moved = [i for i, p in zip(g.static_idx, g.static_ptrs) if args[i].data_ptr() != p]
@@ -312,22 +231,22 @@ class CudaGraphRunner:
         self.transient = 0
         self.demoted.update(demote)
         self.next_static = [i for i in g.static_idx if i not in self.demoted and i not in g.sources]
-        return f"input {_few(moved)} moved"
+        return f"input {few(moved)} moved"
 
     # -- capture -------------------------------------------------------------------------------
 
-    def _state(self, device: torch.device) -> _PoolState:
+    def _state(self, device: torch.device) -> PoolState:
         if self.pool is None:
-            return _PoolState(self.backend.new_pool(device, False), shared=False)
+            return PoolState(self.backend.new_pool(device, False), shared=False)
         if self.pool.state is None:
-            state = _PoolState(self.backend.new_pool(device, True), shared=True)
+            state = PoolState(self.backend.new_pool(device, True), shared=True)
             state.keeper = presize(self.pool, lambda nbytes: self.backend.reserve(state.handle, nbytes, device))
             self.pool.state = state
         return self.pool.state
 
     def _defer(self, refs: list, why: str) -> object:
         """Run this call uncaptured; capture on a later one."""
-        self.prev_ptrs = [_ptr(a) for a in refs]
+        self.prev_ptrs = [ptr_of(a) for a in refs]
         self.uncaptured += 1
         self.last_reason = why
         self._set_status(f"capture deferred: {why}")
@@ -344,14 +263,14 @@ class CudaGraphRunner:
         device = next((refs[i].device for i in tensors if self.backend.on_device(refs[i])),
                       refs[tensors[0]].device if tensors else torch.device("cuda"))
         state = lookup = self._state(device)
-        if state.shared and _unclean(state, {}):
+        if state.shared and unclean(state, {}):
             # Tensors handed out after replays lie on memory the allocator thinks free: a capture
             # into this pool could place its buffers there.
             assert self.pool is not None
-            if not _unclean(state, _storage_refs(refs)):
+            if not unclean(state, storage_refs(refs)):
                 # Only this call's inputs (a forward's outputs, replayed in a call before this
                 # graph's first capture): a private pool of its own, which cannot overlap them.
-                state = _PoolState(self.backend.new_pool(device, False), shared=False)
+                state = PoolState(self.backend.new_pool(device, False), shared=False)
             else:  # a new pool; the other graphs follow on their next calls
                 self.pool.renew()
                 return self._defer(refs, "outputs of replays were still held: the pool was renewed")
@@ -370,7 +289,7 @@ class CudaGraphRunner:
         host = [i for i in tensors if not self.backend.on_device(refs[i]) and refs[i].numel() > 0
                 and not (i in static and id(refs[i]) in lookup.consts)]
         if host:  # a capture reads host tensors once (an attention seed from an uncaptured call)
-            return self._defer(refs, f"input {_few(host)} is a host tensor")
+            return self._defer(refs, f"input {few(host)} is a host tensor")
         try:
             self.g, outputs = self._record(refs, tensors, static, final, state, device, lookup)
         except Exception as err:  # noqa: BLE001 - an uncapturable program still runs
@@ -387,8 +306,8 @@ class CudaGraphRunner:
         self._describe()
         return self._first_outputs(self.g, outputs, refs)
 
-    def _record(self, refs: list, tensors: list[int], static: list[int], final: bool, state: _PoolState,
-                device: torch.device, lookup: _PoolState) -> tuple[_Graph, object]:
+    def _record(self, refs: list, tensors: list[int], static: list[int], final: bool, state: PoolState,
+                device: torch.device, lookup: PoolState) -> tuple[CapturedGraph, object]:
         """Capture into ``state``; ``lookup``: the pool whose graphs' outputs are read in place."""
         statics = set(static)
         dynamic = [i for i in tensors if i not in statics]
@@ -406,7 +325,7 @@ class CudaGraphRunner:
         inputs = list(refs)
         for i, buf in zip(dynamic, buffers):
             inputs[i] = buf
-        before = [_version(x) for x in inputs]
+        before = [version_of(x) for x in inputs]
         weak = [weakref.ref(x) if isinstance(x, torch.Tensor) else None for x in inputs]
         stores = {i: StorageWeakRef(x.untyped_storage()) for i, x in enumerate(inputs)
                   if isinstance(x, torch.Tensor) and x.numel() > 0}
@@ -426,10 +345,10 @@ class CudaGraphRunner:
             del inputs
             for i in sources:  # still alive if somebody else holds it (or the program returned it)
                 refs[i] = weak[i]() if weak[i] is not None else None
-        after = [_version(w()) if w is not None and w() is not None else b for w, b in zip(weak, before)]
+        after = [version_of(w()) if w is not None and w() is not None else b for w, b in zip(weak, before)]
         mutated = {i for i in tensors if before[i] is None or before[i] != after[i]}
         slots, groups, container = self._outputs(outputs, weak, stores, final)
-        g = _Graph(graph, state, static, static_ptrs, dynamic, buffers,
+        g = CapturedGraph(graph, state, static, static_ptrs, dynamic, buffers,
                    [k for k, i in enumerate(dynamic) if i in mutated],
                    [i for i in static if i in mutated and before[i] is not None],
                    slots, groups, container, final, device, sources=sources,
@@ -439,7 +358,7 @@ class CudaGraphRunner:
         return g, outputs
 
     def _outputs(self, outputs: object, weak: list, stores: dict[int, StorageWeakRef],
-                 final: bool) -> tuple[list[_Slot], list[_Group], type | None]:
+                 final: bool) -> tuple[list[Slot], list[OutputGroup], type | None]:
         if isinstance(outputs, (tuple, list)) and not hasattr(outputs, "_fields"):
             container: type | None = type(outputs)
             leaves = list(outputs)
@@ -451,42 +370,42 @@ class CudaGraphRunner:
         for i in sorted(stores):
             if not stores[i].expired():  # a weak reference keeps the address from being reused
                 by_storage.setdefault(stores[i].cdata, i)
-        slots: list[_Slot] = []
-        groups: list[_Group] = []
+        slots: list[Slot] = []
+        groups: list[OutputGroup] = []
         group_of: dict[int, int] = {}
         seen: dict[int, int] = {}
         for j, leaf in enumerate(leaves):
             if not isinstance(leaf, torch.Tensor):
-                slots.append(_Slot("value", leaf))
+                slots.append(Slot("value", leaf))
                 continue
             if id(leaf) in seen:
-                slots.append(_Slot("same", index=seen[id(leaf)]))
+                slots.append(Slot("same", index=seen[id(leaf)]))
                 continue
             seen[id(leaf)] = j
             same_input = next((i for i, w in enumerate(weak) if w is not None and w() is leaf), None)
             if same_input is not None:
-                slots.append(_Slot("input", index=same_input))
+                slots.append(Slot("input", index=same_input))
                 continue
             if leaf.numel() == 0:
-                slots.append(_Slot("empty", _meta(leaf)))  # no memory to hold
+                slots.append(Slot("empty", meta_of(leaf)))  # no memory to hold
                 continue
             if not self.backend.on_device(leaf):
                 # A host tensor made at capture (attention's unused seed without dropout): the
                 # graph never writes it, so every replay hands out the same one.
-                slots.append(_Slot("const", leaf))
+                slots.append(Slot("const", leaf))
                 continue
             cdata = leaf.untyped_storage()._cdata
             owner = by_storage.get(cdata)
             if owner is not None:
                 x = weak[owner]()
                 base_ptr = x.data_ptr() if x is not None else leaf.untyped_storage().data_ptr()
-                slots.append(_Slot("alias", _meta(leaf), owner, leaf.data_ptr() - base_ptr))
+                slots.append(Slot("alias", meta_of(leaf), owner, leaf.data_ptr() - base_ptr))
                 continue
             k = group_of.get(cdata)
             if k is None:
                 storage = leaf.untyped_storage()
                 k = group_of[cdata] = len(groups)
-                groups.append(_Group(storage.data_ptr(), storage.nbytes(), [], StorageWeakRef(storage),
+                groups.append(OutputGroup(storage.data_ptr(), storage.nbytes(), [], StorageWeakRef(storage),
                                      lo=storage.nbytes(), copy_leaves=self.copy_leaves))
                 del storage
             grp = groups[k]
@@ -494,7 +413,7 @@ class CudaGraphRunner:
             start = leaf.storage_offset() * leaf.element_size()
             span = (1 + sum((s - 1) * st for s, st in zip(leaf.shape, leaf.stride()))) * leaf.element_size()
             grp.lo, grp.hi = min(grp.lo, start - start % 16), max(grp.hi, start + span)
-            slots.append(_Slot("pool", _meta(leaf), k, leaf.storage_offset()))
+            slots.append(Slot("pool", meta_of(leaf), k, leaf.storage_offset()))
         for grp in groups:
             grp.copy = final or any(m in self.copy_leaves for m in grp.members)
             # The leaves about to be handed out refer to the storage, each once, and so do the
@@ -505,7 +424,7 @@ class CudaGraphRunner:
             grp.own_base = torch._C._storage_Use_Count(grp.own.cdata) - len(holders)
         return slots, groups, container
 
-    def _first_outputs(self, g: _Graph, outputs: object, refs: list) -> object:
+    def _first_outputs(self, g: CapturedGraph, outputs: object, refs: list) -> object:
         """Run the graph just captured and hand out the capture's own output tensors."""
         self.backend.replay(g.graph, refs)  # the buffers were filled before the capture
         self.replays += 1
@@ -520,12 +439,12 @@ class CudaGraphRunner:
             if s.kind == "pool" and g.groups[s.index].copy:
                 if s.index not in copies:
                     assert isinstance(leaf, torch.Tensor)
-                    copies[s.index] = _copy_group(g.groups[s.index], g.slots, leaf.untyped_storage())
+                    copies[s.index] = copy_group(g.groups[s.index], g.slots, leaf.untyped_storage())
                 out.append(copies[s.index][j])
             elif s.kind == "input" and refs[s.index] is not None:
                 out.append(refs[s.index])
             elif s.kind == "alias" and s.index in g.dynamic_idx:
-                out.append(_rebase(s.value, refs[s.index], s.delta))  # type: ignore[arg-type]
+                out.append(rebase(s.value, refs[s.index], s.delta))  # type: ignore[arg-type]
             elif s.kind == "same":
                 out.append(out[s.index])
             else:
@@ -537,7 +456,7 @@ class CudaGraphRunner:
 
     # -- replay ----------------------------------------------------------------------------------
 
-    def _views(self, g: _Graph) -> None:
+    def _views(self, g: CapturedGraph) -> None:
         """Storages on the pool memory of ``g``'s outputs, and one tensor per output on them."""
         for grp in g.groups:
             grp.view = self.backend.view(grp.ptr, grp.nbytes, g.device, g.state)
@@ -573,7 +492,7 @@ class CudaGraphRunner:
                 if grp.copy:
                     if s.index not in copies:
                         assert grp.view is not None
-                        copies[s.index] = _copy_group(grp, g.slots, grp.view)
+                        copies[s.index] = copy_group(grp, g.slots, grp.view)
                     leaves.append(copies[s.index][j])
                 else:
                     leaves.append(grp.bases[j].detach())
@@ -582,7 +501,7 @@ class CudaGraphRunner:
             elif kind == "input":
                 leaves.append(refs[s.index])
             elif kind == "alias":
-                leaves.append(_rebase(s.value, refs[s.index], s.delta))  # type: ignore[arg-type]
+                leaves.append(rebase(s.value, refs[s.index], s.delta))  # type: ignore[arg-type]
             elif kind == "same":
                 leaves.append(leaves[s.index])
             else:  # empty
@@ -619,122 +538,3 @@ class CudaGraphRunner:
         if self.last_reason:
             parts.append(f"last recapture: {self.last_reason}")
         self._set_status("; ".join(parts))
-
-
-def _uses(grp: _Group) -> int:
-    """References to the group's memory beyond the runner's own."""
-    n = 0
-    if not grp.own.expired():
-        n += torch._C._storage_Use_Count(grp.own.cdata) - grp.own_base
-    if grp.view is not None:
-        n += torch._C._storage_Use_Count(grp.view._cdata) - grp.view_base
-    return n
-
-
-def _held(grp: _Group) -> bool:
-    # Anybody else holding the storage (a tensor, a view, autograd's saved tensors) raises its
-    # reference count.
-    return _uses(grp) > 0
-
-
-def _unclean(state: _PoolState, refs: dict[int, int]) -> bool:
-    """Whether a tensor handed out after a replay is still held, beyond ``refs`` (storage ->
-    references): the allocator does not know that its memory is in use, so a capture into the
-    pool could place new buffers on it."""
-    return any(grp.view is not None
-               and torch._C._storage_Use_Count(grp.view._cdata) - refs.get(grp.view._cdata, 0) > grp.view_base
-               for y in state.graphs for grp in y.groups)
-
-
-def _inside(grp: _Group, ranges: list[tuple[int, int]]) -> bool:
-    return any(lo <= grp.ptr and grp.ptr + grp.nbytes <= hi for lo, hi in ranges)
-
-
-def _hazards(g: _Graph, args: list) -> list[_Group]:
-    """Output groups of the pool's other graphs that ``g``'s replay may overwrite and that somebody
-    other than this call's arguments (which the program consumes) still holds.
-
-    A replay writes only memory its capture allocated, and the allocator hands out no block that is
-    in use: memory held throughout the capture (``g.protected``) is never written."""
-    if not g.state.shared:
-        return []
-    refs: dict[int, int] | None = None
-    out = []
-    for y in g.state.graphs:
-        if y is g:
-            continue
-        for grp in y.groups:
-            n = _uses(grp)
-            if n <= 0 or _inside(grp, g.protected):
-                continue
-            if refs is None:
-                refs = _storage_refs(args)
-            if not grp.own.expired():
-                n -= refs.get(grp.own.cdata, 0)
-            if grp.view is not None:
-                n -= refs.get(grp.view._cdata, 0)
-            if n > 0:
-                out.append(grp)
-    return out
-
-
-def _storage_refs(args: list) -> dict[int, int]:
-    """Storage -> how many of ``args`` (distinct tensors, one reference each) refer to it."""
-    counts: dict[int, int] = {}
-    seen: set[int] = set()
-    for a in args:
-        if isinstance(a, torch.Tensor) and id(a) not in seen:
-            seen.add(id(a))
-            cdata = a.untyped_storage()._cdata
-            counts[cdata] = counts.get(cdata, 0) + 1
-    return counts
-
-
-def _copy_group(grp: _Group, slots: list[_Slot], storage: torch.UntypedStorage) -> dict[int, torch.Tensor]:
-    """Copies of a group's outputs (on ``storage``) in one new storage, aliasing between them kept."""
-    first = slots[grp.members[0]].value
-    assert isinstance(first, torch.Tensor)
-    device = storage.device
-    raw = torch.empty(0, dtype=torch.uint8, device=device).set_(storage, grp.lo, (grp.hi - grp.lo,), (1,))
-    new = raw.clone().untyped_storage()
-    out = {}
-    for j in grp.members:
-        t = slots[j].value
-        assert isinstance(t, torch.Tensor)
-        size = t.element_size()
-        offset = (slots[j].delta * size - grp.lo) // size
-        out[j] = torch.empty(0, dtype=t.dtype, device=device).set_(new, offset, t.shape, t.stride())
-    return out
-
-
-def _rebase(captured: torch.Tensor, caller: torch.Tensor, delta: int) -> torch.Tensor:
-    """The output that aliased an input during capture, as the same view of the caller's tensor."""
-    size = captured.element_size()
-    if captured.dtype == caller.dtype and delta % size == 0:
-        return caller.as_strided(captured.shape, captured.stride(), caller.storage_offset() + delta // size)
-    offset = (caller.storage_offset() * caller.element_size() + delta) // size
-    return torch.empty(0, dtype=captured.dtype, device=caller.device).set_(
-        caller.untyped_storage(), offset, captured.shape, captured.stride())
-
-
-def _meta(t: torch.Tensor) -> torch.Tensor:
-    """Shape, strides and dtype of ``t`` without holding its memory."""
-    return torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device="meta")
-
-
-def _ptr(a: object) -> int:
-    return a.data_ptr() if isinstance(a, torch.Tensor) else 0
-
-
-def _version(a: object) -> int | None:
-    if not isinstance(a, torch.Tensor):
-        return 0
-    try:
-        return a._version
-    except RuntimeError:  # inference tensors have no version counter
-        return None
-
-
-def _few(items: Sequence[int]) -> str:
-    shown = ", ".join(str(i) for i in items[:4])
-    return f"{shown} (+{len(items) - 4} more)" if len(items) > 4 else shown

@@ -78,7 +78,7 @@ class GraphPool:
     starts a new pool: every graph of the old one is captured again on its next call."""
 
     def __init__(self) -> None:
-        self.state: object | None = None  # cudagraph._PoolState of the current pool
+        self.state: object | None = None  # graph_memory.PoolState of the current pool
         self.renewals = 0
         self.sizing = PoolSizing()
 
