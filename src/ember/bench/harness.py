@@ -213,10 +213,7 @@ def _compile_split(fn: Callable[..., Any], total_s: float) -> dict[str, Any] | N
     if backend is None:
         return None
     graphs = backend.log.graphs
-    stages: dict[str, float] = {}
-    for g in graphs:
-        for name, secs in g.stage_seconds.items():
-            stages[name] = stages.get(name, 0.0) + secs
+    stages = backend.log.stage_totals()
     ember_s = sum(stages.values())
     first_run = sum(g.first_call_s or 0.0 for g in graphs)
     return {"ember_s": ember_s, "ember_stages_s": stages, "first_run_s": first_run,

@@ -31,6 +31,8 @@ import logging
 import os
 from collections.abc import Callable, Iterator
 
+import torch
+
 _LOGGING_STEPS = ("_log_joint_graph", "_log_fw_bw_graphs")
 _TRACE_VARS = ("TORCH_TRACE", "TORCH_DTRACE", "TORCH_COMPILE_DEBUG")
 
@@ -80,8 +82,6 @@ def _log_off(x: object) -> object:
 @contextlib.contextmanager
 def backward_with_forward(on: bool) -> Iterator[None]:
     """Within the block (when ``on``), AOTAutograd compiles a training graph's backward right away."""
-    import torch
-
     cfg = torch._functorch.config
     if not on or not hasattr(cfg, "force_non_lazy_backward_lowering"):
         yield

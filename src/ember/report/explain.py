@@ -30,10 +30,9 @@ from torch.utils._pytree import tree_leaves
 from ember.capture.backend import EmberBackend
 from ember.config import Options
 from ember.report.html import Section, Table, render_html
-from ember.report.records import CompileLog, GraphRecord
+from ember.report.records import STAGES, CompileLog, GraphRecord  # noqa: F401 - STAGES re-exported
 from ember.schedule.rules import CONSTANT_OPS, VIEW_OPS
 
-STAGES = ("cache_load", "passes", "schedule", "codegen", "kernel_compile", "program")
 PLACEMENTS = ("generated", "fused-aten", "library", "fallback", "frozen", "view", "constant")
 COMPUTE = ("generated", "fused-aten", "library", "fallback")  # what coverage is a share of
 CAPTURE_LABEL = "Dynamo + AOTAutograd capture (approx.)"
@@ -93,7 +92,7 @@ class ExplainReport:
 
     def stage_totals(self) -> dict[str, float]:
         """Ember's compile time per stage, summed over all graphs."""
-        return {s: sum(g.stage_seconds.get(s, 0.0) for g in self.graphs) for s in STAGES}
+        return self.log.stage_totals()
 
     @property
     def ember_s(self) -> float:
@@ -473,9 +472,7 @@ def explain_with(model: Callable, args: tuple | list = (), kwargs: dict[str, Any
     if measured:
         first_run, note = sum(measured), "per graph, from the records"
     else:
-        # A graph's first call waits for its kernels first: that wait is Ember's kernel_compile.
-        first_run = max(0.0, sum(timed.first_calls) - sum(g.kernel_wait_s for g in log.graphs
-                                                          if g.kind != "backward"))
+        first_run = sum(timed.first_calls)
         note = "forward graphs only" if training else "all graphs"
     return ExplainReport(
         log=log, target=backend.options.target, training=training, total_s=forward_s + backward_s,

@@ -5,6 +5,9 @@ from __future__ import annotations
 from collections import Counter
 from dataclasses import dataclass, field
 
+# Ember's compile stages of one graph, in order (GraphRecord.stage_seconds).
+STAGES = ("cache_load", "passes", "schedule", "codegen", "kernel_compile", "program")
+
 
 @dataclass
 class GraphRecord:
@@ -34,7 +37,6 @@ class GraphRecord:
     layout: dict = field(default_factory=dict)  # passes/layout.py: conversions, saved-output strides
     cache: str = ""  # compiled-program cache: hit | stored | miss | off | not cacheable (...)
     compile_note: str = ""  # where the kernel_compile stage went (runtime/precompile.py)
-    kernel_wait_s: float = 0.0  # of kernel_compile: the first call's wait for the compile workers
 
 
 @dataclass
@@ -46,3 +48,7 @@ class CompileLog:
     recompiles: list[str] = field(default_factory=list)  # one line per recompile: id and reason
     dynamic: list[str] = field(default_factory=list)  # compile ids of dynamic-shape Dynamo graphs
     rewrites: Counter = field(default_factory=Counter)  # Dynamo-graph rewrites before AOTAutograd -> count
+
+    def stage_totals(self) -> dict[str, float]:
+        """Ember's compile time per stage, summed over all graphs."""
+        return {s: sum(g.stage_seconds.get(s, 0.0) for g in self.graphs) for s in STAGES}

@@ -3,7 +3,8 @@ views of pool memory, the allocator's counters. The tests replace it with a CPU 
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import contextlib
+from collections.abc import Callable, Iterator
 
 import torch
 
@@ -34,6 +35,19 @@ def capture_stream(device: torch.device) -> torch.cuda.Stream:
     return _CAPTURE_STREAMS[index]
 
 
+@contextlib.contextmanager
+def _recording(graph: torch.cuda.CUDAGraph, pool: object, device: torch.device) -> Iterator[None]:
+    """Record into ``graph`` on the device's capture stream, ordered after the current stream's work."""
+    with torch.cuda.device(device):
+        stream = capture_stream(device)
+        stream.wait_stream(torch.cuda.current_stream())
+        # thread_local: another thread's CUDA calls (a data loader pinning memory) must not
+        # break the capture, nor the capture break them.
+        with torch.cuda.graph(graph, pool=pool, stream=stream, capture_error_mode="thread_local"):
+            yield
+        torch.cuda.current_stream().wait_stream(stream)
+
+
 class CudaBackend:
     """What the runner asks of the device (a CPU stand-in replaces it in the tests)."""
 
@@ -48,14 +62,8 @@ class CudaBackend:
         ``inputs`` is handed to the program, which clears it: an input nobody else holds is freed
         when the program is done with it, and its memory can be reused within the capture."""
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.device(device):
-            stream = capture_stream(device)
-            stream.wait_stream(torch.cuda.current_stream())
-            # thread_local: another thread's CUDA calls (a data loader pinning memory) must not
-            # break the capture, nor the capture break them.
-            with torch.cuda.graph(graph, pool=pool, stream=stream, capture_error_mode="thread_local"):
-                outputs = run(inputs)
-            torch.cuda.current_stream().wait_stream(stream)
+        with _recording(graph, pool, device):
+            outputs = run(inputs)
         return graph, outputs
 
     def replay(self, graph: object, args: list) -> None:
@@ -90,14 +98,10 @@ class CudaBackend:
         """Allocate ``nbytes`` into ``pool`` as one segment and free it (runtime/graph_pool.py); the
         returned graph keeps the pool alive."""
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.device(device):
-            stream = capture_stream(device)  # the captures' stream: only they can take the block
-            stream.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.graph(graph, pool=pool, stream=stream, capture_error_mode="thread_local"):
-                block = torch.empty(nbytes, dtype=torch.uint8, device=device)
-                block[:1].zero_()  # a graph must record some work
-                del block
-            torch.cuda.current_stream().wait_stream(stream)
+        with _recording(graph, pool, device):  # on the captures' stream: only they can take the block
+            block = torch.empty(nbytes, dtype=torch.uint8, device=device)
+            block[:1].zero_()  # a graph must record some work
+            del block
         return graph
 
     def recover(self, device: torch.device) -> None:

@@ -23,14 +23,14 @@ tiny captured graph (which keeps the pool alive) and freed again: the segment st
 for the captures to carve. ``EMBER_POOL_PRESIZE=0`` turns this off.
 
 The caching allocator's cached, unused blocks are released (``torch.cuda.empty_cache``) after
-each graph's first, uncaptured call and after each capture into the pool. The first calls'
-activations and temporaries are allocated in the default pool; once the captured graphs take
-their memory from their own pool, that memory is only kept cached. Worse, left cached after the
-backward's first call, the freed blocks are where the optimizer's first step puts its momentum
-buffers, and segments shared with a live buffer can never be released: CycleGAN at batch 1 kept
-80 MiB of inactive blocks in the default pool that way (408 MiB reserved on the H100, 174 of it
-in the default pool with 94 active and 234 in the graph pool, against eager's 368). These are a
-few synchronizations at the first steps and at a recapture, never per replay.
+each graph's first, uncaptured call and after each capture into the pool: the first calls'
+activations and temporaries are allocated in the default pool, and once the captured graphs take
+their memory from their own pool that memory is only kept cached (CycleGAN at batch 1 on the
+H100: 116 MiB released). Free space inside segments that also hold a live tensor cannot be
+released: CycleGAN's default pool still keeps 80 MiB free beside its parameters and momentum
+buffers, which eager's activations reuse and the graph pool's cannot (408 MiB reserved against
+eager's 368). These are a few synchronizations at the first steps and at a recapture, never per
+replay.
 """
 
 from __future__ import annotations
