@@ -14,11 +14,12 @@ each is a context manager, and everything is restored afterwards.
   back inside ``compile_graph`` as before, so the eager compile raises nothing new.
 - ``gc_paused``: a compile allocates millions of Python objects, which trigger full garbage
   collections, and each full collection walks every object of the process (torch, Triton, the
-  model and the compile's own graphs): 4 of them took 1.10 s of ResNet-50's 5.78 s first call on
-  a CPU. The collector is paused while AOTAutograd and Ember compile and resumed afterwards: the
-  same first call spent 0.20 s in collections (outside the block) and its peak resident memory
-  grew by 17 MiB (1,126 -> 1,143 MiB). Freezing the objects that existed (``gc.freeze``) instead
-  still left 0.59 s: the compile's own objects are most of what a collection walks.
+  model and the compile's own graphs). On a 2-core CPU (``benchmarks/cpu_gc_during_compile.py``,
+  result in ``benchmarks/cpu_gc_during_compile_2026-11-24.json``) 4 full collections took 1.08 s
+  of ResNet-50's 5.43 s first call; with the collector paused while AOTAutograd and Ember compile,
+  one remains (0.19 s, outside the block), the first call takes 4.91 s and peak resident memory
+  grows by 31 MiB (1,124 -> 1,155 MiB). Freezing the objects that existed (``gc.freeze``) instead
+  still left about 0.6 s: the compile's own objects are most of what a collection walks.
 """
 
 from __future__ import annotations
