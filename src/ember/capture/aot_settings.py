@@ -3,7 +3,8 @@ each is a context manager, and everything is restored afterwards.
 
 - ``aot_graph_text_off``: AOTAutograd renders the joint, forward and backward graphs as text on
   every compile, for its logs and for Inductor's cache, whether or not a log will show them
-  (``print_readable`` of three graphs: about 0.6 s of ResNet-50's training compile on the H100).
+  (``print_readable`` of three graphs: 1.23 s of ResNet-50's training compile under cProfile on the
+  H100, ``benchmarks/h100_2026-11-23_session6/call1/cprofile/resnet50.pstats``).
   Ember uses neither, so the two logging steps see an ``AOTConfig`` with ``enable_log=False``
   unless a log that shows the graphs is on (``TORCH_LOGS=aot_graphs``, ``aot_joint_graph``, or a
   structured trace through ``TORCH_TRACE``).
@@ -18,8 +19,8 @@ each is a context manager, and everything is restored afterwards.
   result in ``benchmarks/cpu_gc_during_compile_2026-11-24.json``) 4 full collections took 1.08 s
   of ResNet-50's 5.43 s first call; with the collector paused while AOTAutograd and Ember compile,
   one remains (0.19 s, outside the block), the first call takes 4.91 s and peak resident memory
-  grows by 31 MiB (1,124 -> 1,155 MiB). Freezing the objects that existed (``gc.freeze``) instead
-  still left about 0.6 s: the compile's own objects are most of what a collection walks.
+  grows by 31 MiB (1,124 -> 1,155 MiB). Freezing the objects that existed (``gc.freeze``) was
+  tried instead and helped less: the compile's own objects are most of what a collection walks.
 """
 
 from __future__ import annotations
