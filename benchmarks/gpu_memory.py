@@ -1,4 +1,4 @@
-"""Peak GPU memory of a training step, one fresh process per model and backend.
+"""Peak GPU memory of a training (or inference) step, one fresh process per model and backend.
 
 Run on the device (from the repo root):
     PYTHONPATH=src python benchmarks/gpu_memory.py resnet50 vgg16 --backends eager,ember,ember-nographs \\
@@ -35,16 +35,16 @@ from fresh_process import child_result, fresh_caches, write_rows
 CHILD = r"""
 import json, sys, torch
 from ember.bench import harness, models
-name, backend = sys.argv[1], sys.argv[2]
+name, backend, mode = sys.argv[1], sys.argv[2], sys.argv[3]
 device = torch.device("cuda")
 case = models.get_case(name)
 torch.manual_seed(0)
-model = case.build(False).to(device).train()
-batches = models.make_batches(case, case.default_batch("train"), device, count=2)
-optimizer = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
+model = case.build(False).to(device).train(mode == "train")
+batches = models.make_batches(case, case.default_batch(mode), device, count=2)
+optimizer = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9) if mode == "train" else None
 fn = harness.BACKENDS[backend](model)
-step = harness._make_step(case, fn, "train", "bf16", device, optimizer)
-trace = len(sys.argv) > 3
+step = harness._make_step(case, fn, mode, "bf16", device, optimizer)
+trace = len(sys.argv) > 4
 if trace:
     torch.cuda.memory._record_memory_history(context="alloc", stacks="python", max_entries=400000)
 torch.cuda.reset_peak_memory_stats()
@@ -108,8 +108,8 @@ if trace:  # the default pool's inactive blocks at the end, largest first, with 
     if hasattr(fn, "_ember_backend"):
         notes += [f"graph {g.title}: {g.cudagraph}" for g in fn._ember_backend.log.graphs]
 params = sum(p.numel() * p.element_size() for p in model.parameters())
-momentum = sum(v.numel() * v.element_size() for s in optimizer.state.values() for v in s.values()
-               if torch.is_tensor(v) and v.is_cuda)
+momentum = sum(v.numel() * v.element_size() for s in (optimizer.state.values() if optimizer else ())
+               for v in s.values() if torch.is_tensor(v) and v.is_cuda)
 print("RESULT " + json.dumps({"peak_allocated": torch.cuda.max_memory_allocated(), "peak_allocated_from_start": peak_all,
       "live_at_peak": live_at_peak, "notes": notes,
       "peak_reserved": torch.cuda.max_memory_reserved(), "pools": pools,
@@ -125,6 +125,7 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("models", nargs="*", default=["resnet50", "vgg16", "bert"])
     parser.add_argument("--backends", default="eager,ember")
+    parser.add_argument("--mode", default="train", choices=["train", "infer"])
     parser.add_argument("--json", default=None)
     parser.add_argument("--trace", default="", help="comma-separated backends whose allocations are traced from the "
                         "first step: the blocks live at the peak, by allocation site")
@@ -136,12 +137,12 @@ def main() -> int:
             extra = {"EMBER_CUDAGRAPHS": "0"} if backend == "ember-nographs" else {}
             with fresh_caches(**extra) as env:
                 traced = ["trace"] if backend in args.trace.split(",") else []
-                r, stderr = child_result(CHILD, [name, backend.split("-")[0], *traced], env)
+                r, stderr = child_result(CHILD, [name, backend.split("-")[0], args.mode, *traced], env)
             if r is None:
                 print(f"{name:<14}{backend:<16}ERROR {stderr[-600:]}", flush=True)
                 rows.append({"model": name, "backend": backend, "error": stderr[-3000:]})
                 continue
-            rows.append({"model": name, "backend": backend, **r})
+            rows.append({"model": name, "backend": backend, "mode": args.mode, **r})
             pools = "; ".join(f"{k}: {_mib(p['reserved'])} / {_mib(p['active'])}" for k, p in r["pools"].items())
             print(f"{name:<14}{backend:<16}{_mib(r['peak_allocated']):>15}{_mib(r['peak_reserved']):>13}  {pools}; "
                   f"peak allocated from the first step (captures included) {_mib(r['peak_allocated_from_start'])}",

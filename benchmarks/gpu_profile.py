@@ -6,6 +6,12 @@ Run on the device (from the repo root):
 For each model and backend: GPU time per step, kernel launches per step, the share of GPU
 time in library kernels (cuBLAS/cuDNN/flash), generated Triton kernels and other ATen
 kernels, and the top kernels. Writes a table per run and a Chrome trace under ``--out``.
+
+``--keep N`` keeps N kernels per run in the JSON (all: 0). For generated Triton kernels the JSON
+also gives the bytes of the tensors each was launched with (recorded at its first launch, which
+is uncaptured) and the GB/s that makes at its profiled time: an upper bound of what it moves
+(a split reduction's combining kernel is handed tensors it does not read), to set against the
+device's copy bandwidth. ``EMBER_DEBUG_DIR`` set: Ember's kernel sources land there.
 """
 
 from __future__ import annotations
@@ -33,7 +39,32 @@ def kernel_family(name: str) -> str:
     return "aten"
 
 
-def profile_case(name: str, backend: str, mode: str, steps: int, out: Path, trace: bool = True) -> dict:
+_ARG_BYTES: dict[str, int] = {}
+
+
+def record_arg_bytes() -> None:
+    """Note, at each Triton kernel's first launch, the bytes of the tensors it is handed (each
+    storage once)."""
+    from triton.runtime.jit import JITFunction
+
+    original = JITFunction.run
+
+    def run(self, *args, **kwargs):
+        name = getattr(self, "__name__", None) or self.fn.__name__
+        if name not in _ARG_BYTES:
+            sizes: dict[int, int] = {}
+            for a in args:
+                if isinstance(a, torch.Tensor):
+                    key = a.untyped_storage().data_ptr()
+                    sizes[key] = max(sizes.get(key, 0), a.numel() * a.element_size())
+            _ARG_BYTES[name] = sum(sizes.values())
+        return original(self, *args, **kwargs)
+
+    JITFunction.run = run
+
+
+def profile_case(name: str, backend: str, mode: str, steps: int, out: Path, trace: bool = True,
+                 keep: int = 25) -> dict:
     device = torch.device("cuda")
     case = models.get_case(name)
     torch.manual_seed(0)
@@ -60,15 +91,23 @@ def profile_case(name: str, backend: str, mode: str, steps: int, out: Path, trac
     fam: dict[str, float] = {}
     for k, v in kernels.items():
         fam[kernel_family(k)] = fam.get(kernel_family(k), 0.0) + sum(v)
-    top = sorted(kernels.items(), key=lambda kv: -sum(kv[1]))[:25]
+    top = sorted(kernels.items(), key=lambda kv: -sum(kv[1]))[:keep or None]
     return {
         "model": name, "backend": backend, "mode": mode,
         "gpu_ms_per_step": total / 1e3 / steps,
         "launches_per_step": sum(len(v) for v in kernels.values()) / steps,
         "share": {k: 100 * v / total for k, v in fam.items()},
         "top": [{"kernel": k[:140], "family": kernel_family(k), "ms_per_step": sum(v) / 1e3 / steps,
-                 "calls_per_step": len(v) / steps} for k, v in top],
+                 "calls_per_step": len(v) / steps, **_bandwidth(k, v)} for k, v in top],
     }
+
+
+def _bandwidth(kernel: str, times_us: list[float]) -> dict:
+    nbytes = _ARG_BYTES.get(kernel)
+    if not nbytes:
+        return {}
+    mean_s = sum(times_us) / len(times_us) / 1e6
+    return {"arg_bytes": nbytes, "arg_gb_per_s": nbytes / mean_s / 1e9 if mean_s else None}
 
 
 def main() -> int:
@@ -79,20 +118,23 @@ def main() -> int:
     parser.add_argument("--steps", type=int, default=5)
     parser.add_argument("--top", type=int, default=12)
     parser.add_argument("--out", default="profile_out")
+    parser.add_argument("--keep", type=int, default=25, help="kernels kept per run in the JSON (0: all)")
     parser.add_argument("--no-trace", action="store_true", help="skip the Chrome traces (large files)")
     args = parser.parse_args()
+    record_arg_bytes()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     rows = []
     for name in args.models:
         for backend in args.backend.split(","):
-            r = profile_case(name, backend, args.mode, args.steps, out, trace=not args.no_trace)
+            r = profile_case(name, backend, args.mode, args.steps, out, trace=not args.no_trace, keep=args.keep)
             rows.append(r)
             share = " ".join(f"{k} {v:.0f}%" for k, v in sorted(r["share"].items()))
             print(f"\n== {name} {args.mode} {backend}: GPU {r['gpu_ms_per_step']:.2f} ms/step, "
                   f"{r['launches_per_step']:.0f} launches/step, {share}")
             for t in r["top"][: args.top]:
-                print(f"  {t['ms_per_step']:7.3f} ms {t['calls_per_step']:6.1f}x {t['family']:<9} {t['kernel'][:100]}")
+                rate = f"{t['arg_gb_per_s']:6.0f} GB/s" if t.get("arg_gb_per_s") else " " * 11
+                print(f"  {t['ms_per_step']:7.3f} ms {t['calls_per_step']:6.1f}x {t['family']:<9} {rate} {t['kernel'][:90]}")
             torch._dynamo.reset()
         (out / "profile.json").write_text(json.dumps(rows, indent=1))  # after each model: a cut-off run keeps it
     return 0

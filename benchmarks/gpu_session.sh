@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One device call that checks and times the current tree on the H100 (run from the repo root):
-#   bash benchmarks/gpu_session.sh [PART]     PART 1 (default) to 22; results under $OUT (or ./gpu_session_out)
+#   bash benchmarks/gpu_session.sh [PART]     PART 1 (default) to 23; results under $OUT (or ./gpu_session_out)
 # Part 1 fits one 10-minute call; parts 2 and 3 are the training suite, one call each.
 # Each step has its own time limit, so one slow step cannot take the others' results with it;
 # the order is by priority (issue targets first). Writes one JSON per step and a log.
@@ -180,5 +180,17 @@ case "$PART" in
     --json "$OUT/memory_cyclegan.json"
   step train_vgg16 150 python -m ember.cli bench vgg16 --mode train --precision bf16 --iters 20 --no-progress \
     --json "$OUT/bench_train_vgg16.json"
+  ;;
+23)  # first calls in pools of their own: peak memory (fresh process per backend); vgg16's launch
+     # compiles after deduplicating by argument dtypes; resnet50's every kernel with its bytes
+     # (Ember's sources kept); inference peak memory
+  step memory_train 180 python benchmarks/gpu_memory.py cyclegan style_transfer resnet50 --backends eager,ember \
+    --json "$OUT/memory_train.json"
+  step compile_profile 80 python benchmarks/gpu_compile_profile.py vgg16 --json "$OUT/compile_profile.json"
+  EMBER_DEBUG_DIR="$OUT/debug_resnet50" step profile_resnet50 200 python benchmarks/gpu_profile.py resnet50 \
+    --backend ember,inductor --keep 0 --top 40 --no-trace --out "$OUT/profile_resnet50"
+  find "$OUT/debug_resnet50" -type f ! -path '*/kernels/*' ! -name 'program*' ! -name 'plan.txt' -delete 2>/dev/null
+  step memory_infer 120 python benchmarks/gpu_memory.py cyclegan resnet50 bert --mode infer --backends eager,ember \
+    --json "$OUT/memory_infer.json"
   ;;
 esac

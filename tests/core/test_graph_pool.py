@@ -3,6 +3,9 @@ logic, on the CPU stand-in of the CUDA-graph backend (CI has no GPU)."""
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
+
 import pytest
 import torch
 from cudagraph_fakes import FakeGraphs, runner_pair, train_step
@@ -23,6 +26,12 @@ class CountingGraphs(FakeGraphs):
     def release_cached(self, device: torch.device) -> int:
         self.events.append("release")
         return 3 * 2**20
+
+    @contextlib.contextmanager
+    def first_call_pool(self, device: torch.device) -> Iterator[None]:
+        self.events.append("first call in its own pool")
+        yield
+        self.events.append("pool handed back")
 
     def memory_counters(self, device: torch.device) -> tuple[int, int] | None:
         return self.counters.pop(0) if self.counters else None
@@ -52,11 +61,13 @@ def test_the_first_calls_measure_the_pool_and_the_first_capture_reserves_it() ->
     assert backend.reserved == [(pool.state.handle, 350)]  # once, into the pool both graphs use
     assert backend.pools[0] is backend.pools[1] is pool.state.handle
     assert pool.state.keeper is not None
-    # cached memory is released after each first call and each capture, the reservation before those
-    assert backend.events == ["release", "release", "reserve", "release", "release"]
-    assert pool.sizing.released == 12 * 2**20
+    # each first call runs in a pool of its own, handed back after it; cached memory is released
+    # after each first call, before the reservation and after each capture
+    first_call = ["first call in its own pool", "pool handed back", "release"]
+    assert backend.events == [*first_call, *first_call, "release", "reserve", "release", "release"]
+    assert pool.sizing.released == 15 * 2**20
     assert "pre-sized to" in fw.status and "pre-sized to" in bw.status
-    assert "12 MiB of cached memory released after first calls and captures" in bw.status
+    assert "15 MiB of cached memory released after first calls and captures" in bw.status
 
 
 def test_a_renewed_pool_is_reserved_again() -> None:
@@ -83,7 +94,8 @@ def test_no_reservation_and_the_reason(case: str, monkeypatch: pytest.MonkeyPatc
     for _ in range(3):
         train_step(fw, bw, w)  # results still match eager (checked in train_step)
     assert fw.captures == bw.captures == 1 and not backend.reserved and pool.state.keeper is None
-    assert backend.events == ["release"] * 4  # after each first call and capture, pre-sized or not
+    # after each first call, before the pool's first capture and after each capture, pre-sized or not
+    assert [e for e in backend.events if e in ("release", "reserve")] == ["release"] * 5
     note = {"no new peak": "set no new allocation peak", "switched off": "EMBER_POOL_PRESIZE=0",
             "reserve fails": "reserving 0 MiB failed (OutOfMemoryError)", "no counters": ""}[case]
     assert note in pool.describe(), pool.describe()

@@ -44,6 +44,10 @@ def test_serial_precompile_reports_each_failure_once(jobs, monkeypatch):
     # the same kernel with other launch parameters is another compile
     other = pc.CompileJob(jobs[0].path, jobs[0].name, jobs[0].arg_dtypes, (("BLOCK", 16), ("N", 8)))
     assert pc.precompile([other]).kernels == 1
+    # ... and with other argument dtypes (a kernel that ignores an argument's values is named
+    # alike whatever its dtype, and Triton compiles each signature)
+    bf16 = pc.CompileJob(jobs[0].path, jobs[0].name, ("bfloat16", "float32"), jobs[0].meta)
+    assert pc.precompile([bf16, bf16]).kernels == 1
 
 
 def test_submit_returns_before_waiting_and_wait_reports_once(jobs, monkeypatch):

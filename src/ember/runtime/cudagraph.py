@@ -146,7 +146,8 @@ class CudaGraphRunner:
                     return self.run(args)
                 # The first calls of the model's graphs measure what its pool will need.
                 self.pool.sizing.begin(self.backend.memory_counters(device))
-                out = self.run(args)
+                with self.backend.first_call_pool(device):
+                    out = self.run(args)
                 self.pool.sizing.end(self.backend.memory_counters(device))
                 self.pool.sizing.released += self.backend.release_cached(device)  # (runtime/graph_pool.py)
                 return out
@@ -240,6 +241,9 @@ class CudaGraphRunner:
             return PoolState(self.backend.new_pool(device, False), shared=False)
         if self.pool.state is None:
             state = PoolState(self.backend.new_pool(device, True), shared=True)
+            # The first calls' pools hold no tensors once the step's gradients are cleared: give
+            # their memory back before the reservation takes the step's worth again.
+            self.pool.sizing.released += self.backend.release_cached(device)
             state.keeper = presize(self.pool, lambda nbytes: self.backend.reserve(state.handle, nbytes, device))
             self.pool.state = state
         return self.pool.state

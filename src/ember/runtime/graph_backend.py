@@ -4,9 +4,14 @@ views of pool memory, the allocator's counters. The tests replace it with a CPU 
 from __future__ import annotations
 
 import contextlib
+import os
 from collections.abc import Callable, Iterator
 
 import torch
+
+
+def first_call_pool_enabled() -> bool:
+    return os.environ.get("EMBER_FIRST_CALL_POOL", "1") not in ("0", "false", "")
 
 
 class _PoolMemory:
@@ -54,6 +59,25 @@ class CudaBackend:
     def new_pool(self, device: torch.device, shared: bool) -> object:
         """A pool handle for ``capture``; None: a private pool of the graph's own."""
         return torch.cuda.graph_pool_handle() if shared else None
+
+    @contextlib.contextmanager
+    def first_call_pool(self, device: torch.device) -> Iterator[None]:
+        """Route this thread's allocations to a private pool of their own while a graph's first,
+        uncaptured call runs (runtime/graph_pool.py says why). The pool is handed back when the
+        block ends: its segments return to the device as soon as no tensor uses them and the
+        cache is released (``release_cached``); until then nothing else allocates from them."""
+        begin = getattr(torch._C, "_cuda_beginAllocateCurrentThreadToPool", None)
+        if device.type != "cuda" or begin is None or not first_call_pool_enabled():
+            yield
+            return
+        index = device.index if device.index is not None else torch.cuda.current_device()
+        handle = torch.cuda.graph_pool_handle()  # a new id: the pool is created by the first allocation
+        begin(index, handle)
+        try:
+            yield
+        finally:
+            torch._C._cuda_endAllocateToPool(index, handle)
+            torch._C._cuda_releasePool(index, handle)
 
     def capture(self, run: Callable[[list], object], inputs: list, device: torch.device,
                 pool: object = None) -> tuple[object, object]:

@@ -34,10 +34,12 @@ from pathlib import Path
 
 _POOL: cf.ProcessPoolExecutor | None = None
 _STARTED: list[cf.Future] = []  # the workers' start-up jobs
-# (kernel name, launch meta) compiled or attempted by this process. The meta is part of the key:
-# one kernel source can launch with other block sizes or warps (a split reduction's combining
-# kernel does, across layers of a model), and each is its own compile.
-_DONE: set[tuple[str, tuple]] = set()
+# (kernel name, argument dtypes, launch meta) compiled or attempted by this process. One kernel
+# name can launch with other block sizes (a split reduction's combining kernel does, across layers
+# of a model) and with other argument dtypes (the same combining kernel reads only its float32
+# workspace, so its source, and with it its name, does not depend on the dtypes of the other
+# tensors it is handed): Triton specialises on both, so each is its own compile.
+_DONE: set[tuple[str, tuple, tuple]] = set()
 _LOG: list[tuple[CompileJob, float]] = []  # every job this process compiled ahead, with its seconds
 
 
@@ -215,11 +217,15 @@ class PendingCompile:
         return stats
 
 
+def _key(job: CompileJob) -> tuple[str, tuple, tuple]:
+    return job.name, job.arg_dtypes, job.meta
+
+
 def submit(jobs: Sequence[CompileJob]) -> PendingCompile:
     """Start compiling the jobs not compiled before in this process; returns without waiting
     (with no workers, or one job, it compiles them here first)."""
-    todo = [j for j in {(j.name, j.meta): j for j in jobs}.values() if (j.name, j.meta) not in _DONE]
-    _DONE.update((j.name, j.meta) for j in todo)
+    todo = [j for j in {_key(j): j for j in jobs}.values() if _key(j) not in _DONE]
+    _DONE.update(_key(j) for j in todo)
     workers = worker_count()
     return PendingCompile(todo, 0 if len(todo) == 1 else workers)
 
