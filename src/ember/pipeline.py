@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import linecache
 import os
+import re
 import time
 import traceback
 import warnings
@@ -65,6 +66,12 @@ def cpu_codegen_unavailable() -> str:
         else:
             _NUMBA_PROBLEM.append("")
     return _NUMBA_PROBLEM[0]
+
+
+def debug_folder(title: str) -> str:
+    """A graph's folder under the debug dir: "backward 0 (frame 0/0)" -> "backward_0_frame_0-0",
+    a name any shell or file copy takes as it is."""
+    return re.sub(r"[^\w.-]+", "_", title.replace("/", "-")).strip("_")
 
 
 def _dump(options: Options, name: str, text: str) -> None:
@@ -162,7 +169,7 @@ def _copy_graph(graph: fx.Graph) -> fx.Graph:
 def _compile(gm: fx.GraphModule, example_inputs: list, options: Options, record: GraphRecord,
              reference: fx.GraphModule | None) -> CompiledGraph:
     level = config.debug_level()
-    slug = record.title.replace(" ", "_").replace("/", "-")
+    slug = debug_folder(record.title)
     stage = record.stage_seconds
     if _symbolic(gm):
         raise NotImplementedError("graph has symbolic shapes; Ember compiles static shapes")

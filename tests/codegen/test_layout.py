@@ -280,6 +280,22 @@ def test_channel_statistics_of_channels_last_use_channel_tiles(split_reductions:
     assert "channel-contiguous" in src and "split=" in src and "ember_part1_" in src, src
 
 
+def test_a_broadcast_gradient_does_not_decide_the_tile_order(split_reductions: None) -> None:
+    """A pooled gradient expanded back over H and W (ResNet's last batch-norm backward) walks
+    every dim but stores only N x C: the channels_last activation orders the tile."""
+    x = make_input((3, 6, 5, 7), "channels_last")
+    g = torch.randn(3, 6)
+
+    def fn(x: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
+        return (g[:, :, None, None].expand_as(x) / 35 * x).sum((0, 2, 3))
+
+    with strict_env(looped=True):
+        compiled = ember.compile(fn, target="triton-interpret")
+        assert_close(compiled(x, g), fn(x, g), norm_rtol=1e-5)
+    src = _kernels(compiled)
+    assert "channel-contiguous" in src and "r order [0, 2, 3]" in src, src
+
+
 @settings(max_examples=10, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(n=st.integers(1, 4), c=st.integers(1, 9), h=st.integers(1, 6), w=st.integers(1, 6),
        channels_last=st.booleans(), relu=st.booleans(), reduce=st.sampled_from(["sum", "amax", "amin", "mean"]))

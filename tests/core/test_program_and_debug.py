@@ -6,6 +6,7 @@ Triton cases use ``target="triton-interpret"`` (Triton's CPU interpreter) on tin
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import pytest
@@ -16,6 +17,7 @@ import ember
 import ember.pipeline
 from ember.config import Options
 from ember.passes import run_passes as real_run_passes
+from ember.pipeline import debug_folder
 
 aten = torch.ops.aten
 
@@ -29,7 +31,9 @@ def tiny_inputs() -> list[torch.Tensor]:
 
 
 def slug(title: str) -> str:
-    return title.replace(" ", "_").replace("/", "-")
+    slugged = debug_folder(title)
+    assert re.fullmatch(r"[\w.-]+", slugged), slugged
+    return slugged
 
 
 # -- debug_dir --------------------------------------------------------------------------------------
