@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One device call that checks and times the current tree on the H100 (run from the repo root):
-#   bash benchmarks/gpu_session.sh [PART]     PART 1 (default) to 23; results under $OUT (or ./gpu_session_out)
+#   bash benchmarks/gpu_session.sh [PART]     PART 1 (default) to 24; results under $OUT (or ./gpu_session_out)
 # Part 1 fits one 10-minute call; parts 2 and 3 are the training suite, one call each.
 # Each step has its own time limit, so one slow step cannot take the others' results with it;
 # the order is by priority (issue targets first). Writes one JSON per step and a log.
@@ -192,5 +192,15 @@ case "$PART" in
   find "$OUT/debug_resnet50" -type f ! -path '*/kernels/*' ! -name 'program*' ! -name 'plan.txt' -delete 2>/dev/null
   step memory_infer 120 python benchmarks/gpu_memory.py cyclegan resnet50 bert --mode infer --backends eager,ember \
     --json "$OUT/memory_infer.json"
+  ;;
+24)  # Ember's overlapping max-pool kernels and the broadcast-view tile fix: the kernels against
+     # ATen's; resnet50 correctness, train speed (eager, Inductor, Ember in one run), every kernel
+  step max_pool 60 python benchmarks/gpu_max_pool.py --json "$OUT/max_pool.json"
+  step correctness 120 python benchmarks/gpu_correctness.py resnet50 --json "$OUT/correctness.json"
+  step train_resnet50 200 python -m ember.cli bench resnet50 --mode train --precision bf16 --iters 20 \
+    --no-progress --json "$OUT/bench_train_resnet50.json"
+  EMBER_DEBUG_DIR="$OUT/debug_resnet50" step profile_resnet50 120 python benchmarks/gpu_profile.py resnet50 \
+    --backend ember --keep 0 --top 30 --no-trace --out "$OUT/profile_resnet50"
+  find "$OUT/debug_resnet50" -type f ! -path '*/kernels/*' ! -name 'plan.txt' -delete 2>/dev/null
   ;;
 esac

@@ -48,8 +48,8 @@ class Block(nn.Module):
 class FlattenHead(nn.Module):
     """A VGG-like net: conv-relu-maxpool, then a flatten of a channels_last activation (a view
     that must become a copy) into a linear layer; also returns a 4-D activation. The pooling
-    overlaps its windows, so it stays ATen's channels_last kernel (tiling pooling is generated,
-    capture/pooling.py) and the returned activation needs a conversion back to eager's layout."""
+    overlaps its windows (ResNet's stem pooling: Ember's own kernels, capture/max_pool.py) and
+    the returned activation needs a conversion back to eager's layout."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -157,6 +157,18 @@ def test_user_visible_4d_output_keeps_eager_layout_and_flatten_copies() -> None:
     _compare(want, got)
     fw = next(g for g in compiled._ember_backend.log.graphs if g.kind == "forward")
     assert any("eager layout" in c for c in fw.layout["conversions"]), fw.layout
+
+
+def test_overlapping_pooling_saves_int8_positions_for_its_backward() -> None:
+    torch.manual_seed(0)
+    with strict_env():
+        want, got, compiled = _train_step(FlattenHead(), torch.randn(2, 3, 8, 8))
+    _compare(want, got)
+    graphs = {g.kind: g for g in compiled._ember_backend.log.graphs}
+    assert graphs["forward"].placement["fallback"]["ember.max_pool2d"] == 1
+    # The backward reads the forward's positions: it neither pools again nor reads int64 indices.
+    assert dict(graphs["backward"].placement["fallback"]) == {"ember.max_pool2d_backward": 1}
+    assert "torch.int64" not in graphs["forward"].program
 
 
 class TilingPoolHead(FlattenHead):

@@ -12,8 +12,10 @@ the two), where ATen's kernels save int64 indices; its NHWC kernels took 3.2 of 
 vgg16 training step on the H100.
 
 The indices output is still computed (a small arange-based expression) for callers that use
-it; in training the backward does not read it, so dead-code elimination drops it. Any other
-pooling configuration returns ``NotImplemented`` and stays ATen's kernel.
+it; in training the backward does not read it, so dead-code elimination drops it. Overlapping
+windows (ResNet's 3x3, stride 2, padding 1) go to Ember's own Triton kernels
+(capture/max_pool.py); any other pooling configuration returns ``NotImplemented`` and stays
+ATen's kernel.
 """
 
 from __future__ import annotations
@@ -21,6 +23,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import torch
+
+from ember.capture import max_pool
 
 aten = torch.ops.aten
 
@@ -44,6 +48,37 @@ def _tiling_window(x: torch.Tensor, kernel_size: Sequence[int], stride: Sequence
     if x.shape[2] % k[0] or x.shape[3] % k[1]:
         return None
     return k
+
+
+def _window_params(x: torch.Tensor, kernel_size: Sequence[int], stride: Sequence[int],
+                   padding: int | Sequence[int], dilation: int | Sequence[int],
+                   ceil_mode: bool) -> tuple[list[int], list[int], list[int]] | None:
+    """(kernel, stride, padding) when capture/max_pool.py's kernels take this pooling, else None."""
+    k = _pair(kernel_size)
+    s = _pair(stride) if stride else k
+    p, d = _pair(padding), _pair(dilation)
+    if not max_pool.supported(x, k, s, p, d, ceil_mode):
+        return None
+    return list(k), list(s), list(p)
+
+
+def _overlapping(x: torch.Tensor, kernel_size: Sequence[int], stride: Sequence[int], padding: int | Sequence[int],
+                 dilation: int | Sequence[int], ceil_mode: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """Overlapping windows (ResNet's 3x3, stride 2, padding 1) through ``ember::max_pool2d``;
+    ATen's flat indices rebuilt from its int8 window positions."""
+    params = _window_params(x, kernel_size, stride, padding, dilation, ceil_mode)
+    if params is None:
+        return NotImplemented
+    (kh, kw), (sh, sw), (ph, pw) = params
+    top, positions = max_pool.max_pool2d(x, *params)
+    oh, ow = top.shape[2], top.shape[3]
+    rows = aten.view.default(aten.arange.start_step(-ph, oh * sh - ph, sh, dtype=torch.int64, device=x.device),
+                             [1, 1, oh, 1])
+    cols = aten.view.default(aten.arange.start_step(-pw, ow * sw - pw, sw, dtype=torch.int64, device=x.device),
+                             [1, 1, 1, ow])
+    row = aten.add.Tensor(rows, aten.div.Tensor_mode(positions, kw, rounding_mode="floor"))
+    col = aten.add.Tensor(cols, aten.remainder.Scalar(positions, kw))
+    return top, aten.add.Tensor(aten.mul.Tensor(row, x.shape[3]), col)
 
 
 class _Frame:
@@ -114,7 +149,7 @@ def max_pool2d_with_indices(x: torch.Tensor, kernel_size: Sequence[int], stride:
                             ceil_mode: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     window = _tiling_window(x, kernel_size, stride, padding, dilation)
     if window is None:
-        return NotImplemented
+        return _overlapping(x, kernel_size, stride, padding, dilation, ceil_mode)
     kh, kw = window
     f = _Frame(x, kh, kw)
     oh, ow = f.h // kh, f.w // kw
@@ -134,7 +169,11 @@ def max_pool2d_with_indices_backward(grad: torch.Tensor, x: torch.Tensor, kernel
                                      indices: torch.Tensor) -> torch.Tensor:
     window = _tiling_window(x, kernel_size, stride, padding, dilation)
     if window is None:
-        return NotImplemented
+        params = _window_params(x, kernel_size, stride, padding, dilation, ceil_mode)
+        if params is None:
+            return NotImplemented
+        _, positions = max_pool.max_pool2d(x, *params)  # the forward's call: CSE joins them
+        return max_pool.max_pool2d_backward(grad, positions, list(x.shape), *params)
     kh, kw = window
     f = _Frame(x, kh, kw)
     _, first = f.first_max(f.split(x, kh, kw))

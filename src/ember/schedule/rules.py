@@ -149,11 +149,21 @@ def classify(node: fx.Node) -> Classification:
         return Classification(OpClass.POINTWISE)
     name = getattr(target, "__name__", str(target))
     if getattr(target, "namespace", None) == "ember":
-        return Classification(OpClass.FALLBACK, f"ATen's kernel behind Ember's custom op {name} (capture/upsample.py)")
+        return Classification(OpClass.FALLBACK, EMBER_OPS.get(name.split(".")[0], f"Ember's custom op {name}"))
     if target in KEPT_WHOLE_ON_CPU:
         return Classification(OpClass.FALLBACK, "kept whole for CPU inference: a oneDNN post-op after a convolution "
                                                 "or linear layer, ATen's vectorised kernel elsewhere")
     return Classification(OpClass.FALLBACK, f"no Ember lowering for {name}")
+
+
+# Ember's custom ops (opaque to the planner; each runs one kernel) and what runs behind them.
+EMBER_OPS = {
+    "upsample_nearest": "ATen's kernel behind Ember's custom op upsample_nearest (capture/upsample.py)",
+    "upsample_nearest_backward": "ATen's kernel behind Ember's custom op upsample_nearest_backward "
+                                 "(capture/upsample.py)",
+    "max_pool2d": "Ember's Triton kernel for overlapping max-pool windows, int8 positions (capture/max_pool.py)",
+    "max_pool2d_backward": "Ember's Triton gather kernel for the max-pool gradient (capture/max_pool.py)",
+}
 
 
 def constant_value(node: fx.Node) -> bool | int | float:
