@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One device call that checks and times the current tree on the H100 (run from the repo root):
-#   bash benchmarks/gpu_session.sh [PART]     PART 1 (default) to 24; results under $OUT (or ./gpu_session_out)
+#   bash benchmarks/gpu_session.sh [PART]     PART 1 (default) to 25; results under $OUT (or ./gpu_session_out)
 # Part 1 fits one 10-minute call; parts 2 and 3 are the training suite, one call each.
 # Each step has its own time limit, so one slow step cannot take the others' results with it;
 # the order is by priority (issue targets first). Writes one JSON per step and a log.
@@ -202,5 +202,15 @@ case "$PART" in
   EMBER_DEBUG_DIR="$OUT/debug_resnet50" step profile_resnet50 120 python benchmarks/gpu_profile.py resnet50 \
     --backend ember --keep 0 --top 30 --no-trace --out "$OUT/profile_resnet50"
   find "$OUT/debug_resnet50" -type f ! -path '*/kernels/*' ! -name 'plan.txt' -delete 2>/dev/null
+  ;;
+25)  # peak memory of the other five seed models after first calls got pools of their own (fresh
+     # process per backend), inference peak memory, and where vgg16's compile goes (cProfile,
+     # after a tiny Inductor compile as in the suite)
+  step memory_train 330 python benchmarks/gpu_memory.py vgg16 bert mobilenet_v3 densenet121 resnet50v2 \
+    --backends eager,ember --json "$OUT/memory_train.json"
+  step memory_infer 130 python benchmarks/gpu_memory.py bert vgg16 mobilenet_v3 --mode infer --backends eager,ember \
+    --json "$OUT/memory_infer.json"
+  step compile_cprofile 90 python benchmarks/gpu_compile_profile.py vgg16 --after-inductor \
+    --cprofile "$OUT/cprofile" --json "$OUT/compile_cprofile.json"
   ;;
 esac
