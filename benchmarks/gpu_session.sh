@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One device call that checks and times the current tree on the H100 (run from the repo root):
-#   bash benchmarks/gpu_session.sh [PART]     PART 1 (default) to 25; results under $OUT (or ./gpu_session_out)
+#   bash benchmarks/gpu_session.sh [PART]     PART 1 (default) to 26; results under $OUT (or ./gpu_session_out)
 # Part 1 fits one 10-minute call; parts 2 and 3 are the training suite, one call each.
 # Each step has its own time limit, so one slow step cannot take the others' results with it;
 # the order is by priority (issue targets first). Writes one JSON per step and a log.
@@ -212,5 +212,10 @@ case "$PART" in
     --json "$OUT/memory_infer.json"
   step compile_cprofile 90 python benchmarks/gpu_compile_profile.py vgg16 --after-inductor \
     --cprofile "$OUT/cprofile" --json "$OUT/compile_cprofile.json"
+  ;;
+26)  # what part 25 could not finish: resnet50v2's Ember training peak, and inference peaks
+  step memory_train 120 python benchmarks/gpu_memory.py resnet50v2 --backends ember --json "$OUT/memory_train.json"
+  step memory_infer 420 python benchmarks/gpu_memory.py mobilenet_v3 style_transfer resnet50v2 densenet121 \
+    --mode infer --backends eager,ember --json "$OUT/memory_infer.json"
   ;;
 esac
