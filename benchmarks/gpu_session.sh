@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One device call that checks and times the current tree on the H100 (run from the repo root):
-#   bash benchmarks/gpu_session.sh [PART]     PART 1 (default) to 26; results under $OUT (or ./gpu_session_out)
+#   bash benchmarks/gpu_session.sh [PART]     PART 1 (default) to 27; results under $OUT (or ./gpu_session_out)
 # Part 1 fits one 10-minute call; parts 2 and 3 are the training suite, one call each.
 # Each step has its own time limit, so one slow step cannot take the others' results with it;
 # the order is by priority (issue targets first). Writes one JSON per step and a log.
@@ -217,5 +217,13 @@ case "$PART" in
   step memory_train 120 python benchmarks/gpu_memory.py resnet50v2 --backends ember --json "$OUT/memory_train.json"
   step memory_infer 420 python benchmarks/gpu_memory.py mobilenet_v3 style_transfer resnet50v2 densenet121 \
     --mode infer --backends eager,ember --json "$OUT/memory_infer.json"
+  ;;
+27)  # inference graphs in pools of their own (measured, pre-sized, released): inference peaks of
+     # the two models over eager's in part 26, then bert infer bs1 latency and inference correctness
+  step memory_infer 260 python benchmarks/gpu_memory.py mobilenet_v3 densenet121 cyclegan resnet50 --mode infer \
+    --backends ember --json "$OUT/memory_infer.json"
+  step infer_bert_bs1 110 python -m ember.cli bench bert --mode infer --batch 1 --precision bf16 \
+    --no-progress --json "$OUT/bench_infer_bert_bs1.json"
+  step correctness 150 python benchmarks/gpu_correctness.py mobilenet_v3 densenet121 --json "$OUT/correctness.json"
   ;;
 esac

@@ -370,6 +370,23 @@ def test_ember_training_graphs_get_the_models_pool(monkeypatch) -> None:
     assert compiled._ember_backend.graph_pool.state is not None
 
 
+def test_an_inference_graph_gets_a_pool_of_its_own(monkeypatch) -> None:
+    # Sized on its first call and released like the training pool (runtime/graph_pool.py), but
+    # apart from it: inference and training graphs of one model never share memory.
+    graphs_on_cpu(monkeypatch)
+    torch._dynamo.reset()
+    model = bn_dropout_net().eval()
+    compiled = ember.compile(model, target="aten")
+    x = torch.randn(2, 3, 8, 8)
+    with torch.no_grad():
+        outs = [compiled(x).clone() for _ in range(3)]
+        want = model(x)
+    assert all(torch.allclose(o, want, atol=1e-5) for o in outs)
+    (graph,) = compiled._ember_backend.log.graphs
+    assert graph.kind == "inference" and "a memory pool of its own" in graph.cudagraph, graph.cudagraph
+    assert "captured" in graph.cudagraph and compiled._ember_backend.graph_pool.state is None
+
+
 def test_a_held_output_of_another_graph_where_a_replay_writes_makes_that_call_uncaptured() -> None:
     fw, bw, _ = runner_pair()
     w = torch.randn(8, 4)

@@ -176,8 +176,9 @@ class EmberBackend:
                 # real constants (folding, cache keys) and enters the graph's fake mode where it needs it.
                 with unset_fake_temporarily():
                     compiled = compile_graph(graph, inputs, self.options, record)
-                if kind != "inference":
-                    share_pool(compiled, self.graph_pool)
+                # Training graphs share the model's pool; an inference graph gets a pool of its own,
+                # measured, pre-sized and released the same way (runtime/graph_pool.py).
+                share_pool(compiled, self.graph_pool if kind != "inference" else GraphPool(training=False))
                 return compiled
             return compiler
 

@@ -531,7 +531,8 @@ class CudaGraphRunner:
         parts.append(f"outputs: {shared} handed out from the graph's memory, {copied} copied")
         if g.state.shared:
             others = len({id(y.graph) for y in g.state.graphs if y is not g})
-            parts.append(f"memory pool shared with the model's training graphs ({others} other graph(s) in it)")
+            parts.append(f"memory pool shared with the model's training graphs ({others} other graph(s) in it)"
+                         if self.pool is None or self.pool.training else "a memory pool of its own")
             sizing = self.pool.describe() if self.pool is not None else ""
             if sizing:
                 parts.append(sizing)

@@ -1,4 +1,4 @@
-"""The memory pool a compiled model's training graphs share, and its size.
+"""The memory pool a compiled model's training graphs share (an inference graph's own pool), and its size.
 
 The forward and backward graphs of one model are captured, in execution order, into one CUDA
 memory pool (``GraphPool``): the backward's capture reuses the forward's temporaries and the
@@ -22,15 +22,20 @@ first capture into a new pool, one block of the measured size is allocated into 
 tiny captured graph (which keeps the pool alive) and freed again: the segment stays in the pool
 for the captures to carve. ``EMBER_POOL_PRESIZE=0`` turns this off.
 
-The caching allocator's cached, unused blocks are released (``torch.cuda.empty_cache``) after
-each graph's first, uncaptured call and after each capture into the pool: the first calls'
-activations and temporaries are allocated in the default pool, and once the captured graphs take
-their memory from their own pool that memory is only kept cached (CycleGAN at batch 1 on the
-H100: 116 MiB released). Free space inside segments that also hold a live tensor cannot be
-released: CycleGAN's default pool still keeps 80 MiB free beside its parameters and momentum
-buffers, which eager's activations reuse and the graph pool's cannot (408 MiB reserved against
-eager's 368). These are a few synchronizations at the first steps and at a recapture, never per
-replay.
+First calls. Each graph's first, uncaptured call allocates in a private pool of its own
+(``CudaBackend.first_call_pool``), handed back when the call returns: its activations and
+temporaries never share a segment of the default pool with a tensor that lives on. Before that,
+CycleGAN's first step left its activations' segments in the default pool, the optimizer then
+placed its momentum buffers into their free space, and 80 MiB of those segments stayed free
+beside parameters and momentum for good, reusable by eager's activations but not by the graph
+pool (408 MiB reserved against eager's 368 on the H100; 344 with the first-call pools). The
+caching allocator's cached, unused blocks are released (``torch.cuda.empty_cache``) after each
+first call, before the pool's reservation (the first calls' pools are free by then, once the
+step's gradients are cleared) and after each capture into the pool. These are a few
+synchronizations at the first steps and at a recapture, never per replay.
+
+An inference graph gets a ``GraphPool`` of its own (``training=False``), measured, reserved and
+released the same way; it never shares memory with the model's training graphs.
 """
 
 from __future__ import annotations
@@ -77,7 +82,9 @@ class GraphPool:
     capture (what ``CudaGraphRunner`` does alone) keeps each graph's memory to itself. ``renew``
     starts a new pool: every graph of the old one is captured again on its next call."""
 
-    def __init__(self) -> None:
+    def __init__(self, training: bool = True) -> None:
+        # False: the pool of one inference graph alone; it is sized and released the same way.
+        self.training = training
         self.state: object | None = None  # graph_memory.PoolState of the current pool
         self.renewals = 0
         self.sizing = PoolSizing()
