@@ -21,13 +21,14 @@ element. CPU tensors (the interpreter in CI) run the same kernels through Triton
 
 from __future__ import annotations
 
-import os
 from collections.abc import Callable
 
 import torch
 import triton
 import triton.language as tl
 from torch._prims_common import suggest_memory_format
+
+from ember.runtime.kernels import jit_mode
 
 MAX_WINDOW = 127  # positions are int8
 BLOCK = 1024
@@ -44,8 +45,10 @@ def supported(x: torch.Tensor, kernel: tuple[int, int], stride: tuple[int, int],
             and 0 < x.numel() < 2**31)  # int32 element indices
 
 
-def output_size(size: int, k: int, s: int, p: int) -> int:
-    return (size + 2 * p - k) // s + 1
+def output_shape(x: torch.Tensor, kernel: list[int], stride: list[int], padding: list[int]) -> tuple[int, ...]:
+    """(N, C, OH, OW) of the pooled ``x`` (floor mode)."""
+    n, c, h, w = x.shape
+    return n, c, (h + 2 * padding[0] - kernel[0]) // stride[0] + 1, (w + 2 * padding[1] - kernel[1]) // stride[1] + 1
 
 
 def _max_pool2d_forward(x_ptr, out_ptr, pos_ptr, total, C, H, W, OH, OW,
@@ -138,15 +141,8 @@ def _kernel(fn: Callable, interpret: bool) -> Callable:
     """``fn`` jitted, compiled for the GPU or run by Triton's interpreter (CPU tensors)."""
     key = (fn.__name__, interpret)
     if key not in _JIT:
-        previous = os.environ.get("TRITON_INTERPRET")
-        os.environ["TRITON_INTERPRET"] = "1" if interpret else "0"  # read when @triton.jit runs
-        try:
+        with jit_mode(interpret):
             _JIT[key] = triton.jit(fn)
-        finally:
-            if previous is None:
-                os.environ.pop("TRITON_INTERPRET", None)
-            else:
-                os.environ["TRITON_INTERPRET"] = previous
     return _JIT[key]
 
 
@@ -167,10 +163,10 @@ def _channels_last(t: torch.Tensor) -> bool:
 def max_pool2d(x: torch.Tensor, kernel: list[int], stride: list[int],
                padding: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
     """(maxima, int8 window positions) of 2-D max pooling, both in ``x``'s memory format."""
-    n, c, h, w = x.shape
-    oh, ow = output_size(h, kernel[0], stride[0], padding[0]), output_size(w, kernel[1], stride[1], padding[1])
-    out = _empty_like_layout((n, c, oh, ow), x, x.dtype)
-    pos = _empty_like_layout((n, c, oh, ow), x, torch.int8)
+    n, c, oh, ow = shape = output_shape(x, kernel, stride, padding)
+    h, w = x.shape[2], x.shape[3]
+    out = _empty_like_layout(shape, x, x.dtype)
+    pos = _empty_like_layout(shape, x, torch.int8)
     total = out.numel()
     if total:
         fn = _kernel(_max_pool2d_forward, interpret=x.device.type != "cuda")
@@ -181,8 +177,7 @@ def max_pool2d(x: torch.Tensor, kernel: list[int], stride: list[int],
 
 @max_pool2d.register_fake
 def _(x: torch.Tensor, kernel: list[int], stride: list[int], padding: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
-    n, c, h, w = x.shape
-    shape = (n, c, output_size(h, kernel[0], stride[0], padding[0]), output_size(w, kernel[1], stride[1], padding[1]))
+    shape = output_shape(x, kernel, stride, padding)
     return _empty_like_layout(shape, x, x.dtype), _empty_like_layout(shape, x, torch.int8)
 
 

@@ -36,14 +36,20 @@ def _pair(v: int | Sequence[int]) -> tuple[int, int]:
     return (v[0], v[0]) if len(v) == 1 else (v[0], v[1])
 
 
+def _pairs(kernel_size: Sequence[int], stride: Sequence[int], padding: int | Sequence[int],
+           dilation: int | Sequence[int]) -> tuple[tuple[int, int], ...]:
+    """(kernel, stride, padding, dilation) as pairs, as ATen reads them (no stride: the kernel)."""
+    k = _pair(kernel_size)
+    return k, (_pair(stride) if stride else k), _pair(padding), _pair(dilation)
+
+
 def _tiling_window(x: torch.Tensor, kernel_size: Sequence[int], stride: Sequence[int],
                    padding: int | Sequence[int], dilation: int | Sequence[int]) -> tuple[int, int] | None:
     """(kh, kw) when the windows tile the plane exactly, else None."""
     if x.dim() != 4:
         return None
-    k = _pair(kernel_size)
-    s = _pair(stride) if stride else k
-    if s != k or _pair(padding) != (0, 0) or _pair(dilation) != (1, 1):
+    k, s, p, d = _pairs(kernel_size, stride, padding, dilation)
+    if s != k or p != (0, 0) or d != (1, 1):
         return None
     if x.shape[2] % k[0] or x.shape[3] % k[1]:
         return None
@@ -54,9 +60,7 @@ def _window_params(x: torch.Tensor, kernel_size: Sequence[int], stride: Sequence
                    padding: int | Sequence[int], dilation: int | Sequence[int],
                    ceil_mode: bool) -> tuple[list[int], list[int], list[int]] | None:
     """(kernel, stride, padding) when capture/max_pool.py's kernels take this pooling, else None."""
-    k = _pair(kernel_size)
-    s = _pair(stride) if stride else k
-    p, d = _pair(padding), _pair(dilation)
+    k, s, p, d = _pairs(kernel_size, stride, padding, dilation)
     if not max_pool.supported(x, k, s, p, d, ceil_mode):
         return None
     return list(k), list(s), list(p)

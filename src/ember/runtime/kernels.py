@@ -14,12 +14,13 @@ cached in ``__pycache__`` next to the file); each use becomes a small launcher a
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import importlib.util
 import os
 import sys
 import tempfile
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from types import ModuleType
 
@@ -58,6 +59,21 @@ def forget_loaded() -> None:
     _CPU_MODULES.clear()
 
 
+@contextlib.contextmanager
+def jit_mode(interpret: bool) -> Iterator[None]:
+    """``@triton.jit`` inside the block makes interpreted functions (CPU tensors) or compiled ones:
+    Triton decides when the decorator runs, from TRITON_INTERPRET."""
+    previous = os.environ.get("TRITON_INTERPRET")
+    os.environ["TRITON_INTERPRET"] = "1" if interpret else "0"
+    try:
+        yield
+    finally:
+        if previous is None:
+            os.environ.pop("TRITON_INTERPRET", None)
+        else:
+            os.environ["TRITON_INTERPRET"] = previous
+
+
 def load_kernel(ks: KernelSource, kernel_dir: Path, interpret: bool) -> Callable:
     """The launchable Triton function for ``ks`` (interpreted on CPU when ``interpret``)."""
     key = (str(kernel_dir), ks.name, interpret)
@@ -69,16 +85,8 @@ def load_kernel(ks: KernelSource, kernel_dir: Path, interpret: bool) -> Callable
     path = kernel_file(ks, kernel_dir)
     spec = importlib.util.spec_from_file_location(f"ember_kernels.{ks.name}", path)
     module = importlib.util.module_from_spec(spec)
-    # Triton decides between compiled and interpreted functions when @triton.jit runs.
-    previous = os.environ.get("TRITON_INTERPRET")
-    os.environ["TRITON_INTERPRET"] = "1" if interpret else "0"
-    try:
+    with jit_mode(interpret):
         spec.loader.exec_module(module)
-    finally:
-        if previous is None:
-            os.environ.pop("TRITON_INTERPRET", None)
-        else:
-            os.environ["TRITON_INTERPRET"] = previous
     fn = getattr(module, ks.name)
     _LOADED[key] = fn
     return fn
