@@ -49,6 +49,17 @@ if os.environ.get("EMBER_PROFILE_AFTER_INDUCTOR"):  # as in the suite run, where
         torch.compile(tiny)(torch.randn(2, 3, 16, 16, device="cuda")).float().sum().backward()
     torch.cuda.synchronize()
     torch._dynamo.reset()
+passes_to = os.environ.get("EMBER_PROFILE_PASSES")
+if passes_to:  # cProfile Ember's graph passes alone (every graph's run_passes)
+    import cProfile, ember.pipeline as _pipeline
+    _pass_prof, _run_passes = cProfile.Profile(), _pipeline.run_passes
+    def _profiled_passes(*a, **k):
+        _pass_prof.enable()
+        try:
+            return _run_passes(*a, **k)
+        finally:
+            _pass_prof.disable()
+    _pipeline.run_passes = _profiled_passes
 profile_to = os.environ.get("EMBER_PROFILE_CAPTURE")
 if profile_to:  # cProfile the whole first call (its overhead inflates Python-heavy stages)
     import cProfile
@@ -71,7 +82,18 @@ if len(sys.argv) > 2:  # keep each kernel's source and its compile time (for sm9
         kept.append({"name": job.name, "path": path, "dtypes": list(job.arg_dtypes), "meta": dict(job.meta),
                      "seconds_here": secs})
     json.dump(kept, open(os.path.join(sys.argv[2], "kernels.json"), "w"), indent=1)
-print("RESULT " + json.dumps({"first_call_s": r.total_s, "capture_s": r.capture_s, "ember_s": r.ember_s,
+passes_text = ""
+if passes_to:
+    import io, pstats
+    _pass_prof.dump_stats(passes_to)
+    buf = io.StringIO()
+    pstats.Stats(_pass_prof, stream=buf).sort_stats("tottime").print_stats(25)
+    passes_text = buf.getvalue()
+per_pass = {}
+for g in r.graphs:
+    for pname, secs, _changed in g.passes:
+        per_pass[pname] = round(per_pass.get(pname, 0.0) + secs, 4)
+print("RESULT " + json.dumps({"passes": per_pass, "passes_profile": passes_text, "first_call_s": r.total_s, "capture_s": r.capture_s, "ember_s": r.ember_s,
       "first_run_s": r.first_run_s, "stages": r.stage_totals(), "kernels": r.kernels,
       "unique_kernels": r.unique_kernels, "compile_notes": [g.title + ": " + g.compile_note for g in r.graphs],
       "launch_compiles": launch, "dynamo_times": dynamo_times}))
@@ -85,6 +107,8 @@ def main() -> int:
     parser.add_argument("--json", default=None)
     parser.add_argument("--dump", default=None, help="folder for each model's kernel sources and compile times")
     parser.add_argument("--cprofile", default=None, help="folder for a cProfile of each model's first call")
+    parser.add_argument("--profile-passes", default=None,
+                        help="folder for a cProfile of Ember's graph passes alone (top entries printed)")
     parser.add_argument("--after-inductor", action="store_true",
                         help="compile a tiny model with Inductor first in each process (as the suite run does)")
     args = parser.parse_args()
@@ -96,6 +120,9 @@ def main() -> int:
         prof = {"EMBER_PROFILE_CAPTURE": f"{args.cprofile}/{name}.pstats"} if args.cprofile else {}
         if args.after_inductor:
             prof["EMBER_PROFILE_AFTER_INDUCTOR"] = "1"
+        if args.profile_passes:
+            os.makedirs(args.profile_passes, exist_ok=True)
+            prof["EMBER_PROFILE_PASSES"] = f"{args.profile_passes}/{name}.pstats"
         with fresh_caches(**extra, **prof) as env:
             dump = [f"{args.dump}/{name}"] if args.dump else []
             r, stderr = child_result(CHILD, [name, *dump], env)
@@ -111,6 +138,9 @@ def main() -> int:
         for note in r["compile_notes"]:
             print(f"  {note}")
         print(f"  Triton compiles at launch: {r['launch_compiles']}")
+        print("  passes (s, all graphs): " + ", ".join(f"{k} {v:.3f}" for k, v in r["passes"].items()))
+        if r.get("passes_profile"):
+            print(r["passes_profile"])
         top = sorted(r.get("dynamo_times", {}).items(), key=lambda kv: -kv[1])[:10]
         print("  torch's timers: " + ", ".join(f"{k} {v:.2f}" for k, v in top), flush=True)
     return write_rows(args.json, rows)

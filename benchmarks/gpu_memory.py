@@ -105,6 +105,13 @@ if trace:  # the default pool's inactive blocks at the end, largest first, with 
     notes.append("default-pool blocks by state: " + json.dumps({st: sum(b["size"] for seg in torch.cuda.memory_snapshot()
                  if tuple(seg.get("segment_pool_id", (0, 0))) == (0, 0) for b in seg.get("blocks", [])
                  if b.get("state") == st) for st in ("active_allocated", "active_pending_free", "inactive")}))
+    for seg in torch.cuda.memory_snapshot():  # every graph pool's segments and their blocks
+        pool_id = tuple(seg.get("segment_pool_id", (0, 0)))
+        if pool_id == (0, 0):
+            continue
+        blocks = sorted(((b["size"], b.get("state", "?")) for b in seg.get("blocks", [])), reverse=True)[:6]
+        notes.append(f"pool {pool_id} segment {seg['total_size'] / 2**20:.1f} MiB ({seg['active_size'] / 2**20:.1f} "
+                     f"active), largest blocks: " + ", ".join(f"{sz / 2**20:.1f} {st}" for sz, st in blocks))
     if hasattr(fn, "_ember_backend"):
         notes += [f"graph {g.title}: {g.cudagraph}" for g in fn._ember_backend.log.graphs]
 params = sum(p.numel() * p.element_size() for p in model.parameters())

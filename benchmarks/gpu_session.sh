@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One device call that checks and times the current tree on the H100 (run from the repo root):
-#   bash benchmarks/gpu_session.sh [PART]     PART 1 (default) to 27; results under $OUT (or ./gpu_session_out)
+#   bash benchmarks/gpu_session.sh [PART]     PART 1 (default) to 28; results under $OUT (or ./gpu_session_out)
 # Part 1 fits one 10-minute call; parts 2 and 3 are the training suite, one call each.
 # Each step has its own time limit, so one slow step cannot take the others' results with it;
 # the order is by priority (issue targets first). Writes one JSON per step and a log.
@@ -225,5 +225,15 @@ case "$PART" in
   step infer_bert_bs1 110 python -m ember.cli bench bert --mode infer --batch 1 --precision bf16 \
     --no-progress --json "$OUT/bench_infer_bert_bs1.json"
   step correctness 150 python benchmarks/gpu_correctness.py mobilenet_v3 densenet121 --json "$OUT/correctness.json"
+  ;;
+28)  # cuBLAS workspaces handed back after first calls and captures, moving read-only inputs copied
+     # into the graph's pool: inference peaks of the two models over eager's (traced), training
+     # peaks and correctness after the change, and vgg16's passes timed one by one (and profiled)
+  step memory_infer 240 python benchmarks/gpu_memory.py mobilenet_v3 densenet121 --mode infer --backends ember \
+    --trace ember --json "$OUT/memory_infer.json"
+  step compile_passes 80 python benchmarks/gpu_compile_profile.py vgg16 --after-inductor \
+    --profile-passes "$OUT/passes_profile" --json "$OUT/compile_passes.json"
+  step memory_train 150 python benchmarks/gpu_memory.py resnet50 cyclegan --backends ember --json "$OUT/memory_train.json"
+  step correctness 110 python benchmarks/gpu_correctness.py resnet50 mobilenet_v3 --json "$OUT/correctness.json"
   ;;
 esac

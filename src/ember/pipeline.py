@@ -31,7 +31,7 @@ from ember.passes.freeze import static_input_indices
 from ember.passes.layout import layout_summary, report_output_strides
 from ember.report.records import GraphRecord
 from ember.runtime.artifacts import ProgramStore, caching_enabled, graph_key, restore_record, stored_program
-from ember.runtime.capture_rules import cudagraph_blocker
+from ember.runtime.capture_rules import cudagraph_blocker, read_only_inputs
 from ember.runtime.cudagraph import CudaGraphRunner
 from ember.runtime.kernels import compile_cpu_kernels, kernel_file, load_kernel
 from ember.runtime.precompile import PendingCompile, job_for, submit
@@ -178,6 +178,7 @@ def _compile(gm: fx.GraphModule, example_inputs: list, options: Options, record:
     _dump(options, f"{slug}/00_captured.py", gm.code)
     # Decided on the captured graph, before the passes rewrite it in place.
     blocker = cudagraph_blocker(gm, example_inputs, record.kind, target, options.cudagraphs)
+    read_only = read_only_inputs(gm) if blocker is None else frozenset()
     store = ProgramStore(options.cache_root()) if caching_enabled(options.cache) else None
     # The layout option changes the program: part of the key.
     key_target = target if options.channels_last else f"{target}+nchw"
@@ -199,7 +200,7 @@ def _compile(gm: fx.GraphModule, example_inputs: list, options: Options, record:
                 record.cache = "hit"
                 stage["cache_load"] = time.perf_counter() - start
                 _dump(options, f"{slug}/program.py", hit.text)
-                return _finish(record, run, hit.text, blocker, reference, options)
+                return _finish(record, run, hit.text, blocker, read_only, reference, options)
 
     def on_pass(result: PassResult) -> None:
         record.passes.append((result.name, result.seconds, result.changed))
@@ -287,7 +288,7 @@ def _compile(gm: fx.GraphModule, example_inputs: list, options: Options, record:
         kept = [(ks.name, ks.module_source()) for ks in unique]
         saved = store.save(key, stored_program(program.text, kept, consts, program.attrs, record), record.title)
         record.cache = "stored" if saved else "not cacheable (constants cannot be stored)"
-    return _finish(record, run, program.text, blocker, reference, options, pending)
+    return _finish(record, run, program.text, blocker, read_only, reference, options, pending)
 
 
 def _await_kernels(record: GraphRecord, pending: PendingCompile) -> None:
@@ -321,10 +322,11 @@ def _link(record: GraphRecord, text: str, kernels: list, consts: list, attrs: di
 
 
 def _finish(record: GraphRecord, run: Callable[[list], object], text: str, blocker: str | None,
-            reference: fx.GraphModule | None, options: Options, pending: PendingCompile | None = None
-            ) -> CompiledGraph:
+            read_only: frozenset[int], reference: fx.GraphModule | None, options: Options,
+            pending: PendingCompile | None = None) -> CompiledGraph:
     if blocker is None:
-        run = CudaGraphRunner(run, record.title, on_status=lambda status: setattr(record, "cudagraph", status))
+        run = CudaGraphRunner(run, record.title, on_status=lambda status: setattr(record, "cudagraph", status),
+                              read_only=read_only)
     else:
         record.cudagraph = f"not captured: {blocker}"
     graph = CompiledGraph(record.title, text, run, reference, options.check)

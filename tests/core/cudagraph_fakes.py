@@ -80,11 +80,21 @@ class FakeGraphs(CudaBackend):
         buf.keeper = keeper
         return torch.frombuffer(buf, dtype=torch.uint8).untyped_storage()
 
-    def capture(self, run, inputs: list, device: torch.device, pool: object = None) -> tuple[object, object]:
+    def capture(self, run, inputs: list, device: torch.device, pool: object = None,
+                prepare=None) -> tuple[object, object]:
         if self.fail:
             raise RuntimeError("operation not permitted when stream is capturing")
         self.captured += 1
         self.pools.append(pool)
+        given = list(inputs)
+        if prepare is not None:
+            prepare(inputs)
+        # What ``prepare`` allocated lies in the pool, which the graph keeps: its memory stays
+        # valid for the runner's copies after the program freed the tensors.
+        made = [x for x, y in zip(inputs, given) if x is not y]
+        for x, y in zip(inputs, given):
+            if x is not y:  # this capture runs the program: it must read the call's values
+                x.data.copy_(y)
         saved = [x.clone() if isinstance(x, torch.Tensor) else None for x in inputs]
         rng = torch.get_rng_state()
         outputs = run(list(inputs))
@@ -92,7 +102,9 @@ class FakeGraphs(CudaBackend):
             if s is not None:
                 x.data.copy_(s)  # .data: restoring contents is not a mutation
         torch.set_rng_state(rng)
-        return _FakeGraph(run, list(inputs), outputs), outputs
+        graph = _FakeGraph(run, list(inputs), outputs)
+        graph.pool_memory = made
+        return graph, outputs
 
     def replay(self, graph: object, args: list) -> None:
         assert isinstance(graph, _FakeGraph)

@@ -14,7 +14,7 @@ from torch import fx, nn
 from torch._subclasses import FakeTensorMode
 
 import ember
-from ember.runtime.capture_rules import cudagraph_blocker
+from ember.runtime.capture_rules import cudagraph_blocker, read_only_inputs
 
 aten = torch.ops.aten
 _FAKE = FakeTensorMode(allow_non_fake_inputs=True)
@@ -118,6 +118,23 @@ def test_data_mutation_of_an_input_is_captured() -> None:
         return aten.mul.Tensor(x, 2)
 
     assert _why(fn, _cuda(4), _cuda(4)) is None
+
+
+def _scaled(x: torch.Tensor) -> torch.Tensor:  # a Python function: no schema says what it writes
+    return x * 2
+
+
+fx.wrap("_scaled")
+
+
+def test_read_only_inputs_are_those_no_op_writes_through_any_view() -> None:
+    def fn(x, y, z, w, v):
+        aten.add_.Tensor(aten.view.default(y, [2, 2]), 1)  # y written through a view
+        aten.copy_.default(w, x)  # w written, x only read
+        return aten.mul.Tensor(x, z), _scaled(v)
+
+    # x and z are only read; y and w are written; v reaches a function whose writes are unknown.
+    assert read_only_inputs(_graph(fn)) == frozenset({0, 2})
 
 
 def test_metadata_mutation_of_an_input_blocks_capture() -> None:

@@ -54,6 +54,44 @@ def test_replays_match_uncaptured_calls() -> None:
     assert "outputs: 0 handed out from the graph's memory, 1 copied" in runner.status
 
 
+def test_a_read_only_input_is_copied_into_a_buffer_in_the_graphs_pool() -> None:
+    # Its buffer is allocated inside the capture (from the pool) and the runner keeps only a
+    # view of that memory: the program frees the buffer after its last read, as it would free
+    # a consumed input. Each replay copies the new batch there first.
+    backend = FakeGraphs()
+    w = torch.randn(8, 4)
+    runner = CudaGraphRunner(_mm_relu, "test", backend=backend, read_only=frozenset({0, 1}))
+    for _ in range(6):
+        x = torch.randn(3, 8)
+        (got,) = runner([x, w])
+        torch.testing.assert_close(got, torch.relu(x @ w))
+        del got
+    g = runner.g
+    assert runner.captures == 1 and runner.replays == 5 and g.dynamic_idx == [0]
+    (pooled,) = backend_graph_memory(g)  # allocated by the capture, in the pool
+    assert g.buffers[0].data_ptr() == pooled.data_ptr()
+    assert g.buffers[0].untyped_storage()._cdata != pooled.untyped_storage()._cdata  # a view, not the owner
+
+
+def backend_graph_memory(g: object) -> list:
+    return g.graph.pool_memory  # type: ignore[attr-defined]
+
+
+def test_a_written_input_keeps_a_buffer_of_its_own_even_when_marked_read_only_elsewhere() -> None:
+    # Only what capture_rules.read_only_inputs names goes into the pool: the written statistic
+    # keeps a held buffer, copied back after each replay.
+    runner = CudaGraphRunner(lambda args: _bn_stats([args[1], args[0]]), "test", backend=FakeGraphs(),
+                             read_only=frozenset({1}))
+    for _ in range(5):
+        x, m = torch.randn(5, 4), torch.randn(4)
+        want_m = m * 0.9 + x.mean(0) * 0.1
+        (got,) = runner([m, x])
+        torch.testing.assert_close(m, want_m)
+        torch.testing.assert_close(got, x - want_m)
+        del got
+    assert runner.replays == 4 and len(backend_graph_memory(runner.g)) == 1
+
+
 def test_outputs_held_by_the_caller_are_never_overwritten() -> None:
     w = torch.randn(8, 4)
     runner = fake_runner(_mm_relu)
@@ -385,6 +423,49 @@ def test_an_inference_graph_gets_a_pool_of_its_own(monkeypatch) -> None:
     (graph,) = compiled._ember_backend.log.graphs
     assert graph.kind == "inference" and "a memory pool of its own" in graph.cudagraph, graph.cudagraph
     assert "captured" in graph.cudagraph and compiled._ember_backend.graph_pool.state is None
+
+
+class _ScalesItsInput(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(8, 4)
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        x.mul_(2)  # the caller sees it, as in eager
+        return self.lin(x) + y
+
+
+def test_inference_inputs_moving_between_calls_are_copied_into_the_graphs_pool(monkeypatch) -> None:
+    # Both are only read by the program (AOTAutograd applies the module's write to x after it,
+    # from an output), so both buffers lie in the graph's pool and die after their last read:
+    # each replay copies the new batch there and the caller still sees eager's values.
+    backend = FakeGraphs()
+    graphs_on_cpu(monkeypatch)
+    made: list[int] = []
+    capture = backend.capture
+
+    def counting(*args, **kwargs):
+        graph, outputs = capture(*args, **kwargs)
+        made.append(len(graph.pool_memory))
+        return graph, outputs
+
+    backend.capture = counting
+    monkeypatch.setattr(ember.pipeline, "CudaGraphRunner", functools.partial(CudaGraphRunner, backend=backend))
+    torch._dynamo.reset()
+    model = _ScalesItsInput().eval()
+    compiled = ember.compile(model, target="aten")
+    with torch.no_grad():
+        for _ in range(5):
+            x, y = torch.randn(3, 8), torch.randn(3, 4)
+            x_eager = x.clone()
+            want = model(x_eager, y)
+            got = compiled(x, y)
+            torch.testing.assert_close(got, want)
+            torch.testing.assert_close(x, x_eager)
+            del got
+    (graph,) = compiled._ember_backend.log.graphs
+    assert "captured" in graph.cudagraph and "2 copied in" in graph.cudagraph, graph.cudagraph
+    assert made == [2], made  # one capture; both buffers allocated by it, in the pool
 
 
 def test_a_held_output_of_another_graph_where_a_replay_writes_makes_that_call_uncaptured() -> None:

@@ -202,5 +202,30 @@ def _may_alias_input(node: fx.Node) -> bool:
 
 
 # ---------------------------------------------------------------------------------------------
-# Memory pools
+# Inputs the program only reads
 # ---------------------------------------------------------------------------------------------
+
+
+def read_only_inputs(gm: fx.GraphModule) -> frozenset[int]:
+    """Positions of the graph's inputs that no op writes, through any view of them.
+
+    A replay copies a moving input into a buffer; for these the buffer may live in the graph's
+    pool and be freed after its last read, like any other consumed input (runtime/cudagraph.py).
+    A written input's buffer must outlive the replay, which copies it back to the caller's tensor.
+    An op without a schema (a Python function, a higher-order op) counts as writing what it reads."""
+    root: dict[fx.Node, fx.Node] = {}
+    written: set[fx.Node] = set()
+    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    for node in gm.graph.nodes:
+        if node.op == "placeholder":
+            root[node] = node
+        elif node.op == "call_function":
+            if node.target is not operator.getitem and getattr(node.target, "_schema", None) is None:
+                written.update(root[a] for a in node.all_input_nodes if a in root)
+            written.update(root[v] for v in _written_args(node) if v in root)
+            if _may_alias_input(node):
+                for a in node.all_input_nodes:
+                    if a in root:
+                        root[node] = root[a]
+                        break
+    return frozenset(i for i, p in enumerate(placeholders) if p not in written)

@@ -15,7 +15,9 @@ The rules a replay must keep, and how:
 - Inputs. An input found at the same address on two consecutive calls (parameters, buffers,
   optimizer-updated tensors) is *static*: the graph reads and writes it in place. Every other
   input is *dynamic*: copied into a buffer of the same strides before each replay (one
-  ``_foreach_copy_``). A static input that moves is made dynamic for good and the graph is
+  ``_foreach_copy_``; the buffer of an input the program only reads lies in the graph's pool,
+  allocated by the capture and freed after its last read, so the graph's later tensors reuse its
+  memory). A static input that moves is made dynamic for good and the graph is
   captured again; a dynamic input that keeps its address for ``PROMOTE_AFTER`` calls (saved
   activations once the forward replays) is made static by a new capture.
 - Mutated inputs. Which inputs the program writes is read from their version counters across
@@ -59,6 +61,7 @@ The rules a replay must keep, and how:
 
 from __future__ import annotations
 
+import os
 import weakref
 from collections.abc import Callable
 
@@ -93,6 +96,10 @@ from ember.runtime.graph_pool import GraphPool, presize, share_pool  # noqa: F40
 
 aten = torch.ops.aten
 
+def pooled_inputs_enabled() -> bool:
+    return os.environ.get("EMBER_POOLED_INPUTS", "1") not in ("0", "false", "")
+
+
 MAX_CAPTURES = 5  # the last one copies every input and output, so it is final
 PROMOTE_AFTER = 3  # calls a copied input must keep its address before it is read in place
 
@@ -106,9 +113,13 @@ class CudaGraphRunner:
     """Runs a boxed program uncaptured on its first call, captures it on the second, replays after."""
 
     def __init__(self, run: Callable[[list], object], title: str,
-                 on_status: Callable[[str], None] | None = None, backend: CudaBackend | None = None) -> None:
+                 on_status: Callable[[str], None] | None = None, backend: CudaBackend | None = None,
+                 read_only: frozenset[int] = frozenset()) -> None:
         self.run = run
         self.title = title
+        # Inputs the program never writes (capture_rules.read_only_inputs): their copy buffers
+        # may live in the graph's pool and die after their last read.
+        self.read_only = read_only if pooled_inputs_enabled() else frozenset()
         self.on_status = on_status
         self.backend = backend or CudaBackend()
         self.pool: GraphPool | None = None  # shared with the model's other training graphs
@@ -319,20 +330,42 @@ class CudaGraphRunner:
             if torch._debug_has_internal_overlap(refs[i]) != 0:
                 raise ValueError(f"input {i} moves between calls and has overlapping memory (an expanded "
                                  "tensor), so it cannot be copied into a static buffer")
+        # A read-only input's buffer is allocated by the capture, in the graph's pool, and freed
+        # by the program after its last read: its memory serves the graph's later tensors, as
+        # an eager input's would once consumed (mobilenet_v3's 74 MiB input batch sat beside its
+        # whole inference peak). The replay's copy-in writes it before the graph reads it. Any
+        # other buffer is allocated here and held, for the copy back after each replay.
+        pooled = [i for i in dynamic if i in self.read_only and refs[i].numel() > 0]
+        held = [i for i in dynamic if i not in pooled]
         # Buffers are ordinary tensors even under inference_mode: their version counters tell
         # which dynamic inputs the program writes.
         with torch.inference_mode(False):
-            buffers = [torch.empty_strided(refs[i].shape, refs[i].stride(), dtype=refs[i].dtype,
-                                           device=refs[i].device) for i in dynamic]
+            buffers = {i: torch.empty_strided(refs[i].shape, refs[i].stride(), dtype=refs[i].dtype,
+                                              device=refs[i].device) for i in held}
         if buffers:
-            torch._foreach_copy_(buffers, [refs[i] for i in dynamic])
+            torch._foreach_copy_(list(buffers.values()), [refs[i] for i in held])
         inputs = list(refs)
-        for i, buf in zip(dynamic, buffers):
+        for i, buf in buffers.items():
             inputs[i] = buf
         before = [version_of(x) for x in inputs]
         weak = [weakref.ref(x) if isinstance(x, torch.Tensor) else None for x in inputs]
         stores = {i: StorageWeakRef(x.untyped_storage()) for i, x in enumerate(inputs)
-                  if isinstance(x, torch.Tensor) and x.numel() > 0}
+                  if isinstance(x, torch.Tensor) and x.numel() > 0 and i not in pooled}
+        places: dict[int, tuple[int, int]] = {}  # pooled input -> (storage address, bytes)
+
+        def allocate_pooled(inputs: list) -> None:
+            """Inside the capture: the read-only inputs' buffers, from the graph's pool."""
+            with torch.inference_mode(False):
+                for i in pooled:
+                    buf = torch.empty_strided(refs[i].shape, refs[i].stride(), dtype=refs[i].dtype,
+                                              device=refs[i].device)
+                    storage = buf.untyped_storage()
+                    places[i] = (storage.data_ptr(), storage.nbytes())
+                    weak[i] = weakref.ref(buf)
+                    if buf.numel() > 0:
+                        stores[i] = StorageWeakRef(storage)
+                    inputs[i] = buf
+                    del buf, storage
         static_ptrs = [refs[i].data_ptr() for i in static]
         sources = {i: src for i in static if (src := lookup.source(refs[i])) is not None}
         dyn_ptrs = [refs[i].data_ptr() for i in dynamic]
@@ -344,7 +377,8 @@ class CudaGraphRunner:
         self.device = device
         self.captures += 1
         try:
-            graph, outputs = self.backend.capture(self.run, inputs, device, state.handle)
+            graph, outputs = self.backend.capture(self.run, inputs, device, state.handle,
+                                                  allocate_pooled if pooled else None)
         finally:
             del inputs
             for i in sources:  # still alive if somebody else holds it (or the program returned it)
@@ -352,7 +386,13 @@ class CudaGraphRunner:
         after = [version_of(w()) if w is not None and w() is not None else b for w, b in zip(weak, before)]
         mutated = {i for i in tensors if before[i] is None or before[i] != after[i]}
         slots, groups, container = self._outputs(outputs, weak, stores, final)
-        g = CapturedGraph(graph, state, static, static_ptrs, dynamic, buffers,
+        for i in pooled:  # copy targets on the pool's memory, which the allocator may hand out again
+            ptr, nbytes = places[i]
+            buffers[i] = torch.empty(0, dtype=refs[i].dtype, device=device).set_(
+                self.backend.view(ptr, nbytes, device, state), 0, refs[i].shape, refs[i].stride())
+        if pooled:  # the first replay follows at once (_first_outputs)
+            torch._foreach_copy_([buffers[i] for i in pooled], [refs[i] for i in pooled])
+        g = CapturedGraph(graph, state, static, static_ptrs, dynamic, [buffers[i] for i in dynamic],
                    [k for k, i in enumerate(dynamic) if i in mutated],
                    [i for i in static if i in mutated and before[i] is not None],
                    slots, groups, container, final, device, sources=sources,

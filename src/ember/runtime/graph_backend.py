@@ -14,6 +14,18 @@ def first_call_pool_enabled() -> bool:
     return os.environ.get("EMBER_FIRST_CALL_POOL", "1") not in ("0", "false", "")
 
 
+def clear_library_workspaces() -> None:
+    """Hand back cuBLAS's workspaces (one per handle and stream, 32 MiB each on the H100, kept for
+    good). Made by a first call's matmul, one pinned that call's private pool (40 MiB of
+    mobilenet_v3's inference peak). Made during a capture, it lies in the graph's pool: handed
+    back, it is memory the replay writes and the capture allocated, a temporary like any other,
+    so no later capture can take it for memory it believes that graph never touches (Inductor's
+    CUDA-graph trees clear them around captures too). The next matmul outside makes its own."""
+    clear = getattr(torch._C, "_cuda_clearCublasWorkspaces", None)
+    if clear is not None:
+        clear()
+
+
 class _PoolMemory:
     """``__cuda_array_interface__`` of pool memory. A tensor made from it holds this object (its
     deleter drops the reference), and this object holds ``keeper``: the pool's state."""
@@ -76,18 +88,23 @@ class CudaBackend:
         try:
             yield
         finally:
+            clear_library_workspaces()  # would pin the private pool otherwise
             torch._C._cuda_endAllocateToPool(index, handle)
             torch._C._cuda_releasePool(index, handle)
 
     def capture(self, run: Callable[[list], object], inputs: list, device: torch.device,
-                pool: object = None) -> tuple[object, object]:
+                pool: object = None, prepare: Callable[[list], None] | None = None) -> tuple[object, object]:
         """Record ``run(inputs)`` into a new graph without executing it: (graph, outputs).
 
         ``inputs`` is handed to the program, which clears it: an input nobody else holds is freed
-        when the program is done with it, and its memory can be reused within the capture."""
+        when the program is done with it, and its memory can be reused within the capture.
+        ``prepare(inputs)`` runs first, inside the capture: what it allocates comes from the pool."""
         graph = torch.cuda.CUDAGraph()
         with _recording(graph, pool, device):
+            if prepare is not None:
+                prepare(inputs)
             outputs = run(inputs)
+        clear_library_workspaces()
         return graph, outputs
 
     def replay(self, graph: object, args: list) -> None:
