@@ -231,6 +231,46 @@ def test_env_var_turns_layout_off(monkeypatch: pytest.MonkeyPatch) -> None:
     assert Options.from_env().channels_last is True
 
 
+class SqueezeExcite(nn.Module):
+    """MobileNetV3's pieces: hardswish, a depthwise conv, a squeeze-excite gate ([N, C, 1, 1]
+    broadcast over the activation), a residual add, and a flattened head."""
+
+    def __init__(self, c: int = 8) -> None:
+        super().__init__()
+        self.stem = nn.Sequential(nn.Conv2d(3, c, 3, padding=1), nn.BatchNorm2d(c), nn.Hardswish())
+        self.dw = nn.Sequential(nn.Conv2d(c, c, 3, padding=1, groups=c), nn.BatchNorm2d(c), nn.ReLU())
+        self.se = nn.Sequential(nn.AdaptiveAvgPool2d(1), nn.Conv2d(c, 4, 1), nn.ReLU(), nn.Conv2d(4, c, 1),
+                                nn.Hardsigmoid())
+        self.fc = nn.Linear(c * 4 * 4, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.stem(x)
+        y = self.dw(x)
+        y = y * self.se(y) + x
+        return self.fc(torch.flatten(nn.functional.max_pool2d(y, 2), 1))
+
+
+@pytest.mark.parametrize("model,autocast", [(Block, False), (Block, True), (FlattenHead, False),
+                                           (SqueezeExcite, False)])
+def test_the_incremental_sweep_gives_the_program_a_full_rerun_gives(monkeypatch, model: type[nn.Module],
+                                                                       autocast: bool) -> None:
+    # Metadata re-run only where an input's changed, pointwise strides without a fake dispatch:
+    # every node must end with the strides that re-running each one through the fake mode gives,
+    # so both compile to the same program, forward and backward (under autocast, the weight
+    # casts that the pass makes write channels_last).
+    monkeypatch.setattr(layout, "MIN_ACTIVATION_TO_WEIGHT", 0.0)
+    programs = []
+    for incremental in (True, False):
+        monkeypatch.setattr(layout, "INCREMENTAL", incremental)
+        torch._dynamo.reset()
+        torch.manual_seed(0)
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+            _, _, compiled = _train_step(model(), torch.randn(2, 3, 8, 8), cache=False)
+        programs.append([g.program.split("\n", 1)[1] for g in compiled._ember_backend.log.graphs])  # no title
+        assert any(g.layout.get("conversions") for g in compiled._ember_backend.log.graphs)
+    assert len(programs[0]) == 2 and programs[0] == programs[1]
+
+
 @pytest.mark.slow
 def test_torchvision_resnet18_small_training_matches_eager() -> None:
     torchvision = pytest.importorskip("torchvision")
