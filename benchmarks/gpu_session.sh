@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One device call that checks and times the current tree on the H100 (run from the repo root):
-#   bash benchmarks/gpu_session.sh [PART]     PART 1 (default) to 28; results under $OUT (or ./gpu_session_out)
+#   bash benchmarks/gpu_session.sh [PART]     PART 1 (default) to 29; results under $OUT (or ./gpu_session_out)
 # Part 1 fits one 10-minute call; parts 2 and 3 are the training suite, one call each.
 # Each step has its own time limit, so one slow step cannot take the others' results with it;
 # the order is by priority (issue targets first). Writes one JSON per step and a log.
@@ -235,5 +235,15 @@ case "$PART" in
     --profile-passes "$OUT/passes_profile" --json "$OUT/compile_passes.json"
   step memory_train 150 python benchmarks/gpu_memory.py resnet50 cyclegan --backends ember --json "$OUT/memory_train.json"
   step correctness 110 python benchmarks/gpu_correctness.py resnet50 mobilenet_v3 --json "$OUT/correctness.json"
+  ;;
+29)  # the layout pass's incremental sweep: vgg16's cold compile against Inductor's in the suite's
+     # setting and its passes; the CUDA-graph training check (pooled input buffers); inference peaks
+     # of the six other seed models after part 28's changes
+  step train_vgg16 150 python -m ember.cli bench vgg16 --mode train --precision bf16 --iters 20 \
+    --no-progress --json "$OUT/bench_train_vgg16.json"
+  step compile_passes 70 python benchmarks/gpu_compile_profile.py vgg16 --after-inductor --json "$OUT/compile_passes.json"
+  step cudagraph_check 90 python benchmarks/gpu_cudagraph_check.py --only train --json "$OUT/cudagraph_check.json"
+  step memory_infer 300 python benchmarks/gpu_memory.py cyclegan style_transfer resnet50 bert vgg16 resnet50v2 \
+    --mode infer --backends ember --json "$OUT/memory_infer.json"
   ;;
 esac
