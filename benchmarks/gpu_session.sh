@@ -242,7 +242,7 @@ case "$PART" in
   step train_vgg16 150 python -m ember.cli bench vgg16 --mode train --precision bf16 --iters 20 \
     --no-progress --json "$OUT/bench_train_vgg16.json"
   step compile_passes 70 python benchmarks/gpu_compile_profile.py vgg16 --after-inductor --json "$OUT/compile_passes.json"
-  step cudagraph_check 90 python benchmarks/gpu_cudagraph_check.py --only train --json "$OUT/cudagraph_check.json"
+  step cudagraph_check 150 python benchmarks/gpu_cudagraph_check.py --json "$OUT/cudagraph_check.json"
   step memory_infer 300 python benchmarks/gpu_memory.py cyclegan style_transfer resnet50 bert vgg16 resnet50v2 \
     --mode infer --backends ember --json "$OUT/memory_infer.json"
   ;;
