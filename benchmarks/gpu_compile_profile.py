@@ -17,6 +17,7 @@ input of ``sm90_compile_time.py``), so slow compiles can be studied on a machine
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import sys
 
@@ -82,6 +83,29 @@ if len(sys.argv) > 2:  # keep each kernel's source and its compile time (for sm9
         kept.append({"name": job.name, "path": path, "dtypes": list(job.arg_dtypes), "meta": dict(job.meta),
                      "seconds_here": secs})
     json.dump(kept, open(os.path.join(sys.argv[2], "kernels.json"), "w"), indent=1)
+# Kernels compiled twice (by a worker ahead, and again at launch): what differs between the two
+# cache entries' metadata says why the precompiled one did not match.
+twice = []
+try:
+    import glob
+    by_name = {}
+    for path in glob.glob(os.path.join(os.environ.get("TRITON_CACHE_DIR", ""), "*", "*.json")):
+        try:
+            meta = json.load(open(path))
+        except Exception:
+            continue
+        if isinstance(meta, dict) and str(meta.get("name", "")).startswith("ember_"):
+            by_name.setdefault(meta["name"], []).append(meta)
+    for kname, metas in by_name.items():
+        if len(metas) >= 2 and len(twice) < 4:
+            a, b = metas[0], metas[1]
+            twice.append({"kernel": kname, "entries": len(metas), "differ": {
+                k: [str(a.get(k))[:200], str(b.get(k))[:200]] for k in sorted(set(a) | set(b))
+                if a.get(k) != b.get(k) and k not in ("hash",)}})
+    twice.append({"kernels_with_two_entries": sum(1 for m in by_name.values() if len(m) >= 2),
+                  "kernels": len(by_name)})
+except Exception as err:
+    twice.append({"error": repr(err)})
 passes_text = ""
 if passes_to:
     import io, pstats
@@ -93,7 +117,7 @@ per_pass = {}
 for g in r.graphs:
     for pname, secs, _changed in g.passes:
         per_pass[pname] = round(per_pass.get(pname, 0.0) + secs, 4)
-print("RESULT " + json.dumps({"passes": per_pass, "passes_profile": passes_text, "first_call_s": r.total_s, "capture_s": r.capture_s, "ember_s": r.ember_s,
+print("RESULT " + json.dumps({"compiled_twice": twice, "passes": per_pass, "passes_profile": passes_text, "first_call_s": r.total_s, "capture_s": r.capture_s, "ember_s": r.ember_s,
       "first_run_s": r.first_run_s, "stages": r.stage_totals(), "kernels": r.kernels,
       "unique_kernels": r.unique_kernels, "compile_notes": [g.title + ": " + g.compile_note for g in r.graphs],
       "launch_compiles": launch, "dynamo_times": dynamo_times}))
@@ -138,6 +162,8 @@ def main() -> int:
         for note in r["compile_notes"]:
             print(f"  {note}")
         print(f"  Triton compiles at launch: {r['launch_compiles']}")
+        for entry in r.get("compiled_twice", []):
+            print(f"  compiled twice: {json.dumps(entry)[:1500]}")
         print("  passes (s, all graphs): " + ", ".join(f"{k} {v:.3f}" for k, v in r["passes"].items()))
         if r.get("passes_profile"):
             print(r["passes_profile"])

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One device call that checks and times the current tree on the H100 (run from the repo root):
-#   bash benchmarks/gpu_session.sh [PART]     PART 1 (default) to 29; results under $OUT (or ./gpu_session_out)
+#   bash benchmarks/gpu_session.sh [PART]     PART 1 (default) to 30; results under $OUT (or ./gpu_session_out)
 # Part 1 fits one 10-minute call; parts 2 and 3 are the training suite, one call each.
 # Each step has its own time limit, so one slow step cannot take the others' results with it;
 # the order is by priority (issue targets first). Writes one JSON per step and a log.
@@ -245,5 +245,18 @@ case "$PART" in
   step cudagraph_check 150 python benchmarks/gpu_cudagraph_check.py --json "$OUT/cudagraph_check.json"
   step memory_infer 300 python benchmarks/gpu_memory.py cyclegan style_transfer resnet50 bert vgg16 resnet50v2 \
     --mode infer --backends ember --json "$OUT/memory_infer.json"
+  ;;
+30)  # resnet18's training check ("together" failed in part 29): as is, without pooled input buffers,
+     # without handing back cuBLAS workspaces; vgg16's precompiled kernels missed at launch after
+     # Inductor: which metadata differs between the two compiles (with and without Inductor first)
+  step check_now 100 python benchmarks/gpu_cudagraph_check.py --only train --train-models resnet18 \
+    --json "$OUT/check_now.json"
+  EMBER_POOLED_INPUTS=0 step check_no_pooled 100 python benchmarks/gpu_cudagraph_check.py --only train \
+    --train-models resnet18 --json "$OUT/check_no_pooled.json"
+  EMBER_CLEAR_WORKSPACES=0 step check_no_clear 100 python benchmarks/gpu_cudagraph_check.py --only train \
+    --train-models resnet18 --json "$OUT/check_no_clear.json"
+  step compile_after_inductor 70 python benchmarks/gpu_compile_profile.py vgg16 --after-inductor \
+    --json "$OUT/compile_after_inductor.json"
+  step compile_alone 70 python benchmarks/gpu_compile_profile.py vgg16 --json "$OUT/compile_alone.json"
   ;;
 esac

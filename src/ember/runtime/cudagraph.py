@@ -362,6 +362,7 @@ class CudaGraphRunner:
                     storage = buf.untyped_storage()
                     places[i] = (storage.data_ptr(), storage.nbytes())
                     weak[i] = weakref.ref(buf)
+                    before[i] = version_of(buf)
                     if buf.numel() > 0:
                         stores[i] = StorageWeakRef(storage)
                     inputs[i] = buf

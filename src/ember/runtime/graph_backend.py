@@ -22,7 +22,7 @@ def clear_library_workspaces() -> None:
     so no later capture can take it for memory it believes that graph never touches (Inductor's
     CUDA-graph trees clear them around captures too). The next matmul outside makes its own."""
     clear = getattr(torch._C, "_cuda_clearCublasWorkspaces", None)
-    if clear is not None:
+    if clear is not None and os.environ.get("EMBER_CLEAR_WORKSPACES", "1") not in ("0", "false", ""):
         clear()
 
 
