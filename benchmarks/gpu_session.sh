@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One device call that checks and times the current tree on the H100 (run from the repo root):
-#   bash benchmarks/gpu_session.sh [PART]     PART 1 (default) to 30; results under $OUT (or ./gpu_session_out)
+#   bash benchmarks/gpu_session.sh [PART]     PART 1 (default) to 31; results under $OUT (or ./gpu_session_out)
 # Part 1 fits one 10-minute call; parts 2 and 3 are the training suite, one call each.
 # Each step has its own time limit, so one slow step cannot take the others' results with it;
 # the order is by priority (issue targets first). Writes one JSON per step and a log.
@@ -258,5 +258,13 @@ case "$PART" in
   step compile_after_inductor 70 python benchmarks/gpu_compile_profile.py vgg16 --after-inductor \
     --json "$OUT/compile_after_inductor.json"
   step compile_alone 70 python benchmarks/gpu_compile_profile.py vgg16 --json "$OUT/compile_alone.json"
+  ;;
+31)  # pooled input buffers that clash with inputs in a shared pool move out of it; workers use the
+     # parent's ptxas: the CUDA-graph check, vgg16's launch misses after Inductor, vgg16's compile
+  step cudagraph_check 150 python benchmarks/gpu_cudagraph_check.py --json "$OUT/cudagraph_check.json"
+  step compile_after_inductor 70 python benchmarks/gpu_compile_profile.py vgg16 --after-inductor \
+    --json "$OUT/compile_after_inductor.json"
+  step train_vgg16 150 python -m ember.cli bench vgg16 --mode train --precision bf16 --iters 20 \
+    --no-progress --json "$OUT/bench_train_vgg16.json"
   ;;
 esac

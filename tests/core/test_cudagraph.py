@@ -77,6 +77,37 @@ def backend_graph_memory(g: object) -> list:
     return g.graph.pool_memory  # type: ignore[attr-defined]
 
 
+def test_a_pooled_buffer_where_an_input_lies_is_moved_out_of_the_pool() -> None:
+    # In a shared pool another graph may hand out outputs where this graph's pooled buffer lay
+    # during its capture (two forwards, then one backward through both): copying the next input
+    # in would overwrite an input before it is read. The runner captures again with that buffer
+    # outside the pool. The stand-in never reuses memory, so the clash is staged: an output span
+    # of the pool is registered at the buffer and the input is a tensor on that memory.
+    backend = FakeGraphs()
+    bw = CudaGraphRunner(tanh_backward, "backward", backend=backend, read_only=frozenset({0, 1, 2}))
+    bw.pool = cudagraph.GraphPool()
+    w = torch.randn(8, 4)
+
+    def want(h: torch.Tensor) -> torch.Tensor:
+        return (COTANGENT * (1 - torch.tanh(h) ** 2)).sum(0) + w.sum()
+
+    for _ in range(2):  # uncaptured, then captured with h's buffer in the pool
+        h = torch.randn(3, 4)
+        torch.testing.assert_close(bw([h, w, COTANGENT])[0], want(h))
+    g = bw.g
+    assert g.dynamic_idx == [0] and list(g.pooled) == [0]
+    ptr, nbytes = g.pooled[0]
+    g.state.spans[ptr] = nbytes
+    h = torch.empty(0).set_(backend.view(ptr, nbytes, torch.device("cpu"), g.state), 0, (3, 4), (4, 1))
+    h.copy_(torch.randn(3, 4))
+    expected = want(h.clone())
+    torch.testing.assert_close(bw([h, w, COTANGENT])[0], expected)
+    assert bw.unpooled == {0} and "now copied outside it" in bw.last_reason, bw.last_reason
+    assert bw.g is not g and bw.g.pooled == {} and bw.captures == 2
+    h = torch.randn(3, 4)
+    torch.testing.assert_close(bw([h, w, COTANGENT])[0], want(h))
+
+
 def test_a_written_input_keeps_a_buffer_of_its_own_even_when_marked_read_only_elsewhere() -> None:
     # Only what capture_rules.read_only_inputs names goes into the pool: the written statistic
     # keeps a held buffer, copied back after each replay.

@@ -93,3 +93,24 @@ def test_worker_count_from_env(monkeypatch):
     monkeypatch.setenv("EMBER_COMPILE_WORKERS", "-2")
     assert pc.worker_count() == 0
 
+
+
+def test_workers_get_the_ptxas_whose_version_keys_the_parents_cache(tmp_path, monkeypatch):
+    # Triton keys compiled kernels by its ptxas's version, read once per process: a worker must
+    # run the ptxas that printed it, not whichever TRITON_PTXAS_PATH says now.
+    tools = {}
+    for name, text in (("new", "ptxas release 13.0"), ("old", "ptxas release 12.8")):
+        path = tmp_path / name
+        path.write_text(f"#!/bin/sh\necho '{text}'\n")
+        path.chmod(0o755)
+        tools[name] = str(path)
+    version = "ptxas release 12.8\n"
+    assert pc.matching_ptxas(version, [None, str(tmp_path / "missing"), tools["new"], tools["old"]]) == tools["old"]
+    assert pc.matching_ptxas("ptxas release 11.0\n", [tools["new"], tools["old"]]) is None
+    # Spawned workers see the match while submitting, and the parent's environment is left as it was.
+    monkeypatch.setattr(pc, "_PTXAS", {"TRITON_PTXAS_PATH": tools["old"]})
+    monkeypatch.setenv("TRITON_PTXAS_PATH", tools["new"])
+    with pc._as_worker_env():
+        assert pc.os.environ["TRITON_PTXAS_PATH"] == tools["old"]
+        assert pc.os.environ["EMBER_COMPILE_WORKER"] == "1"
+    assert pc.os.environ["TRITON_PTXAS_PATH"] == tools["new"] and "EMBER_COMPILE_WORKER" not in pc.os.environ

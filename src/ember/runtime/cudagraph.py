@@ -130,6 +130,7 @@ class CudaGraphRunner:
         self.g: CapturedGraph | None = None
         self.prev_ptrs: list[int] | None = None
         self.demoted: set[int] = set()  # moved while read in place: copied in from now on
+        self.unpooled: set[int] = set()  # read-only inputs whose buffers are held outside the pool from now on
         self.copy_leaves: set[int] = set()  # output leaves handed out as copies from now on
         self.alive_last: set[int] = set()
         self.next_static: list[int] = []
@@ -199,6 +200,11 @@ class CudaGraphRunner:
                 return f"output {few(sorted(m for k in again for m in g.groups[k].members))} of a replay still held"
             return ""
         self.alive_last = set()
+        clash = self._pooled_clash(g, args)
+        if clash:
+            self.unpooled.update(clash)
+            self.next_static = [i for i in g.static_idx if i not in g.sources]
+            return f"input buffer(s) {few(clash)} in the pool lie where this call's inputs are (now copied outside it)"
         hazards = overwrite_hazards(g, args)
         if hazards:
             # Outputs of another graph in this pool, held by somebody other than this call, where
@@ -220,6 +226,22 @@ class CudaGraphRunner:
             self.next_static = sorted(g.static_idx + ready)
             return f"input {few(ready)} kept its address for {PROMOTE_AFTER} calls (now read in place)"
         return None
+
+    @staticmethod
+    def _pooled_clash(g: CapturedGraph, args: list) -> list[int]:
+        """Inputs whose buffers in the pool overlap the memory of this call's inputs there.
+
+        A pooled buffer is memory the capture allocated and freed; another graph of the pool may
+        hand out outputs there since (a forward replayed while this graph's capture read the
+        outputs of an uncaptured one), and the copy-in would overwrite an input before reading
+        it. In a pool of its own a graph's inputs never lie there: its own held outputs make the
+        call run uncaptured before any copy."""
+        if not g.pooled or not g.state.shared:
+            return []
+        spans = [sp for i in g.dynamic_idx if (sp := g.state.span(args[i])) is not None]
+        if not spans:
+            return []
+        return [i for i, (ptr, nbytes) in g.pooled.items() if any(ptr < hi and lo < ptr + nbytes for lo, hi in spans)]
 
     def _moved(self, g: CapturedGraph, args: list) -> str:
         """Some static input is not where the graph reads it: why to capture again, or "" to run
@@ -335,7 +357,9 @@ class CudaGraphRunner:
         # an eager input's would once consumed (mobilenet_v3's 74 MiB input batch sat beside its
         # whole inference peak). The replay's copy-in writes it before the graph reads it. Any
         # other buffer is allocated here and held, for the copy back after each replay.
-        pooled = [i for i in dynamic if i in self.read_only and refs[i].numel() > 0]
+        # Not in a final capture: it copies everything, and may never capture again to undo a clash.
+        pooled = [] if final else [i for i in dynamic if i in self.read_only and i not in self.unpooled
+                                   and refs[i].numel() > 0]
         held = [i for i in dynamic if i not in pooled]
         # Buffers are ordinary tensors even under inference_mode: their version counters tell
         # which dynamic inputs the program writes.
@@ -398,7 +422,7 @@ class CudaGraphRunner:
                    [i for i in static if i in mutated and before[i] is not None],
                    slots, groups, container, final, device, sources=sources,
                    protected=[(grp.ptr, grp.ptr + grp.nbytes) for grp in held_before if not grp.own.expired()],
-                   dyn_ptrs=dyn_ptrs, same_calls=[0] * len(dynamic))
+                   dyn_ptrs=dyn_ptrs, same_calls=[0] * len(dynamic), pooled={i: places[i] for i in pooled})
         state.add(g)
         return g, outputs
 

@@ -27,11 +27,13 @@ class PoolState:
         self.live: dict[int, list[OutputGroup]] = {}  # address -> output groups of live graphs there
         self.consts: set[int] = set()  # ids of host tensors that live graphs hand out unchanged
         self.keeper: object = None  # the graph that pre-sized the pool (runtime/graph_pool.py)
+        self.spans: dict[int, int] = {}  # address -> bytes of every output group ever handed out
 
     def add(self, g: CapturedGraph) -> None:
         self.graphs.append(g)
         for grp in g.groups:
             self.live.setdefault(grp.ptr, []).append(grp)
+            self.spans[grp.ptr] = max(self.spans.get(grp.ptr, 0), grp.nbytes)
         self.consts.update(id(s.value) for s in g.slots if s.kind == "const")
 
     def retire(self, g: CapturedGraph) -> None:
@@ -50,6 +52,15 @@ class PoolState:
             return None
         at = self.live.get(t.untyped_storage().data_ptr())
         return at[-1] if at else None
+
+    def span(self, t: object) -> tuple[int, int] | None:
+        """The pool memory ``t`` lies in, [start, end), if it is an output a graph of this pool ever
+        handed out (retired graphs' too: their outputs stay valid while held)."""
+        if not isinstance(t, torch.Tensor) or t.numel() == 0:
+            return None
+        ptr = t.untyped_storage().data_ptr()
+        nbytes = self.spans.get(ptr)
+        return None if nbytes is None else (ptr, ptr + nbytes)
 
     def holds(self, t: object) -> bool:
         return id(t) in self.consts or self.source(t) is not None
@@ -107,6 +118,7 @@ class CapturedGraph:
     protected: list[tuple[int, int]] = field(default_factory=list)  # pool ranges held throughout capture
     dyn_ptrs: list[int] = field(default_factory=list)
     same_calls: list[int] = field(default_factory=list)
+    pooled: dict[int, tuple[int, int]] = field(default_factory=dict)  # input -> its buffer's (address, bytes) in the pool
 
 
 def uses(grp: OutputGroup) -> int:

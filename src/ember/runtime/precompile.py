@@ -27,6 +27,7 @@ import contextlib
 import importlib.util
 import multiprocessing
 import os
+import subprocess
 import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
@@ -144,19 +145,69 @@ def _pool(workers: int) -> cf.ProcessPoolExecutor:
     return _POOL
 
 
+def matching_ptxas(version: str, candidates: Sequence[str | None]) -> str | None:
+    """The first executable among ``candidates`` whose ``--version`` prints ``version``."""
+    for path in candidates:
+        if not path or not os.path.isfile(path) or not os.access(path, os.X_OK):
+            continue
+        try:
+            out = subprocess.run([path, "--version"], capture_output=True, text=True, timeout=30).stdout
+        except (OSError, subprocess.SubprocessError):
+            continue
+        if out == version:
+            return path
+    return None
+
+
+_PTXAS: dict[str, str] = {}
+
+
+def _ptxas_env() -> dict[str, str]:
+    """TRITON_PTXAS_PATH for the workers: the ptxas whose version keys this process's Triton cache.
+
+    Triton keys a compiled kernel by the version of its ptxas, read once per process. Inductor
+    points TRITON_PTXAS_PATH at PyTorch's own ptxas when it compiles, possibly after this
+    process's Triton has read the version of its bundled one: workers spawned then use the
+    other ptxas, and every kernel they compiled missed the cache at launch and compiled again
+    (all 82 of vgg16's on the H100, 10 s of its first step when Inductor had compiled before)."""
+    if _PTXAS:
+        return _PTXAS
+    try:
+        import torch
+        import triton
+        from triton.backends.nvidia import compiler as nvidia
+        from triton.runtime import driver
+
+        arch = driver.active.get_current_target().arch
+        try:
+            version = nvidia.get_ptxas_version(arch)
+        except TypeError:  # a Triton whose get_ptxas_version takes no architecture
+            version = nvidia.get_ptxas_version()
+        bundled = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
+        ours = os.path.join(os.path.dirname(torch.__file__), "bin", "ptxas")
+        path = matching_ptxas(version, [os.environ.get("TRITON_PTXAS_PATH"), bundled, ours])
+    except Exception:  # noqa: BLE001 - no CUDA Triton here: the workers decide for themselves
+        path = None
+    _PTXAS["TRITON_PTXAS_PATH"] = path or ""
+    return _PTXAS
+
+
 @contextlib.contextmanager
 def _as_worker_env() -> Iterator[None]:
     """Processes spawned inside see EMBER_COMPILE_WORKER=1: ``import ember`` there skips
-    registering the Dynamo backend (and so importing Dynamo), seconds per worker."""
-    old = os.environ.get("EMBER_COMPILE_WORKER")
-    os.environ["EMBER_COMPILE_WORKER"] = "1"
+    registering the Dynamo backend (and so importing Dynamo), seconds per worker; and the
+    parent's ptxas (``_ptxas_env``)."""
+    extra = {"EMBER_COMPILE_WORKER": "1", **{k: v for k, v in _ptxas_env().items() if v}}
+    old = {k: os.environ.get(k) for k in extra}
+    os.environ.update(extra)
     try:
         yield
     finally:
-        if old is None:
-            os.environ.pop("EMBER_COMPILE_WORKER", None)
-        else:
-            os.environ["EMBER_COMPILE_WORKER"] = old
+        for k, v in old.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
 
 
 def start_workers() -> None:
