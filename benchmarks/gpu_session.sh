@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One device call that checks and times the current tree on the H100 (run from the repo root):
-#   bash benchmarks/gpu_session.sh [PART]     PART 1 (default) to 31; results under $OUT (or ./gpu_session_out)
+#   bash benchmarks/gpu_session.sh [PART]     PART 1 (default) to 32; results under $OUT (or ./gpu_session_out)
 # Part 1 fits one 10-minute call; parts 2 and 3 are the training suite, one call each.
 # Each step has its own time limit, so one slow step cannot take the others' results with it;
 # the order is by priority (issue targets first). Writes one JSON per step and a log.
@@ -266,5 +266,9 @@ case "$PART" in
     --json "$OUT/compile_after_inductor.json"
   step train_vgg16 150 python -m ember.cli bench vgg16 --mode train --precision bf16 --iters 20 \
     --no-progress --json "$OUT/bench_train_vgg16.json"
+  ;;
+32)  # the layout pass on the device, node by node (vgg16, resnet50)
+  step layout_vgg16 80 python benchmarks/gpu_layout_timing.py vgg16 --json "$OUT/layout_vgg16.json"
+  step layout_resnet50 100 python benchmarks/gpu_layout_timing.py resnet50 --json "$OUT/layout_resnet50.json"
   ;;
 esac
