@@ -448,3 +448,28 @@ def test_padding_runs_over_the_nhwc_view_without_copies(pad: type[nn.Module]) ->
     fw, bw = graphs["forward"].layout["conversions"], graphs["backward"].layout["conversions"]
     assert [c.split(" ")[0] for c in fw if "-> channels_last" in c] == ["primals_1"], fw
     assert [c.split(" ")[0] for c in bw if "-> channels_last" in c] == ["tangents_1"], bw
+
+
+@pytest.mark.parametrize("target,args", [
+    (torch.ops.aten.select.int, (2, 1)), (torch.ops.aten.select.int, (-1, -2)), (torch.ops.aten.select.int, (0, 0)),
+    (torch.ops.aten.unsqueeze.default, (2,)), (torch.ops.aten.unsqueeze.default, (-1,)),
+    (torch.ops.aten.unsqueeze.default, (4,)), (torch.ops.aten.permute.default, ([0, 2, 3, 1],)),
+    (torch.ops.aten.alias.default, ()),
+])
+def test_simple_views_get_atens_strides_without_a_dispatch(target, args) -> None:
+    from torch._subclasses import FakeTensorMode
+
+    mode = FakeTensorMode()
+    with mode:
+        base = torch.empty(2, 3, 4, 5).to(memory_format=torch.channels_last)[:, :, 1:]  # offset, NHWC strides
+        want = target(base, *args)
+    graph = torch.fx.Graph()
+    x = graph.placeholder("x")
+    x.meta["val"] = base
+    node = graph.call_function(target, (x, *args))
+    with mode:
+        stale = torch.empty_strided(tuple(want.shape), tuple(reversed(range(1, want.dim() + 1))))  # any strides
+    got = layout._view_val(node, stale, mode)
+    assert got is not None and got.shape == want.shape
+    assert got.stride() == want.stride() and got.storage_offset() == want.storage_offset()
+    assert got.untyped_storage()._cdata == base.untyped_storage()._cdata  # still a view of its base

@@ -381,8 +381,9 @@ def _rerun(node: fx.Node, mode: object) -> int:
     if node.meta.get(FROZEN):
         return 0
     old = node.meta.get("val")
-    if INCREMENTAL and isinstance(old, torch.Tensor) and classify(node).cls == OpClass.POINTWISE:
-        fast = _pointwise_val(node, old, mode)
+    if INCREMENTAL and isinstance(old, torch.Tensor) and (node.target in _SIMPLE_VIEWS or
+                                                          classify(node).cls == OpClass.POINTWISE):
+        fast = _view_val(node, old, mode) if node.target in _SIMPLE_VIEWS else _pointwise_val(node, old, mode)
         if fast is not None:
             if _strides_of(fast) == _strides_of(old):
                 return 0
@@ -411,6 +412,38 @@ def _rerun(node: fx.Node, mode: object) -> int:
         return 0  # a multi-output op (batch norm) whose outputs kept their strides
     node.meta["val"] = new
     return 0
+
+
+_SIMPLE_VIEWS = {aten.unsqueeze.default, aten.select.int, aten.alias.default, aten.permute.default}
+
+
+def _view_val(node: fx.Node, old: torch.Tensor, mode: object) -> torch.Tensor | None:
+    """The metadata of a simple view from its base's, by ATen's own stride rules, as one
+    ``as_strided`` of the base (so it still aliases it): a fake dispatch of these views on the
+    6-D window tensors of generated pooling took 1.5 to 2.2 ms each on the H100 machine."""
+    base = _val(node.args[0])
+    if not isinstance(base, torch.Tensor) or any(isinstance(a, fx.Node) for a in node.args[1:]):
+        return None
+    shape, stride, offset = list(base.shape), list(base.stride()), base.storage_offset()
+    target = node.target
+    if target == aten.unsqueeze.default:
+        dim = node.args[1] % (base.dim() + 1)
+        shape.insert(dim, 1)
+        stride.insert(dim, shape[dim + 1] * stride[dim] if dim < base.dim() else 1)
+    elif target == aten.select.int:
+        dim = node.args[1] % base.dim()
+        index = node.args[2] % shape[dim] if shape[dim] else 0
+        offset += index * stride[dim]
+        del shape[dim], stride[dim]
+    elif target == aten.permute.default:
+        dims = [d % base.dim() for d in node.args[1]]
+        shape, stride = [shape[d] for d in dims], [stride[d] for d in dims]
+    if tuple(shape) != tuple(old.shape):
+        return None
+    if tuple(stride) == old.stride() and offset == old.storage_offset():
+        return old
+    with mode:
+        return aten.as_strided.default(base, shape, stride, offset)
 
 
 def _dense(t: torch.Tensor) -> bool:
