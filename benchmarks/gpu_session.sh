@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One device call that checks and times the current tree on the H100 (run from the repo root):
-#   bash benchmarks/gpu_session.sh [PART]     PART 1 (default) to 32; results under $OUT (or ./gpu_session_out)
+#   bash benchmarks/gpu_session.sh [PART]     PART 1 (default) to 33; results under $OUT (or ./gpu_session_out)
 # Part 1 fits one 10-minute call; parts 2 and 3 are the training suite, one call each.
 # Each step has its own time limit, so one slow step cannot take the others' results with it;
 # the order is by priority (issue targets first). Writes one JSON per step and a log.
@@ -270,5 +270,12 @@ case "$PART" in
 32)  # the layout pass on the device, node by node (vgg16, resnet50)
   step layout_vgg16 80 python benchmarks/gpu_layout_timing.py vgg16 --json "$OUT/layout_vgg16.json"
   step layout_resnet50 100 python benchmarks/gpu_layout_timing.py resnet50 --json "$OUT/layout_resnet50.json"
+  ;;
+33)  # after pooled input buffers and cuBLAS workspaces handed back: every seed model's training peak
+     # under Ember (fresh process each), then bert inference at batch 1
+  step memory_train 420 python benchmarks/gpu_memory.py resnet50 bert vgg16 mobilenet_v3 densenet121 resnet50v2 \
+    cyclegan style_transfer --backends ember --json "$OUT/memory_train.json"
+  step infer_bert_bs1 110 python -m ember.cli bench bert --mode infer --batch 1 --precision bf16 \
+    --no-progress --json "$OUT/bench_infer_bert_bs1.json"
   ;;
 esac
