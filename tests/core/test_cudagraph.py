@@ -113,13 +113,7 @@ def test_a_written_input_keeps_a_buffer_of_its_own_even_when_marked_read_only_el
     # keeps a held buffer, copied back after each replay.
     runner = CudaGraphRunner(lambda args: _bn_stats([args[1], args[0]]), "test", backend=FakeGraphs(),
                              read_only=frozenset({1}))
-    for _ in range(5):
-        x, m = torch.randn(5, 4), torch.randn(4)
-        want_m = m * 0.9 + x.mean(0) * 0.1
-        (got,) = runner([m, x])
-        torch.testing.assert_close(m, want_m)
-        torch.testing.assert_close(got, x - want_m)
-        del got
+    _moving_statistic_calls(runner)
     assert runner.replays == 4 and len(backend_graph_memory(runner.g)) == 1
 
 
@@ -196,9 +190,8 @@ def test_a_mutated_static_input_is_written_once_per_call() -> None:
     assert runner.replays == 4 and "1 input(s) mutated in place" in runner.status
 
 
-def test_a_mutated_copied_input_is_written_back() -> None:
-    mean = torch.zeros(4)
-    runner = fake_runner(lambda args: _bn_stats([args[1], args[0]]))  # (mean, x): the statistic moves
+def _moving_statistic_calls(runner: CudaGraphRunner) -> None:
+    """Five calls of ``_bn_stats`` as (mean, x) with both moving: the mean is written in place."""
     for _ in range(5):
         x, m = torch.randn(5, 4), torch.randn(4)
         want_m = m * 0.9 + x.mean(0) * 0.1
@@ -206,6 +199,12 @@ def test_a_mutated_copied_input_is_written_back() -> None:
         torch.testing.assert_close(m, want_m)
         torch.testing.assert_close(got, x - want_m)
         del got
+
+
+def test_a_mutated_copied_input_is_written_back() -> None:
+    mean = torch.zeros(4)
+    runner = fake_runner(lambda args: _bn_stats([args[1], args[0]]))  # (mean, x): the statistic moves
+    _moving_statistic_calls(runner)
     assert runner.replays == 4 and "1 mutated copied input(s) written back" in runner.status
     del mean
 

@@ -86,6 +86,7 @@ from ember.runtime.graph_memory import (
     is_held,
     meta_of,
     overwrite_hazards,
+    pooled_clash,
     ptr_of,
     rebase,
     storage_refs,
@@ -200,7 +201,7 @@ class CudaGraphRunner:
                 return f"output {few(sorted(m for k in again for m in g.groups[k].members))} of a replay still held"
             return ""
         self.alive_last = set()
-        clash = self._pooled_clash(g, args)
+        clash = pooled_clash(g, args)
         if clash:
             self.unpooled.update(clash)
             self.next_static = [i for i in g.static_idx if i not in g.sources]
@@ -226,22 +227,6 @@ class CudaGraphRunner:
             self.next_static = sorted(g.static_idx + ready)
             return f"input {few(ready)} kept its address for {PROMOTE_AFTER} calls (now read in place)"
         return None
-
-    @staticmethod
-    def _pooled_clash(g: CapturedGraph, args: list) -> list[int]:
-        """Inputs whose buffers in the pool overlap the memory of this call's inputs there.
-
-        A pooled buffer is memory the capture allocated and freed; another graph of the pool may
-        hand out outputs there since (a forward replayed while this graph's capture read the
-        outputs of an uncaptured one), and the copy-in would overwrite an input before reading
-        it. In a pool of its own a graph's inputs never lie there: its own held outputs make the
-        call run uncaptured before any copy."""
-        if not g.pooled or not g.state.shared:
-            return []
-        spans = [sp for i in g.dynamic_idx if (sp := g.state.span(args[i])) is not None]
-        if not spans:
-            return []
-        return [i for i, (ptr, nbytes) in g.pooled.items() if any(ptr < hi and lo < ptr + nbytes for lo, hi in spans)]
 
     def _moved(self, g: CapturedGraph, args: list) -> str:
         """Some static input is not where the graph reads it: why to capture again, or "" to run

@@ -178,6 +178,22 @@ def overwrite_hazards(g: CapturedGraph, args: list) -> list[OutputGroup]:
     return out
 
 
+def pooled_clash(g: CapturedGraph, args: list) -> list[int]:
+    """Inputs whose buffers in the pool overlap the memory of this call's inputs there.
+
+    A pooled buffer is memory the capture allocated and freed; another graph of the pool may
+    hand out outputs there since (a forward replayed while this graph's capture read the
+    outputs of an uncaptured one), and the copy-in would overwrite an input before reading
+    it. In a pool of its own a graph's inputs never lie there: its own held outputs make the
+    call run uncaptured before any copy."""
+    if not g.pooled or not g.state.shared:
+        return []
+    spans = [sp for i in g.dynamic_idx if (sp := g.state.span(args[i])) is not None]
+    if not spans:
+        return []
+    return [i for i, (ptr, nbytes) in g.pooled.items() if any(ptr < hi and lo < ptr + nbytes for lo, hi in spans)]
+
+
 def storage_refs(args: list) -> dict[int, int]:
     """Storage -> how many of ``args`` (distinct tensors, one reference each) refer to it."""
     counts: dict[int, int] = {}
