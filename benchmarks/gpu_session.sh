@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One device call that checks and times the current tree on the H100 (run from the repo root):
-#   bash benchmarks/gpu_session.sh [PART]     PART 1 (default) to 33; results under $OUT (or ./gpu_session_out)
+#   bash benchmarks/gpu_session.sh [PART]     PART 1 (default) to 35; results under $OUT (or ./gpu_session_out)
 # Part 1 fits one 10-minute call; parts 2 and 3 are the training suite, one call each.
 # Each step has its own time limit, so one slow step cannot take the others' results with it;
 # the order is by priority (issue targets first). Writes one JSON per step and a log.
@@ -277,5 +277,19 @@ case "$PART" in
     cyclegan style_transfer --backends ember --json "$OUT/memory_train.json"
   step infer_bert_bs1 110 python -m ember.cli bench bert --mode infer --batch 1 --precision bf16 \
     --no-progress --json "$OUT/bench_infer_bert_bs1.json"
+  ;;
+34)  # where the time goes (top kernels, library vs generated share), Ember and Inductor, for the two
+     # models with the longest Inductor compiles (each its own step: together they passed 110 s)
+  for m in mobilenet_v3 densenet121; do
+    limit=230; [ "$m" = densenet121 ] && limit=330
+    step "profile_$m" "$limit" python benchmarks/gpu_profile.py "$m" --backend ember,inductor --keep 0 --top 15 \
+      --no-trace --out "$OUT/profile_$m"
+  done
+  ;;
+35)  # where the time goes for the other five seed models (resnet50 in session 8)
+  for m in resnet50v2 cyclegan vgg16 bert style_transfer; do
+    step "profile_$m" 110 python benchmarks/gpu_profile.py "$m" --backend ember,inductor --keep 0 --top 15 \
+      --no-trace --out "$OUT/profile_$m"
+  done
   ;;
 esac
