@@ -136,7 +136,7 @@ def main() -> int:
                 rate = f"{t['arg_gb_per_s']:6.0f} GB/s" if t.get("arg_gb_per_s") else " " * 11
                 print(f"  {t['ms_per_step']:7.3f} ms {t['calls_per_step']:6.1f}x {t['family']:<9} {rate} {t['kernel'][:90]}")
             torch._dynamo.reset()
-        (out / "profile.json").write_text(json.dumps(rows, indent=1))  # after each model: a cut-off run keeps it
+            (out / "profile.json").write_text(json.dumps(rows, indent=1))  # after each run: a cut-off one keeps it
     return 0
 
 
