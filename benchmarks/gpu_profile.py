@@ -84,6 +84,10 @@ def profile_case(name: str, backend: str, mode: str, steps: int, out: Path, trac
         prof.export_chrome_trace(str(out / f"trace_{name}_{mode}_{backend}.json"))
     kernels: dict[str, list[float]] = {}
     for evt in prof.events():
+        # GPU-side ranges of record_function (the optimizer's "Optimizer.step#SGD.step") span kernels
+        # counted on their own: counting them too would add the step's optimizer time twice.
+        if getattr(evt, "is_user_annotation", False) or (evt.name or "").startswith("Optimizer."):
+            continue
         if evt.device_type == torch.autograd.DeviceType.CUDA and evt.name and not evt.name.startswith("Memcpy"):
             kernels.setdefault(evt.name, []).append(evt.device_time_total if hasattr(evt, "device_time_total")
                                                     else evt.cuda_time_total)
@@ -97,6 +101,7 @@ def profile_case(name: str, backend: str, mode: str, steps: int, out: Path, trac
         "gpu_ms_per_step": total / 1e3 / steps,
         "launches_per_step": sum(len(v) for v in kernels.values()) / steps,
         "share": {k: 100 * v / total for k, v in fam.items()},
+        "family_ms_per_step": {k: v / 1e3 / steps for k, v in fam.items()},
         "top": [{"kernel": k[:140], "family": kernel_family(k), "ms_per_step": sum(v) / 1e3 / steps,
                  "calls_per_step": len(v) / steps, **_bandwidth(k, v)} for k, v in top],
     }
