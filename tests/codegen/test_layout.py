@@ -425,29 +425,43 @@ class PaddedConvs(nn.Module):
         return self.body(x)
 
 
-@pytest.mark.parametrize("pad", [nn.ReflectionPad2d, nn.ReplicationPad2d], ids=["reflection", "replication"])
-def test_padding_runs_over_the_nhwc_view_without_copies(pad: type[nn.Module]) -> None:
-    # The 2-D padding ops and their backward run as the 3-D ops over the NHWC view of channels_last
-    # tensors: same values and gradients as eager, and no conversions around the padded layers.
+def _padded_conv_graphs(pad: type[nn.Module]) -> dict:
     torch.manual_seed(0)
     with strict_env():
         want, got, compiled = _train_step(PaddedConvs(pad), torch.randn(2, 3, 9, 7))
     _compare(want, got)
     graphs = {g.kind: g for g in compiled._ember_backend.log.graphs}
-    name = pad.__name__.removesuffix("Pad2d").lower()
-    op = f"aten.{name}_pad"
+    # Conversions: the (smaller) input of the first padding, and the incoming gradient; none between layers.
+    fw, bw = graphs["forward"].layout["conversions"], graphs["backward"].layout["conversions"]
+    assert [c.split(" ")[0] for c in fw if "-> channels_last" in c] == ["primals_1"], fw
+    assert [c.split(" ")[0] for c in bw if "-> channels_last" in c] == ["tangents_1"], bw
+    return graphs
+
+
+def test_replication_padding_runs_over_the_nhwc_view_without_copies() -> None:
+    # ATen's 2-D padding ops and their backward run as the 3-D ops over the NHWC view of
+    # channels_last tensors: same values and gradients as eager, and no conversions around them.
+    graphs = _padded_conv_graphs(nn.ReplicationPad2d)
     for kind, n in (("forward", 2), ("backward", 1)):
-        # Every padding; the backward of the second (the first's reads the NCHW input as its shape).
+        # Every padding but the first's backward (it reads the NCHW input as its shape).
         g = graphs[kind]
         suffix = "" if kind == "forward" else "_backward"
         rewritten = [c for c in g.layout["conversions"] if "3-D form over the NHWC view" in c]
         assert len(rewritten) == n, g.layout["conversions"]
         fallback = g.placement["fallback"]
-        assert fallback[f"{op}3d{suffix}"] == n and fallback[f"{op}2d{suffix}"] == 2 - n, fallback
-    # Conversions: the (smaller) input of the first padding, and the incoming gradient; none between layers.
-    fw, bw = graphs["forward"].layout["conversions"], graphs["backward"].layout["conversions"]
-    assert [c.split(" ")[0] for c in fw if "-> channels_last" in c] == ["primals_1"], fw
-    assert [c.split(" ")[0] for c in bw if "-> channels_last" in c] == ["tangents_1"], bw
+        assert fallback[f"aten.replication_pad3d{suffix}"] == n and fallback.get(f"aten.replication_pad2d{suffix}", 0) \
+            == 2 - n, fallback
+
+
+def test_reflection_padding_runs_in_embers_kernels_in_the_layout_it_is_given() -> None:
+    # Ember's gather kernels (capture/reflection_pad.py) take channels_last as it is: no ATen
+    # padding op is left and nothing is converted around the padded layers.
+    graphs = _padded_conv_graphs(nn.ReflectionPad2d)
+    for kind in ("forward", "backward"):
+        fallback = graphs[kind].placement["fallback"]
+        suffix = "" if kind == "forward" else "_backward"
+        assert fallback.get(f"ember.reflection_pad2d{suffix}") == 2, fallback
+        assert not [op for op in fallback if op.startswith("aten.reflection")], fallback
 
 
 @pytest.mark.parametrize("target,args", [

@@ -14,7 +14,7 @@ from collections.abc import Callable, Sequence
 import torch
 from torch._decomp import core_aten_decompositions, get_decompositions
 
-from ember.capture import pooling
+from ember.capture import pooling, reflection_pad
 
 aten = torch.ops.aten
 
@@ -45,7 +45,8 @@ _KEEP = [
     aten.convolution_backward,
     # Padding and nearest upsampling are one gather kernel each in ATen; their decompositions
     # are index ops with clamped aranges, and the backward ones dozens of index/index_put ops
-    # per layer (171 per CycleGAN training step).
+    # per layer (171 per CycleGAN training step). On GPU targets 2-D reflection padding goes to
+    # Ember's gather kernels instead (capture/reflection_pad.py).
     aten.reflection_pad1d, aten.reflection_pad2d, aten.reflection_pad3d,
     aten.reflection_pad1d_backward, aten.reflection_pad2d_backward, aten.reflection_pad3d_backward,
     aten.replication_pad1d, aten.replication_pad2d, aten.replication_pad3d,
@@ -195,4 +196,6 @@ def decomposition_table(cpu_inference: bool = False, gpu: bool = False) -> dict[
         table[aten.convolution_backward.default] = _convolution_backward_bias_apart
         table[aten.max_pool2d_with_indices.default] = pooling.max_pool2d_with_indices
         table[aten.max_pool2d_with_indices_backward.default] = pooling.max_pool2d_with_indices_backward
+        table[aten.reflection_pad2d.default] = reflection_pad.decompose_forward
+        table[aten.reflection_pad2d_backward.default] = reflection_pad.decompose_backward
     return table

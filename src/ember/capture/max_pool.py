@@ -21,18 +21,17 @@ element. CPU tensors (the interpreter in CI) run the same kernels through Triton
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from pathlib import Path
+from types import ModuleType
 
 import torch
 import triton
-import triton.language as tl
 from torch._prims_common import suggest_memory_format
 
-from ember.runtime.kernels import jit_mode
+from ember.runtime.kernels import load_module
 
 MAX_WINDOW = 127  # positions are int8
 BLOCK = 1024
-_JIT: dict[tuple[str, bool], Callable] = {}
 
 
 def supported(x: torch.Tensor, kernel: tuple[int, int], stride: tuple[int, int], padding: tuple[int, int],
@@ -51,99 +50,12 @@ def output_shape(x: torch.Tensor, kernel: list[int], stride: list[int], padding:
     return n, c, (h + 2 * padding[0] - kernel[0]) // stride[0] + 1, (w + 2 * padding[1] - kernel[1]) // stride[1] + 1
 
 
-def _max_pool2d_forward(x_ptr, out_ptr, pos_ptr, total, C, H, W, OH, OW,
-                        sxn, sxc, sxh, sxw, son, soc, soh, sow,
-                        KH: tl.constexpr, KW: tl.constexpr, SH: tl.constexpr, SW: tl.constexpr,
-                        PH: tl.constexpr, PW: tl.constexpr, CHANNELS_LAST: tl.constexpr, BLOCK: tl.constexpr):
-    idx = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
-    mask = idx < total
-    if CHANNELS_LAST:  # neighbouring lanes: neighbouring channels
-        c = idx % C
-        t = idx // C
-        ow = t % OW
-        t = t // OW
-        oh = t % OH
-        n = t // OH
-    else:
-        ow = idx % OW
-        t = idx // OW
-        oh = t % OH
-        t = t // OH
-        c = t % C
-        n = t // C
-    h0 = oh * SH - PH
-    w0 = ow * SW - PW
-    # A window of only -inf points at its first real element, as ATen's does.
-    pos = (tl.maximum(h0, 0) - h0) * KW + (tl.maximum(w0, 0) - w0)
-    best = tl.full([BLOCK], float("-inf"), tl.float32)
-    base = n.to(tl.int64) * sxn + c.to(tl.int64) * sxc
-    for i in tl.static_range(KH):
-        h = h0 + i
-        for j in tl.static_range(KW):
-            w = w0 + j
-            ok = mask & (h >= 0) & (h < H) & (w >= 0) & (w < W)
-            v = tl.load(x_ptr + base + h * sxh + w * sxw, mask=ok, other=float("-inf")).to(tl.float32)
-            take = ok & ((v > best) | (v != v))
-            best = tl.where(take, v, best)
-            pos = tl.where(take, i * KW + j, pos)
-    out = n.to(tl.int64) * son + c.to(tl.int64) * soc + oh * soh + ow * sow
-    tl.store(out_ptr + out, best.to(out_ptr.dtype.element_ty), mask=mask)
-    tl.store(pos_ptr + out, pos.to(tl.int8), mask=mask)
+WINDOW_KERNELS = Path(__file__).with_name("window_kernels.py")
 
 
-def _max_pool2d_backward(g_ptr, pos_ptr, dx_ptr, total, C, H, W, OH, OW,
-                         sgn, sgc, sgh, sgw, sdn, sdc, sdh, sdw,
-                         KH: tl.constexpr, KW: tl.constexpr, SH: tl.constexpr, SW: tl.constexpr,
-                         PH: tl.constexpr, PW: tl.constexpr, CHANNELS_LAST: tl.constexpr, BLOCK: tl.constexpr,
-                         ROUND_BF16: tl.constexpr):
-    idx = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
-    mask = idx < total
-    if CHANNELS_LAST:
-        c = idx % C
-        t = idx // C
-        w = t % W
-        t = t // W
-        h = t % H
-        n = t // H
-    else:
-        w = idx % W
-        t = idx // W
-        h = t % H
-        t = t // H
-        c = t % C
-        n = t // C
-    acc = tl.full([BLOCK], 0.0, tl.float32)
-    base = n.to(tl.int64) * sgn + c.to(tl.int64) * sgc
-    # The windows holding (h, w): oh from (h + PH) // SH down while the window still reaches h.
-    oh_last = (h + PH) // SH
-    ow_last = (w + PW) // SW
-    for a in tl.static_range((KH + SH - 1) // SH):
-        oh = oh_last - a
-        i = h - (oh * SH - PH)
-        okh = (oh >= 0) & (oh < OH) & (i < KH)
-        for b in tl.static_range((KW + SW - 1) // SW):
-            ow = ow_last - b
-            j = w - (ow * SW - PW)
-            ok = mask & okh & (ow >= 0) & (ow < OW) & (j < KW)
-            at = base + oh * sgh + ow * sgw
-            p = tl.load(pos_ptr + at, mask=ok, other=-1).to(tl.int32)
-            hit = ok & (p == i * KW + j)
-            acc += tl.load(g_ptr + at, mask=hit, other=0.0).to(tl.float32)
-    if ROUND_BF16:  # the interpreter truncates float32 to bfloat16; round to nearest even as GPUs do
-        bits = acc.to(tl.uint32, bitcast=True)
-        bits = bits + 0x7FFF + ((bits >> 16) & 1)
-        acc = tl.where(acc != acc, acc, (bits & 0xFFFF0000).to(tl.float32, bitcast=True))
-    tl.store(dx_ptr + n.to(tl.int64) * sdn + c.to(tl.int64) * sdc + h * sdh + w * sdw,
-             acc.to(dx_ptr.dtype.element_ty), mask=mask)
-
-
-def _kernel(fn: Callable, interpret: bool) -> Callable:
-    """``fn`` jitted, compiled for the GPU or run by Triton's interpreter (CPU tensors)."""
-    key = (fn.__name__, interpret)
-    if key not in _JIT:
-        with jit_mode(interpret):
-            _JIT[key] = triton.jit(fn)
-    return _JIT[key]
+def window_kernels(interpret: bool) -> ModuleType:
+    """capture/window_kernels.py, interpreted (CPU tensors) or compiled."""
+    return load_module(WINDOW_KERNELS, interpret)
 
 
 def _empty_like_layout(shape: tuple[int, ...], like: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -169,7 +81,7 @@ def max_pool2d(x: torch.Tensor, kernel: list[int], stride: list[int],
     pos = _empty_like_layout(shape, x, torch.int8)
     total = out.numel()
     if total:
-        fn = _kernel(_max_pool2d_forward, interpret=x.device.type != "cuda")
+        fn = window_kernels(x.device.type != "cuda").max_pool2d_forward
         fn[(triton.cdiv(total, BLOCK),)](x, out, pos, total, c, h, w, oh, ow, *x.stride(), *out.stride(),
                                          **_meta(kernel, stride, padding, _channels_last(x)))
     return out, pos
@@ -192,7 +104,7 @@ def max_pool2d_backward(grad: torch.Tensor, positions: torch.Tensor, input_size:
     total = dx.numel()
     if total:
         interpret = grad.device.type != "cuda"
-        fn = _kernel(_max_pool2d_backward, interpret)
+        fn = window_kernels(interpret).max_pool2d_backward
         fn[(triton.cdiv(total, BLOCK),)](grad, positions, dx, total, c, h, w, oh, ow, *grad.stride(), *dx.stride(),
                                          **_meta(kernel, stride, padding, _channels_last(dx)),
                                          ROUND_BF16=interpret and dx.dtype == torch.bfloat16)

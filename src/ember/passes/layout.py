@@ -35,6 +35,7 @@ from collections.abc import Sequence
 import torch
 import torch.fx as fx
 
+from ember.capture import reflection_pad
 from ember.passes.freeze import FROZEN
 from ember.passes.graph_edit import add_node, fake_mode_of
 from ember.schedule.rules import OpClass, classify
@@ -238,6 +239,9 @@ def to_channels_last(gm: fx.GraphModule, kind: str = "inference",
                                                  f"({'weight' if weight else 'activation'} of {node.name})")
                 args[i] = converted[src]
             node.args = tuple(args)
+        if node.target in _FOLLOWS_INPUT and (src := _convert_input_for_conv(gm, mode, node, converted)):
+            record["conversions"].append(f"{_where(src)} -> channels_last (input of {node.name}, which a "
+                                         "convolution reads)")
         if node.target in _MERGING_VIEWS and convs:
             changed += _restride_for_merge(node, mode)
         if not INCREMENTAL or node.args is not args_before or any(
@@ -270,6 +274,25 @@ def to_channels_last(gm: fx.GraphModule, kind: str = "inference",
         changed += len(back)
     record["output_strides"] = [_strides_of(_val(o)) for o in new_outs]
     return changed + len(converted)
+
+
+# Ember's ops whose output takes its first input's memory format.
+_FOLLOWS_INPUT = {reflection_pad.FORWARD_OP}
+
+
+def _convert_input_for_conv(gm: fx.GraphModule, mode: object, node: fx.Node,
+                            converted: dict[fx.Node, fx.Node]) -> fx.Node | None:
+    """A layout-following op on an NCHW tensor that feeds a convolution (the first layer's padding
+    of the graph's input): convert its smaller input instead of its output. The input it converted."""
+    src = node.args[0]
+    if not _is_4d(src) or is_channels_last(_val(src)):
+        return None
+    if not any(u.target in _CONV_ARGS and u.args[0] is node for u in node.users):
+        return None
+    if src not in converted:
+        converted[src] = _convert(gm, mode, src, node)
+    node.args = (converted[src], *node.args[1:])
+    return src
 
 
 # 2-D reflection / replication padding and their backward ops -> the 3-D op over the NHWC view.

@@ -92,6 +92,22 @@ def load_kernel(ks: KernelSource, kernel_dir: Path, interpret: bool) -> Callable
     return fn
 
 
+_MODULES: dict[tuple[str, bool], ModuleType] = {}
+
+
+def load_module(path: Path, interpret: bool) -> ModuleType:
+    """A module of hand-written ``@triton.jit`` kernels, imported once per mode: its kernels and the
+    helpers they call are interpreted (CPU tensors) or compiled alike."""
+    key = (str(path), interpret)
+    if key not in _MODULES:
+        spec = importlib.util.spec_from_file_location(f"ember_kernels.{path.stem}_{int(interpret)}", path)
+        module = importlib.util.module_from_spec(spec)
+        with jit_mode(interpret):
+            spec.loader.exec_module(module)
+        _MODULES[key] = module
+    return _MODULES[key]
+
+
 def _cpu_module_name(kernel_dir: Path, name: str) -> str:
     # numba's cache rebuilds a function's environment by importing its module by name, so the
     # module must be in sys.modules under a name that is the same in every process (and unique

@@ -44,6 +44,13 @@ _DONE: set[tuple[str, tuple, tuple]] = set()
 _LOG: list[tuple[CompileJob, float]] = []  # every job this process compiled ahead, with its seconds
 
 
+# An integer (not pointer) argument in a job's arg_dtypes. The warm-up passes SCALAR_ARG for it:
+# neither 1 nor a multiple of 16, so it takes Triton's unspecialised int32 variant, the one a
+# parameter marked do_not_specialize always gets.
+SCALAR_INT32 = "scalar_int32"
+SCALAR_ARG = 17
+
+
 @dataclass(frozen=True)
 class CompileJob:
     """One kernel to compile: its module file, function name, argument dtypes and launch meta."""
@@ -148,8 +155,8 @@ def compile_job(job: CompileJob) -> tuple[str | None, float, float]:
         module = importlib.util.module_from_spec(spec)
         spec.loader.exec_module(module)
         fn = getattr(module, job.name)
-        dtypes = [getattr(torch, d) for d in job.arg_dtypes]
-        _build_launcher(fn.warmup(*dtypes, grid=(1,), **dict(job.meta)))
+        args = [SCALAR_ARG if d == SCALAR_INT32 else getattr(torch, d) for d in job.arg_dtypes]
+        _build_launcher(fn.warmup(*args, grid=(1,), **dict(job.meta)))
     except Exception as err:  # the launch in the parent compiles it again and reports properly
         return f"{job.name}: {type(err).__name__}: {err}", began, time.time() - began
     return None, began, time.time() - began
@@ -297,6 +304,24 @@ def submit(jobs: Sequence[CompileJob]) -> PendingCompile:
     _DONE.update(_key(j) for j in todo)
     workers = worker_count()
     return PendingCompile(todo, 0 if len(todo) == 1 else workers)
+
+
+def submit_ahead(jobs: Sequence[CompileJob]) -> None:
+    """Hand jobs to the workers and return; nothing waits for them. For kernels known while a graph
+    is still being captured: a launch that comes before its compile finished compiles on its own,
+    so this can only make the first call faster. A no-op without workers."""
+    workers = worker_count()
+    todo = [j for j in {_key(j): j for j in jobs}.values() if _key(j) not in _DONE]
+    if not workers or not todo:
+        return
+    _DONE.update(_key(j) for j in todo)
+    try:
+        with _as_worker_env():
+            for job in todo:
+                _pool(workers).submit(compile_job, job).add_done_callback(
+                    lambda f, job=job: f.exception() is None and _LOG.append((job, f.result()[2])))
+    except Exception:  # noqa: BLE001 - a broken pool: the launch compiles
+        pass
 
 
 def precompile(jobs: Sequence[CompileJob]) -> PrecompileStats:

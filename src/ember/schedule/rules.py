@@ -163,6 +163,9 @@ EMBER_OPS = {
                                  "(capture/upsample.py)",
     "max_pool2d": "Ember's Triton kernel for overlapping max-pool windows, int8 positions (capture/max_pool.py)",
     "max_pool2d_backward": "Ember's Triton gather kernel for the max-pool gradient (capture/max_pool.py)",
+    "reflection_pad2d": "Ember's Triton gather kernel for reflection padding (capture/reflection_pad.py)",
+    "reflection_pad2d_backward": "Ember's Triton gather kernel for the reflection-padding gradient, no atomics "
+                                 "(capture/reflection_pad.py)",
 }
 
 
