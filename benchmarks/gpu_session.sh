@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One device call that checks and times the current tree on the H100 (run from the repo root):
-#   bash benchmarks/gpu_session.sh [PART]     PART 1 (default) to 35; results under $OUT (or ./gpu_session_out)
+#   bash benchmarks/gpu_session.sh [PART]     PART 1 (default) to 37; results under $OUT (or ./gpu_session_out)
 # Part 1 fits one 10-minute call; parts 2 and 3 are the training suite, one call each.
 # Each step has its own time limit, so one slow step cannot take the others' results with it;
 # the order is by priority (issue targets first). Writes one JSON per step and a log.
@@ -195,7 +195,7 @@ case "$PART" in
   ;;
 24)  # Ember's overlapping max-pool kernels and the broadcast-view tile fix: the kernels against
      # ATen's; resnet50 correctness, train speed (eager, Inductor, Ember in one run), every kernel
-  step max_pool 60 python benchmarks/gpu_max_pool.py --json "$OUT/max_pool.json"
+  step max_pool 60 python benchmarks/gpu_window_kernels.py --json "$OUT/window_kernels.json"
   step correctness 120 python benchmarks/gpu_correctness.py resnet50 --json "$OUT/correctness.json"
   step train_resnet50 200 python -m ember.cli bench resnet50 --mode train --precision bf16 --iters 20 \
     --no-progress --json "$OUT/bench_train_resnet50.json"
@@ -291,5 +291,22 @@ case "$PART" in
     step "profile_$m" 110 python benchmarks/gpu_profile.py "$m" --backend ember,inductor --keep 0 --top 15 \
       --no-trace --out "$OUT/profile_$m"
   done
+  ;;
+36)  # reflection padding in Ember's gather kernels: the kernels against ATen's, the two padded models
+     # in the suite's setting (eager, Inductor, Ember in one run), their correctness, their cold compile
+  step window_kernels 90 python benchmarks/gpu_window_kernels.py --json "$OUT/window_kernels.json"
+  step train_cyclegan_style 200 python -m ember.cli bench cyclegan style_transfer --mode train --precision bf16 \
+    --iters 20 --no-progress --json "$OUT/bench_train_cyclegan_style.json"
+  step correctness 150 python benchmarks/gpu_correctness.py cyclegan style_transfer --json "$OUT/correctness.json"
+  step compile_profile 110 python benchmarks/gpu_compile_profile.py cyclegan style_transfer --after-inductor \
+    --json "$OUT/compile_profile.json"
+  tar czf "$OUT/results.tgz" -C "$OUT" --exclude results.tgz . && find "$OUT" -type f ! -name results.tgz ! -name '*.log' -delete
+  ;;
+37)  # where the time goes after part 36 (the profile script no longer counts the optimizer's GPU range twice)
+  for m in cyclegan style_transfer vgg16; do
+    step "profile_$m" 110 python benchmarks/gpu_profile.py "$m" --backend ember,inductor --keep 0 --top 15 \
+      --no-trace --out "$OUT/profile_$m"
+  done
+  tar czf "$OUT/results.tgz" -C "$OUT" --exclude results.tgz . && find "$OUT" -type f ! -name results.tgz -delete
   ;;
 esac
