@@ -21,6 +21,7 @@ import torch
 import torch.fx as fx
 
 from ember import config
+from ember.capture import reflection_pad
 from ember.codegen.cpu_kernel import CpuUnsupported, generate_cpu
 from ember.codegen.kernel_source import KernelSource, launch_kernels
 from ember.codegen.program import base_namespace, generate_program, get_attr
@@ -260,13 +261,15 @@ def _compile(gm: fx.GraphModule, example_inputs: list, options: Options, record:
         record.fallback_reasons[f"fused group via ATen: {why}"] += count
 
     pending = None
-    if target == "triton" and kernels:
-        # Submitted, not awaited: the program's first call waits (_await_kernels).
+    if target == "triton":
+        # Submitted, not awaited: the program's first call waits (_await_kernels). With the
+        # generated kernels go those of Ember's custom ops that the graph launches.
         start = time.perf_counter()
         jobs = [job_for(kernel_file(ks, options.kernel_dir()), ks.name, ks.arg_dtypes(), ks.meta)
-                for ks in launch_kernels(kernels)]
-        pending = submit(jobs)
-        stage["kernel_compile"] = time.perf_counter() - start
+                for ks in launch_kernels(kernels)] + reflection_pad.compile_jobs(gm)
+        if jobs:
+            pending = submit(jobs)
+            stage["kernel_compile"] = time.perf_counter() - start
 
     start = time.perf_counter()
     program = generate_program(gm, plan, kernels, record.title, _expect_nodes(plan, kernels))

@@ -83,14 +83,27 @@ def test_what_the_kernels_do_not_take_stays_aten(why: str) -> None:
     assert reflection_pad.decompose_backward(torch.randn(1), x, pad) is NotImplemented
 
 
-def test_the_compile_jobs_name_the_kernels_and_their_layout() -> None:
-    x = torch.randn(1, 4, 5, 5, dtype=torch.bfloat16).to(memory_format=torch.channels_last)
-    forward, backward = reflection_pad.precompile_jobs(x)
+def test_the_compile_jobs_follow_the_graphs_dtypes_and_layouts() -> None:
+    # The jobs come from the graph after the passes (the layout pass decides the format): one per
+    # kernel, dtype and memory format, with as many arguments as the kernels take before their
+    # constexprs. Fake CUDA tensors: no GPU needed to build them.
+    from torch._subclasses import FakeTensorMode
+
+    with FakeTensorMode():
+        x = torch.empty(1, 4, 5, 5, device="cuda", dtype=torch.bfloat16).to(memory_format=torch.channels_last)
+        y = torch.empty(2, 3, 6, 6, device="cuda")
+        gm = torch.fx.symbolic_trace(lambda a, b: (reflection_pad.FORWARD_OP(a, [1, 1, 1, 1]),
+                                                   reflection_pad.BACKWARD_OP(b, [2, 3, 4, 4], [1, 1, 1, 1])))
+        for node, value in zip([n for n in gm.graph.nodes if n.op == "call_function"],
+                               [reflection_pad.reflection_pad2d(x, [1, 1, 1, 1]),
+                                reflection_pad.reflection_pad2d_backward(y, [2, 3, 4, 4], [1, 1, 1, 1])]):
+            node.meta["val"] = value
+    forward, backward = reflection_pad.compile_jobs(gm)
     assert (forward.name, backward.name) == ("reflection_pad2d_forward", "reflection_pad2d_backward")
-    assert forward.arg_dtypes[:2] == ("bfloat16", "bfloat16")
-    assert set(forward.arg_dtypes[2:]) == {precompile.SCALAR_INT32}
-    assert dict(forward.meta)["CHANNELS_LAST"] and dict(backward.meta)["ROUND_BF16"] is False
-    # As many arguments as the kernels take before their constexprs.
+    assert forward.arg_dtypes[:2] == ("bfloat16", "bfloat16") and backward.arg_dtypes[:2] == ("float32", "float32")
+    assert set(forward.arg_dtypes[2:]) == set(backward.arg_dtypes[2:]) == {precompile.SCALAR_INT32}
+    assert dict(forward.meta)["CHANNELS_LAST"] and not dict(backward.meta)["CHANNELS_LAST"]
+    assert dict(backward.meta)["ROUND_BF16"] is False
     kernels = reflection_pad.window_kernels(False)  # compiled mode: built at a launch, none here
     for job in (forward, backward):
         fn = getattr(kernels, job.name)

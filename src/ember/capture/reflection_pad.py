@@ -13,9 +13,9 @@ No atomics, so the gradient is deterministic.
 ``ember::reflection_pad2d`` and ``ember::reflection_pad2d_backward`` take 4-D tensors; the
 decompositions (``decompose_forward``/``decompose_backward``) view a 3-D (C, H, W) tensor as one
 sample and return ``NotImplemented`` for what the kernels do not take (non-floating dtypes,
-2**31 elements or more), which stays ATen's kernel. The kernels are compiled by the compile
-workers while the graph is still being captured (``_precompile``), so the first call only loads
-them. CPU tensors (the interpreter in CI) run the same kernels through Triton's interpreter.
+2**31 elements or more), which stays ATen's kernel. The compile workers build the kernels with the
+graph's own (``compile_jobs``), so the first call only loads them. CPU tensors (the interpreter
+in CI) run the same kernels through Triton's interpreter.
 """
 
 from __future__ import annotations
@@ -103,7 +103,6 @@ def decompose_forward(x: torch.Tensor, padding: list[int]) -> torch.Tensor:
     padding = list(padding)
     if not _supported(x, padding):
         return NotImplemented
-    _precompile(x)
     if x.dim() == 3:
         return aten.squeeze.dim(reflection_pad2d(aten.unsqueeze.default(x, 0), padding), 0)
     return reflection_pad2d(x, padding)
@@ -121,21 +120,24 @@ def decompose_backward(grad: torch.Tensor, x: torch.Tensor, padding: list[int]) 
     return reflection_pad2d_backward(grad, list(x.shape), padding)
 
 
-def precompile_jobs(x: torch.Tensor) -> list[precompile.CompileJob]:
-    """The forward and backward kernels for ``x``'s dtype and memory format, as compile jobs (the
-    kernels take no specialisation from their integer arguments, so dtypes decide the binary)."""
-    ints = [precompile.SCALAR_INT32] * 18
-    meta = {"CHANNELS_LAST": x.dim() == 4 and _channels_last(x), "BLOCK": BLOCK}
-    return [precompile.job_for(WINDOW_KERNELS, "reflection_pad2d_forward", [x.dtype, x.dtype, *ints], meta),
-            precompile.job_for(WINDOW_KERNELS, "reflection_pad2d_backward", [x.dtype, x.dtype, *ints],
-                               {**meta, "ROUND_BF16": False})]
-
-
-def _precompile(x: torch.Tensor) -> None:
-    """Hand this layer's kernels to the compile workers while capture goes on, so its first call
-    only loads them (CPU tensors run in the interpreter: nothing to compile)."""
-    if x.device.type == "cuda":
-        precompile.submit_ahead(precompile_jobs(x))
+def compile_jobs(gm: torch.fx.GraphModule) -> list[precompile.CompileJob]:
+    """The padding kernels a graph launches, as compile jobs for the workers: one per dtype and
+    memory format of the padded tensors, read from the graph after Ember's passes (the layout
+    pass decides the format). The kernels take no specialisation from their integer arguments,
+    so these decide the binary."""
+    jobs = []
+    for node in gm.graph.find_nodes(op="call_function", target=FORWARD_OP) + \
+            gm.graph.find_nodes(op="call_function", target=BACKWARD_OP):
+        val = node.meta.get("val")
+        if not isinstance(val, torch.Tensor) or val.device.type != "cuda":
+            continue
+        forward = node.target == FORWARD_OP
+        meta = {"CHANNELS_LAST": _channels_last(val), "BLOCK": BLOCK, **({} if forward else {"ROUND_BF16": False})}
+        name = "reflection_pad2d_forward" if forward else "reflection_pad2d_backward"
+        jobs.append(precompile.job_for(WINDOW_KERNELS, name, [val.dtype, val.dtype, *[precompile.SCALAR_INT32] * 18],
+                                       meta))
+    return jobs
 
 
 FORWARD_OP = torch.ops.ember.reflection_pad2d.default
+BACKWARD_OP = torch.ops.ember.reflection_pad2d_backward.default

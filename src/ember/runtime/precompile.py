@@ -306,24 +306,6 @@ def submit(jobs: Sequence[CompileJob]) -> PendingCompile:
     return PendingCompile(todo, 0 if len(todo) == 1 else workers)
 
 
-def submit_ahead(jobs: Sequence[CompileJob]) -> None:
-    """Hand jobs to the workers and return; nothing waits for them. For kernels known while a graph
-    is still being captured: a launch that comes before its compile finished compiles on its own,
-    so this can only make the first call faster. A no-op without workers."""
-    workers = worker_count()
-    todo = [j for j in {_key(j): j for j in jobs}.values() if _key(j) not in _DONE]
-    if not workers or not todo:
-        return
-    _DONE.update(_key(j) for j in todo)
-    try:
-        with _as_worker_env():
-            for job in todo:
-                _pool(workers).submit(compile_job, job).add_done_callback(
-                    lambda f, job=job: f.exception() is None and _LOG.append((job, f.result()[2])))
-    except Exception:  # noqa: BLE001 - a broken pool: the launch compiles
-        pass
-
-
 def precompile(jobs: Sequence[CompileJob]) -> PrecompileStats:
     """Compile the jobs not compiled before in this process, and wait for them."""
     return submit(jobs).wait()
