@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One device call that checks and times the current tree on the H100 (run from the repo root):
-#   bash benchmarks/gpu_session.sh [PART]     PART 1 (default) to 39; results under $OUT (or ./gpu_session_out)
+#   bash benchmarks/gpu_session.sh [PART]     PART 1 (default) to 40; results under $OUT (or ./gpu_session_out)
 # Part 1 fits one 10-minute call; parts 2 and 3 are the training suite, one call each.
 # Each step has its own time limit, so one slow step cannot take the others' results with it;
 # the order is by priority (issue targets first). Writes one JSON per step and a log.
@@ -326,5 +326,16 @@ case "$PART" in
       --no-trace --out "$OUT/profile_$m"
   done
   tar czf /tmp/results.tgz -C "$OUT" . && mv /tmp/results.tgz "$OUT/" && find "$OUT" -type f ! -name results.tgz -delete
+  ;;
+40)  # style_transfer's first run took 18.5 s in part 36's and 39's bench (after cyclegan, default cache
+     # folders) but not in part 38 (fresh folders named in the environment): the bench as in the suite,
+     # with kernel-compile notes, with Ember's padding kernels and with ATen's, caches cleared before each
+  clear() { rm -rf ~/.triton/cache ~/.cache/ember /tmp/torchinductor_* 2>/dev/null; }
+  clear; DEBUG=1 step bench_debug 220 python -m ember.cli bench cyclegan style_transfer --mode train --precision bf16 \
+    --iters 5 --no-progress --json "$OUT/bench_debug.json"
+  grep -E "kernel compile of|precompile:" "$OUT/bench_debug.log" | cut -c1-300 | tail -12
+  clear; EMBER_REFLECTION_PAD=0 step bench_aten_pad 220 python -m ember.cli bench cyclegan style_transfer --mode train \
+    --precision bf16 --iters 5 --no-progress --json "$OUT/bench_aten_pad.json"
+  grep -E "│ (cyclegan|style)" "$OUT/bench_aten_pad.log"
   ;;
 esac
