@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One device call that checks and times the current tree on the H100 (run from the repo root):
-#   bash benchmarks/gpu_session.sh [PART]     PART 1 (default) to 40; results under $OUT (or ./gpu_session_out)
+#   bash benchmarks/gpu_session.sh [PART]     PART 1 (default) to 41; results under $OUT (or ./gpu_session_out)
 # Part 1 fits one 10-minute call; parts 2 and 3 are the training suite, one call each.
 # Each step has its own time limit, so one slow step cannot take the others' results with it;
 # the order is by priority (issue targets first). Writes one JSON per step and a log.
@@ -337,5 +337,11 @@ case "$PART" in
   clear; EMBER_REFLECTION_PAD=0 step bench_aten_pad 220 python -m ember.cli bench cyclegan style_transfer --mode train \
     --precision bf16 --iters 5 --no-progress --json "$OUT/bench_aten_pad.json"
   grep -E "│ (cyclegan|style)" "$OUT/bench_aten_pad.log"
+  ;;
+41)  # the bench of part 40 with Triton's compiles at each first call's launches counted (launch_compiles)
+  rm -rf ~/.triton/cache ~/.cache/ember /tmp/torchinductor_* 2>/dev/null
+  step bench_launch 220 python -m ember.cli bench cyclegan style_transfer --mode train --precision bf16 \
+    --iters 5 --no-progress --json "$OUT/bench_launch.json"
+  python -c "import json; [print(r['model'], r['backend'], round(r['compile_s'], 2), json.dumps(r.get('launch_compiles'))[:600]) for r in json.load(open('$OUT/bench_launch.json'))['results']]"
   ;;
 esac

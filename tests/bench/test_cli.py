@@ -241,3 +241,22 @@ def test_markdown_table_compares_with_inductor() -> None:
     assert lines[0].startswith("| model |") and len(lines) == 2 + len(rows)
     assert lines[4].endswith("| 2.50x | 1.25x |")  # ember: 10/4 vs eager, 5/4 vs inductor
     assert "error: boom" in lines[5] and lines[5].endswith("| - | - |")
+
+
+def test_launch_compiles_counts_what_the_listener_hears_and_restores_it() -> None:
+    from triton import knobs
+
+    from ember.bench import launch_compiles
+
+    heard = []
+    knobs.compilation.listener = lambda **kw: heard.append(kw["cache_hit"])
+    try:
+        with launch_compiles.counting() as counts:
+            for hit in (True, False, False):
+                knobs.compilation.listener(src=type("Src", (), {"name": "k"})(), metadata=None, metadata_group=None,
+                                           times=None, cache_hit=hit)
+        assert counts["hit"] == 1 and counts["miss"] == 2 and counts["missed"] == ["k", "k"]
+        assert heard == [True, False, False]  # the listener that was there still hears every compile
+        assert knobs.compilation.listener is not None and knobs.compilation.listener.__name__ == "<lambda>"
+    finally:
+        knobs.compilation.listener = None

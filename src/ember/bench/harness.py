@@ -22,6 +22,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from ember.bench import launch_compiles
 from ember.bench.memory import measure_cpu_peak
 from ember.bench.models import BenchCase, get_case, make_batches, primary_tensor
 
@@ -242,9 +243,12 @@ def _measure(
     torch.manual_seed(0)
     _sync(device)
     t0 = time.perf_counter()
-    first = step(*batches[0])
-    _sync(device)
+    with launch_compiles.counting() as launched:
+        first = step(*batches[0])
+        _sync(device)
     row["compile_s"] = time.perf_counter() - t0
+    if launched.get("hit") or launched.get("miss"):
+        row["launch_compiles"] = launched
     split = _compile_split(fn, row["compile_s"])
     if split:
         row["compile_split"] = split
