@@ -338,10 +338,10 @@ case "$PART" in
     --precision bf16 --iters 5 --no-progress --json "$OUT/bench_aten_pad.json"
   grep -E "│ (cyclegan|style)" "$OUT/bench_aten_pad.log"
   ;;
-41)  # the bench of part 40 with Triton's compiles at each first call's launches counted (launch_compiles)
+41)  # the bench of part 40 (20 timed steps) with the compiles at each first call's launches counted
   rm -rf ~/.triton/cache ~/.cache/ember /tmp/torchinductor_* 2>/dev/null
   step bench_launch 220 python -m ember.cli bench cyclegan style_transfer --mode train --precision bf16 \
-    --iters 5 --no-progress --json "$OUT/bench_launch.json"
+    --iters 20 --no-progress --json "$OUT/bench_launch.json"
   python -c "import json; [print(r['model'], r['backend'], round(r['compile_s'], 2), json.dumps(r.get('launch_compiles'))[:600]) for r in json.load(open('$OUT/bench_launch.json'))['results']]"
   ;;
 esac

@@ -114,3 +114,29 @@ def test_workers_get_the_ptxas_whose_version_keys_the_parents_cache(tmp_path, mo
         assert pc.os.environ["TRITON_PTXAS_PATH"] == tools["old"]
         assert pc.os.environ["EMBER_COMPILE_WORKER"] == "1"
     assert pc.os.environ["TRITON_PTXAS_PATH"] == tools["new"] and "EMBER_COMPILE_WORKER" not in pc.os.environ
+
+
+def test_jobs_carry_the_parents_triton_cache_folder_at_submission(jobs, monkeypatch):
+    # Inductor can set TRITON_CACHE_DIR in this process after the workers were spawned: each job
+    # names the folder the parent reads at submission, and the worker writes there.
+    monkeypatch.setenv("EMBER_COMPILE_WORKERS", "2")
+    seen = []
+
+    class Pool:
+        def submit(self, fn, job):
+            seen.append(job)
+            future = pc.cf.Future()
+            future.set_result((None, 100.0, 0.5))
+            return future
+
+    monkeypatch.setattr(pc, "_pool", lambda workers: Pool())
+    monkeypatch.delenv("TRITON_CACHE_DIR", raising=False)
+    pc.submit(jobs).wait()
+    monkeypatch.setenv("TRITON_CACHE_DIR", "/tmp/inductor-triton")
+    pc.submit(jobs).wait()  # the same kernels, now wanted in another folder: compiled again
+    assert [j.cache_dir for j in seen] == ["", "", "/tmp/inductor-triton", "/tmp/inductor-triton"]
+    monkeypatch.setenv("EMBER_COMPILE_WORKER", "1")
+    monkeypatch.setattr(pc, "_lower_priority", lambda: None)
+    monkeypatch.delenv("TRITON_CACHE_DIR")
+    pc.compile_job(seen[-1])  # fails without a GPU, after pointing this process at the folder
+    assert pc.os.environ["TRITON_CACHE_DIR"] == "/tmp/inductor-triton"

@@ -24,6 +24,7 @@ from __future__ import annotations
 import atexit
 import concurrent.futures as cf
 import contextlib
+import dataclasses
 import importlib.util
 import multiprocessing
 import os
@@ -40,7 +41,7 @@ _STARTED: list[cf.Future] = []  # the workers' start-up jobs
 # of a model) and with other argument dtypes (the same combining kernel reads only its float32
 # workspace, so its source, and with it its name, does not depend on the dtypes of the other
 # tensors it is handed): Triton specialises on both, so each is its own compile.
-_DONE: set[tuple[str, tuple, tuple]] = set()
+_DONE: set[tuple[str, tuple, tuple, str]] = set()
 _LOG: list[tuple[CompileJob, float]] = []  # every job this process compiled ahead, with its seconds
 
 
@@ -59,6 +60,8 @@ class CompileJob:
     name: str
     arg_dtypes: tuple[str, ...]  # torch dtype names, e.g. "float32"
     meta: tuple[tuple[str, int], ...]
+    # The parent's TRITON_CACHE_DIR when it submitted the job ("": Triton's default folder).
+    cache_dir: str = ""
 
 
 @dataclass
@@ -142,6 +145,18 @@ def _build_launcher(kernel: object) -> None:
         pass
 
 
+def _use_cache_dir(cache_dir: str) -> None:
+    """Write binaries where the parent will look for them. The folder can change in the parent
+    after the workers were spawned: Inductor sets TRITON_CACHE_DIR when it first loads a kernel
+    of its own (not always on its first compile), and every kernel the workers had built in the
+    folder they started with then compiled again at launch (79 of 79 of style_transfer's on the
+    H100 when cyclegan's Inductor run came first in the process: 18-20 s of its first call)."""
+    if cache_dir:
+        os.environ["TRITON_CACHE_DIR"] = cache_dir
+    else:
+        os.environ.pop("TRITON_CACHE_DIR", None)
+
+
 def compile_job(job: CompileJob) -> tuple[str | None, float, float]:
     """Compile one kernel in this process: (error text or None, start time, seconds). Runs in the workers."""
     began = time.time()
@@ -150,6 +165,8 @@ def compile_job(job: CompileJob) -> tuple[str | None, float, float]:
     import torch
 
     os.environ["TRITON_INTERPRET"] = "0"
+    if os.environ.get("EMBER_COMPILE_WORKER") == "1":  # the parent's own compiles use its folder as it is
+        _use_cache_dir(job.cache_dir)
     try:
         spec = importlib.util.spec_from_file_location(f"ember_precompile.{job.name}", job.path)
         module = importlib.util.module_from_spec(spec)
@@ -293,13 +310,15 @@ class PendingCompile:
         return stats
 
 
-def _key(job: CompileJob) -> tuple[str, tuple, tuple]:
-    return job.name, job.arg_dtypes, job.meta
+def _key(job: CompileJob) -> tuple[str, tuple, tuple, str]:
+    return job.name, job.arg_dtypes, job.meta, job.cache_dir
 
 
 def submit(jobs: Sequence[CompileJob]) -> PendingCompile:
     """Start compiling the jobs not compiled before in this process; returns without waiting
     (with no workers, or one job, it compiles them here first)."""
+    here = os.environ.get("TRITON_CACHE_DIR", "")
+    jobs = [dataclasses.replace(j, cache_dir=here) for j in jobs]
     todo = [j for j in {_key(j): j for j in jobs}.values() if _key(j) not in _DONE]
     _DONE.update(_key(j) for j in todo)
     workers = worker_count()
