@@ -30,9 +30,14 @@ LIBRARY_MARKS = ("gemm", "cutlass", "cudnn", "sm90", "sm80", "flash", "xmma", "c
                  "nhwctonchw", "implicit_convolve", "conv", "wgrad", "dgrad", "fmha")
 
 
+# Ember's hand-written Triton kernels (capture/window_kernels.py) count as generated code.
+EMBER_WINDOW_KERNELS = ("max_pool2d_forward", "max_pool2d_backward", "reflection_pad2d_forward",
+                        "reflection_pad2d_backward")
+
+
 def kernel_family(name: str) -> str:
     low = name.lower()
-    if low.startswith(("triton", "ember_", "k_")) or "triton" in low:
+    if low.startswith(("triton", "ember_", "k_") + EMBER_WINDOW_KERNELS) or "triton" in low:
         return "generated"
     if any(m in low for m in LIBRARY_MARKS):
         return "library"
