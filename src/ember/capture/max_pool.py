@@ -58,7 +58,7 @@ def window_kernels(interpret: bool) -> ModuleType:
     return load_module(WINDOW_KERNELS, interpret)
 
 
-def _empty_like_layout(shape: tuple[int, ...], like: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+def empty_like_layout(shape: tuple[int, ...], like: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return torch.empty(shape, dtype=dtype, device=like.device, memory_format=suggest_memory_format(like))
 
 
@@ -67,7 +67,7 @@ def _meta(kernel: list[int], stride: list[int], padding: list[int], channels_las
             "CHANNELS_LAST": channels_last, "BLOCK": BLOCK}
 
 
-def _channels_last(t: torch.Tensor) -> bool:
+def channels_last(t: torch.Tensor) -> bool:
     return suggest_memory_format(t) == torch.channels_last
 
 
@@ -77,20 +77,20 @@ def max_pool2d(x: torch.Tensor, kernel: list[int], stride: list[int],
     """(maxima, int8 window positions) of 2-D max pooling, both in ``x``'s memory format."""
     n, c, oh, ow = shape = output_shape(x, kernel, stride, padding)
     h, w = x.shape[2], x.shape[3]
-    out = _empty_like_layout(shape, x, x.dtype)
-    pos = _empty_like_layout(shape, x, torch.int8)
+    out = empty_like_layout(shape, x, x.dtype)
+    pos = empty_like_layout(shape, x, torch.int8)
     total = out.numel()
     if total:
         fn = window_kernels(x.device.type != "cuda").max_pool2d_forward
         fn[(triton.cdiv(total, BLOCK),)](x, out, pos, total, c, h, w, oh, ow, *x.stride(), *out.stride(),
-                                         **_meta(kernel, stride, padding, _channels_last(x)))
+                                         **_meta(kernel, stride, padding, channels_last(x)))
     return out, pos
 
 
 @max_pool2d.register_fake
 def _(x: torch.Tensor, kernel: list[int], stride: list[int], padding: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
     shape = output_shape(x, kernel, stride, padding)
-    return _empty_like_layout(shape, x, x.dtype), _empty_like_layout(shape, x, torch.int8)
+    return empty_like_layout(shape, x, x.dtype), empty_like_layout(shape, x, torch.int8)
 
 
 @torch.library.custom_op("ember::max_pool2d_backward", mutates_args=())
@@ -100,13 +100,13 @@ def max_pool2d_backward(grad: torch.Tensor, positions: torch.Tensor, input_size:
     n, c, h, w = input_size
     oh, ow = grad.shape[2], grad.shape[3]
     grad = grad if grad.stride() == positions.stride() else grad.contiguous(memory_format=suggest_memory_format(positions))
-    dx = _empty_like_layout(tuple(input_size), positions, grad.dtype)
+    dx = empty_like_layout(tuple(input_size), positions, grad.dtype)
     total = dx.numel()
     if total:
         interpret = grad.device.type != "cuda"
         fn = window_kernels(interpret).max_pool2d_backward
         fn[(triton.cdiv(total, BLOCK),)](grad, positions, dx, total, c, h, w, oh, ow, *grad.stride(), *dx.stride(),
-                                         **_meta(kernel, stride, padding, _channels_last(dx)),
+                                         **_meta(kernel, stride, padding, channels_last(dx)),
                                          ROUND_BF16=interpret and dx.dtype == torch.bfloat16)
     return dx
 
@@ -114,4 +114,4 @@ def max_pool2d_backward(grad: torch.Tensor, positions: torch.Tensor, input_size:
 @max_pool2d_backward.register_fake
 def _(grad: torch.Tensor, positions: torch.Tensor, input_size: list[int], kernel: list[int],
       stride: list[int], padding: list[int]) -> torch.Tensor:
-    return _empty_like_layout(tuple(input_size), positions, grad.dtype)
+    return empty_like_layout(tuple(input_size), positions, grad.dtype)

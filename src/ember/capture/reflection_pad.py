@@ -22,17 +22,12 @@ from __future__ import annotations
 
 import torch
 import triton
-from torch._prims_common import suggest_memory_format
 
-from ember.capture.max_pool import WINDOW_KERNELS, window_kernels
+from ember.capture.max_pool import WINDOW_KERNELS, channels_last, empty_like_layout, window_kernels
 from ember.runtime import precompile
 
 aten = torch.ops.aten
 BLOCK = 1024
-
-
-def _channels_last(t: torch.Tensor) -> bool:
-    return suggest_memory_format(t) == torch.channels_last
 
 
 def _pads(padding: list[int]) -> tuple[int, int, int, int]:
@@ -46,47 +41,43 @@ def output_shape(x: torch.Tensor, padding: list[int]) -> tuple[int, int, int, in
     return n, c, h + padding[2] + padding[3], w + padding[0] + padding[1]
 
 
-def _empty(shape: tuple[int, ...], like: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    return torch.empty(shape, dtype=dtype, device=like.device, memory_format=suggest_memory_format(like))
-
-
 @torch.library.custom_op("ember::reflection_pad2d", mutates_args=())
 def reflection_pad2d(x: torch.Tensor, padding: list[int]) -> torch.Tensor:
     """``x`` (N, C, H, W) padded by reflection, ``padding`` = [left, right, top, bottom], in ``x``'s memory format."""
     n, c, oh, ow = shape = output_shape(x, padding)
-    out = _empty(shape, x, x.dtype)
+    out = empty_like_layout(shape, x, x.dtype)
     total = out.numel()
     if total:
         fn = window_kernels(x.device.type != "cuda").reflection_pad2d_forward
         fn[(triton.cdiv(total, BLOCK),)](x, out, total, c, x.shape[2], x.shape[3], oh, ow, *_pads(padding),
-                                         *x.stride(), *out.stride(), CHANNELS_LAST=_channels_last(x), BLOCK=BLOCK)
+                                         *x.stride(), *out.stride(), CHANNELS_LAST=channels_last(x), BLOCK=BLOCK)
     return out
 
 
 @reflection_pad2d.register_fake
 def _(x: torch.Tensor, padding: list[int]) -> torch.Tensor:
-    return _empty(output_shape(x, padding), x, x.dtype)
+    return empty_like_layout(output_shape(x, padding), x, x.dtype)
 
 
 @torch.library.custom_op("ember::reflection_pad2d_backward", mutates_args=())
 def reflection_pad2d_backward(grad: torch.Tensor, input_size: list[int], padding: list[int]) -> torch.Tensor:
     """The input gradient of ``reflection_pad2d``, in ``grad``'s memory format."""
     n, c, h, w = input_size
-    dx = _empty(tuple(input_size), grad, grad.dtype)
+    dx = empty_like_layout(tuple(input_size), grad, grad.dtype)
     total = dx.numel()
     if total:
         interpret = grad.device.type != "cuda"
         fn = window_kernels(interpret).reflection_pad2d_backward
         fn[(triton.cdiv(total, BLOCK),)](grad, dx, total, c, h, w, grad.shape[2], grad.shape[3], *_pads(padding),
                                          *grad.stride(), *dx.stride(),
-                                         CHANNELS_LAST=_channels_last(dx), BLOCK=BLOCK,
+                                         CHANNELS_LAST=channels_last(dx), BLOCK=BLOCK,
                                          ROUND_BF16=interpret and dx.dtype == torch.bfloat16)
     return dx
 
 
 @reflection_pad2d_backward.register_fake
 def _(grad: torch.Tensor, input_size: list[int], padding: list[int]) -> torch.Tensor:
-    return _empty(tuple(input_size), grad, grad.dtype)
+    return empty_like_layout(tuple(input_size), grad, grad.dtype)
 
 
 def _supported(x: torch.Tensor, padding: list[int]) -> bool:
@@ -132,7 +123,7 @@ def compile_jobs(gm: torch.fx.GraphModule) -> list[precompile.CompileJob]:
         if not isinstance(val, torch.Tensor) or val.device.type != "cuda":
             continue
         forward = node.target == FORWARD_OP
-        meta = {"CHANNELS_LAST": _channels_last(val), "BLOCK": BLOCK, **({} if forward else {"ROUND_BF16": False})}
+        meta = {"CHANNELS_LAST": channels_last(val), "BLOCK": BLOCK, **({} if forward else {"ROUND_BF16": False})}
         name = "reflection_pad2d_forward" if forward else "reflection_pad2d_backward"
         jobs.append(precompile.job_for(WINDOW_KERNELS, name, [val.dtype, val.dtype, *[precompile.SCALAR_INT32] * 18],
                                        meta))

@@ -110,6 +110,19 @@ def reflect(i, size):
     return tl.where(i >= size, 2 * (size - 1) - i, i)
 
 
+@triton.jit
+def reflected_from(i, size, LEAD, TRAIL, K: tl.constexpr):
+    """Source K (0, 1, 2) of the padded positions that reflect onto input index ``i``, and where
+    it exists: ``i`` shifted by the leading pad, its mirror in the leading pad (for i in
+    1..LEAD), its mirror in the trailing pad (for i in size-1-TRAIL..size-2)."""
+    if K == 0:
+        return i + LEAD, i >= 0
+    elif K == 1:
+        return LEAD - i, (i >= 1) & (i <= LEAD)
+    else:
+        return 2 * (size - 1) - i + LEAD, (i >= size - 1 - TRAIL) & (i <= size - 2)
+
+
 # The padding kernels' integer arguments (after the two pointers): not specialised on.
 _PAD_INTS = list(range(2, 20))
 
@@ -136,28 +149,11 @@ def reflection_pad2d_backward(g_ptr, dx_ptr, total, C, H, W, OH, OW, PT, PB, PL,
     n, c, h, w = split_index(idx, C, H, W, CHANNELS_LAST)
     base = n.to(tl.int64) * sgn + c.to(tl.int64) * sgc
     acc = tl.full([BLOCK], 0.0, tl.float32)
-    # The output rows reflecting onto row h: h shifted by the pad, its mirror in the top pad (for
-    # rows 1..PT) and its mirror in the bottom pad (rows H-1-PB..H-2); columns alike.
     for a in tl.static_range(3):
-        if a == 0:
-            oh = h + PT
-            okh = mask
-        elif a == 1:
-            oh = PT - h
-            okh = mask & (h >= 1) & (h <= PT)
-        else:
-            oh = 2 * (H - 1) - h + PT
-            okh = mask & (h >= H - 1 - PB) & (h <= H - 2)
+        oh, okh = reflected_from(h, H, PT, PB, a)
         for b in tl.static_range(3):
-            if b == 0:
-                ow = w + PL
-                ok = okh
-            elif b == 1:
-                ow = PL - w
-                ok = okh & (w >= 1) & (w <= PL)
-            else:
-                ow = 2 * (W - 1) - w + PL
-                ok = okh & (w >= W - 1 - PR) & (w <= W - 2)
+            ow, okw = reflected_from(w, W, PL, PR, b)
+            ok = mask & okh & okw
             acc += tl.load(g_ptr + base + oh * sgh + ow * sgw, mask=ok, other=0.0).to(tl.float32)
     if ROUND_BF16:
         acc = round_bf16(acc)
