@@ -22,11 +22,14 @@ import tempfile
 CHILD = r"""
 import contextlib, gc, json, resource, sys, time, warnings
 import torch
-import ember, ember.capture.backend as backend, ember.pipeline as pipeline
+import ember, ember.capture.backend as backend, ember.instruments as instruments
 from ember.bench import models
 if sys.argv[1] == "not paused":
     backend.gc_paused = contextlib.nullcontext
-pipeline.plan_graph = lambda graph: (_ for _ in ()).throw(RuntimeError("stop before the kernel plan"))
+def _stop(stage, record, args):
+    if stage == "schedule":
+        raise RuntimeError("stop before the kernel plan")
+instruments.instrument(before=_stop).__enter__()
 warnings.simplefilter("ignore")
 case = models.get_case("resnet50")
 model = case.build(False).train()

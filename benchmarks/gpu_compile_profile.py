@@ -52,15 +52,17 @@ if os.environ.get("EMBER_PROFILE_AFTER_INDUCTOR"):  # as in the suite run, where
     torch._dynamo.reset()
 passes_to = os.environ.get("EMBER_PROFILE_PASSES")
 if passes_to:  # cProfile Ember's graph passes alone (every graph's run_passes)
-    import cProfile, ember.pipeline as _pipeline
-    _pass_prof, _run_passes = cProfile.Profile(), _pipeline.run_passes
-    def _profiled_passes(*a, **k):
+    import cProfile, ember.instruments as _instruments
+    _pass_prof = cProfile.Profile()
+    def _profiled_passes(stage, call):
+        if stage != "passes":
+            return call()
         _pass_prof.enable()
         try:
-            return _run_passes(*a, **k)
+            return call()
         finally:
             _pass_prof.disable()
-    _pipeline.run_passes = _profiled_passes
+    _instruments.instrument(around=_profiled_passes).__enter__()
 profile_to = os.environ.get("EMBER_PROFILE_CAPTURE")
 if profile_to:  # cProfile the whole first call (its overhead inflates Python-heavy stages)
     import cProfile

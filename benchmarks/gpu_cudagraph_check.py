@@ -1,5 +1,5 @@
 """CUDA-graph replay is correct, for inference and training: run on the device after any change
-to runtime/cudagraph.py (from the repo root).
+to runtime/cudagraphs/runner.py (from the repo root).
 
     PYTHONPATH=src python benchmarks/gpu_cudagraph_check.py                # everything (~5 min on an H100)
     PYTHONPATH=src python benchmarks/gpu_cudagraph_check.py --only train   # or: --only infer
@@ -52,7 +52,7 @@ from torch import nn
 
 import ember
 from ember.bench import models
-from ember.runtime import cudagraph
+from ember.runtime.cudagraphs import runner as cudagraph
 
 TRAIN_MODELS = ["resnet18", "tiny_transformer", "convnet"]
 LR = 1e-3

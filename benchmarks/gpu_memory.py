@@ -69,7 +69,7 @@ if trace:
     by_site = {}
     for e in best_set.values():
         frames = [f for f in e.get("frames", []) if "/torch/" not in f["filename"]
-                  and not f["filename"].endswith(("cudagraph.py", "capture_rules.py"))]
+                  and not f["filename"].endswith(("runner.py", "rules.py"))]
         f = frames[0] if frames else (e.get("frames") or [{"filename": "?", "line": 0, "name": "?"}])[0]
         code = linecache.getline(f["filename"], f["line"]).strip()[:140]
         key = f"{f['filename'].rsplit('/', 1)[-1]}:{f['line']} {f['name']}: {code}"

@@ -30,7 +30,7 @@ LIBRARY_MARKS = ("gemm", "cutlass", "cudnn", "sm90", "sm80", "flash", "xmma", "c
                  "nhwctonchw", "implicit_convolve", "conv", "wgrad", "dgrad", "fmha")
 
 
-# Ember's hand-written Triton kernels (capture/window_kernels.py) count as generated code.
+# Ember's hand-written Triton kernels (ops/window_kernels.py) count as generated code.
 EMBER_WINDOW_KERNELS = ("max_pool2d_forward", "max_pool2d_backward", "reflection_pad2d_forward",
                         "reflection_pad2d_backward")
 

@@ -1,4 +1,4 @@
-"""Ember's window kernels (capture/window_kernels.py) against ATen's on the GPU: overlapping max
+"""Ember's window kernels (ops/window_kernels.py) against ATen's on the GPU: overlapping max
 pooling and reflection padding, forward and backward.
 
 Run on the device (from the repo root):
@@ -23,7 +23,8 @@ from collections.abc import Callable
 import torch
 from triton.testing import do_bench_cudagraph
 
-from ember.capture import max_pool, pooling, reflection_pad
+from ember.capture import pooling
+from ember.ops import max_pool, reflection_pad
 
 aten = torch.ops.aten
 

@@ -36,15 +36,11 @@ def compile(model: Callable, **options: Any) -> Callable:  # noqa: A001 - mirror
     ``max_recompiles`` (static shape specialisations per frame before one dynamic-shape graph;
     see ``ember.capture.backend``).
     """
-    import torch
-
-    from ember.capture.backend import EmberBackend
+    from ember.capture.backend import EmberBackend, optimize
     from ember.config import Options
 
     backend = EmberBackend(Options.from_env(**options))
-    # What torch.compile calls, minus its backend wrapper, which would drop the backend's
-    # backend_ctx_ctor: the per-call shape policy and recompile limit of this model.
-    compiled = torch._dynamo.optimize(backend, dynamic=None)(model)
+    compiled = optimize(model, backend)
     compiled._ember_backend = backend
     return compiled
 
@@ -63,8 +59,9 @@ def _register() -> None:
         from ember.capture.backend import ember_backend
         if "ember" not in _BACKENDS:
             register_backend(name="ember")(ember_backend)
-    except Exception:  # noqa: BLE001 - registration is a convenience
-        pass
+    except Exception:  # noqa: BLE001 - registration is a convenience; ember.compile still works
+        import logging
+        logging.getLogger("ember").debug("could not register the 'ember' torch.compile backend", exc_info=True)
 
 
 if os.environ.get("EMBER_COMPILE_WORKER") != "1":

@@ -38,6 +38,11 @@ def debug_level() -> int:
     return _env_int("DEBUG", 0)
 
 
+def strict() -> bool:
+    """``EMBER_STRICT=1``: internal compile errors raise instead of falling back to ATen (tests)."""
+    return os.environ.get("EMBER_STRICT", "0") not in ("0", "")
+
+
 def default_cache_dir() -> Path:
     base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
     return Path(base) / "ember"
@@ -56,7 +61,7 @@ class Options:
     cache_dir: str | None = None
     # Static shape specialisations per compiled frame; then one dynamic-shape graph (capture/backend.py).
     max_recompiles: int = 8
-    # Replay CUDA programs as CUDA graphs where runtime.cudagraph allows (EMBER_CUDAGRAPHS=0: off).
+    # Replay CUDA programs as CUDA graphs where runtime.cudagraphs allows (EMBER_CUDAGRAPHS=0: off).
     cudagraphs: bool = True
     # Keep compiled programs in <cache_dir>/programs.sqlite for the next process (EMBER_CACHE=0: off).
     cache: bool = True

@@ -285,7 +285,7 @@ def test_max_pool_indices_and_other_windows():
         out, idx = ember.compile(lambda t: F.max_pool2d(t, 2, return_indices=True), target="triton-interpret")(x)
     want_out, want_idx = F.max_pool2d(x, 2, return_indices=True)
     assert torch.equal(out, want_out) and torch.equal(idx, want_idx)
-    # Overlapping windows: Ember's own kernels (capture/max_pool.py); dilated ones stay ATen's.
+    # Overlapping windows: Ember's own kernels (ops/max_pool.py); dilated ones stay ATen's.
     check(lambda t: F.max_pool2d(t, 3, 2), [x], grad=False, allow_fallback=["ember.max_pool2d"])
     check(lambda t: F.max_pool2d(t, 3, 1, dilation=2), [x], grad=False,
           allow_fallback=["aten.max_pool2d_with_indices"])

@@ -147,14 +147,13 @@ def test_explaining_again_compiles_again_without_recompiles() -> None:
         assert len(report.graphs) == 1 and report.recompiles == [] and not report.problems()
 
 
-def test_graph_ember_could_not_compile_is_listed(monkeypatch: pytest.MonkeyPatch) -> None:
-    import ember.pipeline
+def test_graph_ember_could_not_compile_is_listed() -> None:
+    from ember.instruments import instrument
 
-    def broken(*args: object, **kwargs: object) -> None:
+    def broken(stage: str, record: object, args: tuple) -> None:
         raise RuntimeError("injected failure")
 
-    monkeypatch.setattr(ember.pipeline, "_compile", broken)
-    with pytest.warns(UserWarning, match="could not compile"):
+    with pytest.warns(UserWarning, match="could not compile"), instrument(before=broken):
         report = explain(pointwise, torch.randn(4, 8), torch.randn(4, 8))
     text = str(report)
     assert "Problems" in text and "injected failure" in text and "could not compile" in text

@@ -126,11 +126,10 @@ def env_info() -> dict[str, Any]:
         smi = _run(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"])
         info["cuda_driver"] = smi.splitlines()[0].strip() if smi else None
         if info["cuda_driver"] is None:
-            try:
-                # torch reports the driver's CUDA API version (e.g. 13000), not the driver build.
-                info["cuda_driver"] = f"CUDA API {torch._C._cuda_getDriverVersion()}"
-            except Exception:
-                pass
+            from ember import compat
+            # torch reports the driver's CUDA API version (e.g. 13000), not the driver build.
+            version = compat.cuda_driver_version()
+            info["cuda_driver"] = f"CUDA API {version}" if version is not None else None
     else:
         info["device"] = f"CPU: {info['cpu']}"
         info["cuda_driver"] = None

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import inspect
 import itertools
 from collections import Counter
 from collections.abc import Callable, Iterator
@@ -29,21 +30,23 @@ from torch._dynamo.backends.common import aot_autograd
 from torch._functorch.partitioners import min_cut_rematerialization_partition
 from torch._subclasses.fake_tensor import unset_fake_temporarily
 
+from ember import compat
 from ember.capture.aot_settings import aot_graph_text_off, backward_with_forward, gc_paused
 from ember.capture.decompositions import decomposition_table
 from ember.capture.instance_norm import rewrite_instance_norm
-from ember.capture.upsample import rewrite_nearest_interpolate
 from ember.config import Options
+from ember.ops.upsample import rewrite_nearest_interpolate
 from ember.pipeline import compile_graph
 from ember.report.records import CompileLog, GraphRecord
-from ember.runtime.cudagraph import GraphPool, share_pool
+from ember.runtime.cudagraphs.runner import GraphPool, share_pool
 from ember.runtime.precompile import start_workers
 from ember.runtime.program import CompiledGraph, boxed
+from ember.targets import Target, resolve_target
 
 # Compiles of one frame Dynamo still allows after its static budget (more dynamic dims, a new
 # dtype or grad mode) before it runs the frame eagerly.
 DYNAMIC_RECOMPILES = 4
-_LIMIT = "recompile_limit" if hasattr(torch._dynamo.config, "recompile_limit") else "cache_size_limit"
+_LIMIT = compat.recompile_limit_name()
 
 _DECOMPOSITIONS: dict[tuple[bool, bool], dict] = {}
 
@@ -54,17 +57,10 @@ def _decompositions(cpu_inference: bool = False, gpu: bool = False) -> dict:
     return _DECOMPOSITIONS[cpu_inference, gpu]
 
 
-def _gpu_target(example_inputs: list, options: Options) -> bool:
-    """Whether this frame compiles for a Triton target (the interpreter included: CI runs the GPU
-    code path through it)."""
-    on_cuda = any(isinstance(x, torch.Tensor) and x.device.type == "cuda" for x in example_inputs)
-    return options.target == "triton-interpret" or (options.target in ("auto", "triton") and on_cuda)
-
-
-def _cpu_inference(example_inputs: list, options: Options) -> bool:
+def _cpu_inference(example_inputs: list, options: Options, target: Target) -> bool:
     """Whether this frame becomes a CPU inference graph (grad off, every tensor on the CPU)."""
     tensors = [x for x in example_inputs if isinstance(x, torch.Tensor)]
-    return (not torch.is_grad_enabled() and options.target in ("auto", "cpu", "aten") and options.freeze
+    return (not torch.is_grad_enabled() and target.cpu_library_passes and options.freeze
             and all(t.device.type == "cpu" for t in tensors))
 
 
@@ -94,14 +90,8 @@ def _symbolic_inputs(gm: fx.GraphModule, key: str) -> list[str]:
 
 
 def _compile_id() -> str:
-    try:
-        from torch._guards import CompileContext
-        cid = CompileContext.current_compile_id()
-        if cid is not None:
-            return f"{cid.frame_id}/{cid.frame_compile_id}"
-    except Exception:  # noqa: BLE001 - only used for reporting
-        pass
-    return "?"
+    """Dynamo's "frame/compile" id of the compile in progress, for titles and the log ("?" if unknown)."""
+    return compat.current_compile_id() or "?"
 
 
 class EmberBackend:
@@ -114,7 +104,7 @@ class EmberBackend:
         self.log = CompileLog()
         self.static_compiles: Counter = Counter()  # frame id -> static-shape compiles
         # One CUDA-graph memory pool for every training graph of this model, so that a backward
-        # reuses the memory of the activations it consumes (runtime/cudagraph.py).
+        # reuses the memory of the activations it consumes (runtime/cudagraphs/runner.py).
         self.graph_pool = GraphPool()
         # torch._dynamo.optimize enters this around every call of the compiled model (what
         # ember.compile uses; torch.compile(backend=...) does not pass it on).
@@ -175,24 +165,26 @@ class EmberBackend:
                 # AOTAutograd calls compilers with its fake mode active; Ember's compile works on
                 # real constants (folding, cache keys) and enters the graph's fake mode where it needs it.
                 with unset_fake_temporarily():
-                    compiled = compile_graph(graph, inputs, self.options, record)
+                    compiled = compile_graph(graph, inputs, self.options, record, target)
                 # Training graphs share the model's pool; an inference graph gets a pool of its own,
-                # measured, pre-sized and released the same way (runtime/graph_pool.py).
+                # measured, pre-sized and released the same way (runtime/cudagraphs/pool.py).
                 share_pool(compiled, self.graph_pool if kind != "inference" else GraphPool(training=False))
                 return compiled
             return compiler
 
-        gpu = _gpu_target(example_inputs, self.options)
-        if gpu and self.options.target != "triton-interpret":
+        # The frame's target, resolved once: its graphs (forward, backward) compile for it.
+        target = resolve_target(self.options.target, example_inputs)
+        gpu = target.gpu_code_path  # the interpreter included: CI runs the GPU code path through it
+        if target.precompiles():
             start_workers()  # their start-up overlaps AOTAutograd's capture (runtime/precompile.py)
-        self.log.rewrites["F.interpolate(mode='nearest') -> ATen's nearest kernels (capture/upsample.py)"] += \
+        self.log.rewrites["F.interpolate(mode='nearest') -> ATen's nearest kernels (ops/upsample.py)"] += \
             rewrite_nearest_interpolate(gm)
         if gpu:
             self.log.rewrites["F.instance_norm -> spatial reductions in the input's layout "
                               "(capture/instance_norm.py)"] += rewrite_instance_norm(gm)
         backend = aot_autograd(fw_compiler=make("forward"), bw_compiler=make("backward"),
                                inference_compiler=make("inference"),
-                               decompositions=_decompositions(_cpu_inference(example_inputs, self.options), gpu),
+                               decompositions=_decompositions(_cpu_inference(example_inputs, self.options, target), gpu),
                                partition_fn=_PARTITION)
         with aot_graph_text_off(), backward_with_forward(gpu), gc_paused():  # capture/aot_settings.py
             return backend(gm, example_inputs)
@@ -246,3 +238,16 @@ def _describe_change(old: list[str], new: list[str]) -> str:
 def ember_backend(gm: fx.GraphModule, example_inputs: list, **options: object) -> Callable:
     """Entry point for ``torch.compile(model, backend="ember", options={...})``."""
     return EmberBackend(Options.from_env(**options))(gm, example_inputs)
+
+
+def optimize(model: Callable, backend: Callable, isolate_recompiles: bool = False) -> Callable:
+    """Dynamo over ``model`` with an Ember backend: what ``ember.compile`` runs, and ``explain`` too,
+    so a report describes the compile a user gets. ``torch._dynamo.optimize`` rather than
+    ``torch.compile``, whose backend wrapper would drop the backend's ``backend_ctx_ctor`` (the
+    per-call shape policy and recompile limit of this model). ``isolate_recompiles`` (torch >= 2.14)
+    gives this compile its own recompile budget."""
+    kwargs = {"isolate_recompiles": True} if isolate_recompiles and _ISOLATE else {}
+    return torch._dynamo.optimize(backend, dynamic=None, **kwargs)(model)
+
+
+_ISOLATE = "isolate_recompiles" in inspect.signature(torch.compile).parameters

@@ -15,7 +15,8 @@ from collections.abc import Callable, Sequence
 import torch
 from torch._decomp import core_aten_decompositions, get_decompositions
 
-from ember.capture import pooling, reflection_pad
+from ember.capture import pooling
+from ember.ops import reflection_pad
 
 aten = torch.ops.aten
 
@@ -47,7 +48,7 @@ _KEEP = [
     # Padding and nearest upsampling are one gather kernel each in ATen; their decompositions
     # are index ops with clamped aranges, and the backward ones dozens of index/index_put ops
     # per layer (171 per CycleGAN training step). On GPU targets 2-D reflection padding goes to
-    # Ember's gather kernels instead (capture/reflection_pad.py).
+    # Ember's gather kernels instead (ops/reflection_pad.py).
     aten.reflection_pad1d, aten.reflection_pad2d, aten.reflection_pad3d,
     aten.reflection_pad1d_backward, aten.reflection_pad2d_backward, aten.reflection_pad3d_backward,
     aten.replication_pad1d, aten.replication_pad2d, aten.replication_pad3d,

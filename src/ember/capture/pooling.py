@@ -14,7 +14,7 @@ vgg16 training step on the H100.
 The indices output is still computed (a small arange-based expression) for callers that use
 it; in training the backward does not read it, so dead-code elimination drops it. Overlapping
 windows (ResNet's 3x3, stride 2, padding 1) go to Ember's own Triton kernels
-(capture/max_pool.py); any other pooling configuration returns ``NotImplemented`` and stays
+(ops/max_pool.py); any other pooling configuration returns ``NotImplemented`` and stays
 ATen's kernel.
 """
 
@@ -24,7 +24,7 @@ from collections.abc import Sequence
 
 import torch
 
-from ember.capture import max_pool
+from ember.ops import max_pool
 
 aten = torch.ops.aten
 
@@ -59,7 +59,7 @@ def _tiling_window(x: torch.Tensor, kernel_size: Sequence[int], stride: Sequence
 def _window_params(x: torch.Tensor, kernel_size: Sequence[int], stride: Sequence[int],
                    padding: int | Sequence[int], dilation: int | Sequence[int],
                    ceil_mode: bool) -> tuple[list[int], list[int], list[int]] | None:
-    """(kernel, stride, padding) when capture/max_pool.py's kernels take this pooling, else None."""
+    """(kernel, stride, padding) when ops/max_pool.py's kernels take this pooling, else None."""
     k, s, p, d = _pairs(kernel_size, stride, padding, dilation)
     if not max_pool.supported(x, k, s, p, d, ceil_mode):
         return None

@@ -40,6 +40,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.fx as fx
 
+from ember import compat
 from ember.schedule.plan import KernelPlan, Step
 
 SlotKey = tuple[int, "fx.Node | None"]  # (step index, node for per-op slots; None for a whole step)
@@ -81,7 +82,7 @@ def reuse_storage(dead: torch.Tensor, shape: Sequence[int], stride: Sequence[int
     storage = dead.untyped_storage()
     span = 1 + sum((s - 1) * st for s, st in zip(shape, stride)) if all(shape) else 0
     # Two references when nothing else holds it: ``dead`` itself and the ``storage`` object here.
-    if torch._C._storage_Use_Count(storage._cdata) > 2 or storage.nbytes() < span * dead.element_size():
+    if compat.storage_use_count(storage._cdata) > 2 or storage.nbytes() < span * dead.element_size():
         return torch.empty_strided(shape, stride, dtype=dead.dtype, device=dead.device)
     # A new tensor on the same storage, not a view: a view would keep ``dead`` alive as its base.
     return torch.empty(0, dtype=dead.dtype, device=dead.device).set_(storage, 0, shape, stride)

@@ -23,6 +23,7 @@ from ember.passes.cpu_library import lower_cpu_library_calls
 from ember.passes.fold_conv import fold_conv_affine
 from ember.passes.freeze import mark_frozen
 from ember.passes.layout import to_channels_last
+from ember.targets import BY_NAME
 
 GraphPass = Callable[[fx.GraphModule], int]
 
@@ -46,7 +47,7 @@ class PassContext:
         # Parameters only stay put between calls of inference graphs; training updates them.
         # CPU only: a CUDA-graph replay skips the host-side version check of the frozen values.
         return (self.freeze and self.kind == "inference" and bool(self.static_inputs)
-                and self.target in ("cpu", "aten"))
+                and BY_NAME[self.target].cpu_library_passes)
 
 
 def passes_for(context: PassContext) -> list[GraphPass]:
@@ -54,7 +55,7 @@ def passes_for(context: PassContext) -> list[GraphPass]:
     the GPU targets; freezing, convolution folding and oneDNN library calls for CPU inference
     graphs whose parameters are known."""
     passes = list(DEFAULT_PASSES)
-    if context.channels_last and context.target in ("triton", "triton-interpret"):
+    if context.channels_last and BY_NAME[context.target].gpu_code_path:
         def channels_last_layout(gm: fx.GraphModule) -> int:
             return to_channels_last(gm, context.kind, context.example_inputs)
         passes.append(channels_last_layout)

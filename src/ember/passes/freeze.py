@@ -19,6 +19,7 @@ from __future__ import annotations
 import torch
 import torch.fx as fx
 
+from ember import compat
 from ember.passes.cleanup import _is_pure
 
 FROZEN = "ember_frozen"
@@ -31,9 +32,7 @@ def is_frozen(node: object) -> bool:
 def static_input_indices() -> set[int]:
     """Indices of the graph inputs AOTAutograd knows to be parameters or buffers (empty when unknown)."""
     try:
-        from torch._guards import TracingContext
-        context = TracingContext.try_get()
-        meta = getattr(context, "fw_metadata", None) if context is not None else None
+        meta = compat.aot_forward_metadata()
         return set(getattr(meta, "static_input_indices", None) or ())
     except Exception:  # noqa: BLE001 - without the information nothing is frozen
         return set()

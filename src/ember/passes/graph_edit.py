@@ -4,14 +4,14 @@ from __future__ import annotations
 
 import torch
 import torch.fx as fx
-from torch._guards import detect_fake_mode
 
+from ember import compat
 from ember.passes.freeze import FROZEN
 
 
 def fake_mode_of(gm: fx.GraphModule) -> object:
     vals = [n.meta.get("val") for n in gm.graph.nodes if n.op == "placeholder"]
-    return detect_fake_mode([v for v in vals if isinstance(v, torch.Tensor)])
+    return compat.detect_fake_mode([v for v in vals if isinstance(v, torch.Tensor)])
 
 
 def _fake_args(args: object) -> object:

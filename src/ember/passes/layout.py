@@ -35,7 +35,8 @@ from collections.abc import Sequence
 import torch
 import torch.fx as fx
 
-from ember.capture import reflection_pad
+from ember import compat
+from ember.ops import reflection_pad
 from ember.passes.freeze import FROZEN
 from ember.passes.graph_edit import add_node, fake_mode_of
 from ember.schedule.rules import OpClass, classify
@@ -118,9 +119,7 @@ def saved_output_slice(kind: str) -> slice | None:
     if kind != "forward":
         return None
     try:
-        from torch._guards import TracingContext
-        tc = TracingContext.try_get()
-        meta = getattr(tc, "fw_metadata", None) if tc is not None else None
+        meta = compat.aot_forward_metadata()
         sl = getattr(meta, "tensors_saved_for_backwards_slice", None)
     except Exception:  # noqa: BLE001 - any AOTAutograd change: keep every output's layout
         return None
@@ -517,7 +516,6 @@ def report_output_strides(kind: str, summary: dict) -> None:
     if kind != "forward" or not strides:
         return
     with contextlib.suppress(Exception):  # reporting is an optimisation; never fail on it
-        from torch._guards import TracingContext
-        tc = TracingContext.try_get()
+        tc = compat.tracing_context()
         if tc is not None and isinstance(tc.output_strides, list):
             tc.output_strides.extend(list(s) if s is not None else None for s in strides)

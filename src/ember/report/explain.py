@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import inspect
 import io
 import re
 import time
@@ -27,7 +26,7 @@ from typing import Any
 import torch
 from torch.utils._pytree import tree_leaves
 
-from ember.capture.backend import EmberBackend
+from ember.capture.backend import EmberBackend, optimize
 from ember.config import Options
 from ember.report.html import Section, Table, render_html
 from ember.report.records import STAGES, CompileLog, GraphRecord  # noqa: F401 - STAGES re-exported
@@ -350,6 +349,8 @@ class _TimedBackend:
     def __init__(self, backend: EmberBackend) -> None:
         self.backend = backend
         self.first_calls: list[float] = []
+        # Dynamo enters this around each call: the backend's shape policy and recompile limit.
+        self.backend_ctx_ctor = backend.backend_ctx_ctor
 
     def __call__(self, gm: torch.fx.GraphModule, example_inputs: list) -> Callable:
         fn = self.backend(gm, example_inputs)
@@ -411,12 +412,6 @@ def _leaves_needing_grad(root: torch.Tensor) -> list[torch.Tensor]:
     return leaves
 
 
-def _compile_kwargs() -> dict[str, Any]:
-    # Each explain gets its own recompile budget (torch >= 2.14), so explaining the same model
-    # again does not run into Dynamo's recompile limit and silently run eager.
-    return {"isolate_recompiles": True} if "isolate_recompiles" in inspect.signature(torch.compile).parameters else {}
-
-
 _RECOMPILE = re.compile(r"frame (\S+) compile (\S+):")
 
 
@@ -447,7 +442,7 @@ def explain_with(model: Callable, args: tuple | list = (), kwargs: dict[str, Any
     model, inherited = _unwrap(model)
     backend = EmberBackend(Options.from_env(**{**inherited, **options}))
     timed = _TimedBackend(backend)
-    compiled = torch.compile(model, backend=timed, dynamic=False, **_compile_kwargs())
+    compiled = optimize(model, timed, isolate_recompiles=True)
     breaks_before = Counter(counters["graph_break"])
     backward_s, training = 0.0, False
     with _preserve_state(model):

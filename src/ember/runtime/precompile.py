@@ -26,6 +26,7 @@ import concurrent.futures as cf
 import contextlib
 import dataclasses
 import importlib.util
+import logging
 import multiprocessing
 import os
 import subprocess
@@ -33,6 +34,8 @@ import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+
+log = logging.getLogger(__name__)
 
 _POOL: cf.ProcessPoolExecutor | None = None
 _STARTED: list[cf.Future] = []  # the workers' start-up jobs
@@ -129,8 +132,8 @@ def _start_worker() -> float:
         from ember.runtime.compile_warmup import compile_warmup_kernel
 
         compile_warmup_kernel()
-    except Exception:  # only a head start: the real compiles report their own errors
-        pass
+    except Exception:  # noqa: BLE001 - only a head start: the real compiles report their own errors
+        log.debug("compile warm-up kernel failed", exc_info=True)
     return time.time()
 
 
@@ -141,8 +144,8 @@ def _build_launcher(kernel: object) -> None:
 
     try:
         driver.active.launcher_cls(kernel.src, kernel.metadata)
-    except Exception:
-        pass
+    except Exception:  # noqa: BLE001 - the first launch in the parent builds it instead
+        log.debug("launcher build failed for %s", getattr(kernel, "name", kernel), exc_info=True)
 
 
 def _use_cache_dir(cache_dir: str) -> None:

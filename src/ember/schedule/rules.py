@@ -158,14 +158,14 @@ def classify(node: fx.Node) -> Classification:
 
 # Ember's custom ops (opaque to the planner; each runs one kernel) and what runs behind them.
 EMBER_OPS = {
-    "upsample_nearest": "ATen's kernel behind Ember's custom op upsample_nearest (capture/upsample.py)",
+    "upsample_nearest": "ATen's kernel behind Ember's custom op upsample_nearest (ops/upsample.py)",
     "upsample_nearest_backward": "ATen's kernel behind Ember's custom op upsample_nearest_backward "
-                                 "(capture/upsample.py)",
-    "max_pool2d": "Ember's Triton kernel for overlapping max-pool windows, int8 positions (capture/max_pool.py)",
-    "max_pool2d_backward": "Ember's Triton gather kernel for the max-pool gradient (capture/max_pool.py)",
-    "reflection_pad2d": "Ember's Triton gather kernel for reflection padding (capture/reflection_pad.py)",
+                                 "(ops/upsample.py)",
+    "max_pool2d": "Ember's Triton kernel for overlapping max-pool windows, int8 positions (ops/max_pool.py)",
+    "max_pool2d_backward": "Ember's Triton gather kernel for the max-pool gradient (ops/max_pool.py)",
+    "reflection_pad2d": "Ember's Triton gather kernel for reflection padding (ops/reflection_pad.py)",
     "reflection_pad2d_backward": "Ember's Triton gather kernel for the reflection-padding gradient, no atomics "
-                                 "(capture/reflection_pad.py)",
+                                 "(ops/reflection_pad.py)",
 }
 
 

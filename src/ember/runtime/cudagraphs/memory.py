@@ -1,0 +1,258 @@
+"""What a captured CUDA graph's memory is, for the runner (runtime/cudagraphs/runner.py): the pool and
+the graphs captured into it (``PoolState``), how each output leaf is handed out after a replay
+(``Slot``), the outputs that share one block of the pool (``OutputGroup``), one capture
+(``CapturedGraph``), and the checks on them: who still holds a group's memory, which groups a
+replay would overwrite, how outputs are copied out or re-based onto the caller's tensors."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import torch
+from torch.multiprocessing.reductions import StorageWeakRef
+
+from ember import compat
+
+
+class PoolState:
+    """One CUDA memory pool and every graph captured into it.
+
+    Graphs are never dropped from it: the allocator asserts that a pool captured into again still
+    has a graph using it. A tensor handed out after a replay lies on a view of the pool's memory
+    that holds this object (``CudaBackend.view``), so the pool stays valid while anybody can read it."""
+
+    def __init__(self, handle: object, shared: bool) -> None:
+        self.handle = handle
+        self.shared = shared
+        self.graphs: list[CapturedGraph] = []
+        self.live: dict[int, list[OutputGroup]] = {}  # address -> output groups of live graphs there
+        self.consts: set[int] = set()  # ids of host tensors that live graphs hand out unchanged
+        self.keeper: object = None  # the graph that pre-sized the pool (runtime/cudagraphs/pool.py)
+        self.spans: dict[int, int] = {}  # address -> bytes of every output group ever handed out
+
+    def add(self, g: CapturedGraph) -> None:
+        self.graphs.append(g)
+        for grp in g.groups:
+            self.live.setdefault(grp.ptr, []).append(grp)
+            self.spans[grp.ptr] = max(self.spans.get(grp.ptr, 0), grp.nbytes)
+        self.consts.update(id(s.value) for s in g.slots if s.kind == "const")
+
+    def retire(self, g: CapturedGraph) -> None:
+        """``g`` is replayed no more (its outputs may still be held: it stays in ``graphs``)."""
+        for grp in g.groups:
+            at = self.live.get(grp.ptr, [])
+            if grp in at:
+                at.remove(grp)
+            if not at:
+                self.live.pop(grp.ptr, None)
+        self.consts.difference_update(id(s.value) for s in g.slots if s.kind == "const")
+
+    def source(self, t: object) -> OutputGroup | None:
+        """The output group of a live graph that ``t`` lies in (None: not this pool's memory)."""
+        if not isinstance(t, torch.Tensor) or t.numel() == 0:
+            return None
+        at = self.live.get(t.untyped_storage().data_ptr())
+        return at[-1] if at else None
+
+    def span(self, t: object) -> tuple[int, int] | None:
+        """The pool memory ``t`` lies in, [start, end), if it is an output a graph of this pool ever
+        handed out (retired graphs' too: their outputs stay valid while held)."""
+        if not isinstance(t, torch.Tensor) or t.numel() == 0:
+            return None
+        ptr = t.untyped_storage().data_ptr()
+        nbytes = self.spans.get(ptr)
+        return None if nbytes is None else (ptr, ptr + nbytes)
+
+    def holds(self, t: object) -> bool:
+        return id(t) in self.consts or self.source(t) is not None
+
+
+@dataclass
+class Slot:
+    """How one leaf of the program's output is handed to the caller after a replay."""
+
+    kind: str  # value | const | input | alias | pool | same | empty
+    value: object = None  # non-tensor value, host tensor (const), or shape/strides/dtype on "meta"
+    index: int = 0  # input index (input, alias), group index (pool), earlier slot (same)
+    delta: int = 0  # alias: bytes from the input's first element; pool: storage offset (elements)
+
+
+@dataclass
+class OutputGroup:
+    """Outputs that share one storage (one block) of the graph's pool.
+
+    The runner holds none of them: the outputs of the capturing call are the allocator's own
+    tensors (``own``, watched through a weak reference); after a replay they are handed out on
+    ``view``, a storage on the same memory that the allocator does not know of. Either way a
+    reference count above the runner's own says that somebody holds one."""
+
+    ptr: int
+    nbytes: int
+    members: list[int]  # slot indices
+    own: StorageWeakRef
+    own_base: int = 0  # references to ``own`` that are not the caller's (the CPU stand-in's)
+    lo: int = 0  # byte range the members cover
+    hi: int = 0
+    copy: bool = False
+    view: torch.UntypedStorage | None = None
+    view_base: int = 0
+    bases: dict[int, torch.Tensor] = field(default_factory=dict)  # slot -> tensor on ``view``
+    copy_leaves: set[int] | None = None  # the owning runner's set: marked here from other graphs
+
+
+@dataclass
+class CapturedGraph:
+    graph: object
+    state: PoolState
+    static_idx: list[int]
+    static_ptrs: list[int]
+    dynamic_idx: list[int]
+    buffers: list[torch.Tensor]
+    writeback: list[int]  # positions in dynamic_idx the graph mutates
+    bump: list[int]  # static inputs the graph mutates (their versions are bumped per replay)
+    slots: list[Slot]
+    groups: list[OutputGroup]
+    container: type | None  # tuple or list of leaves; None: a single leaf
+    final: bool
+    device: torch.device
+    sources: dict[int, OutputGroup] = field(default_factory=dict)  # static input -> pool group it was read from
+    protected: list[tuple[int, int]] = field(default_factory=list)  # pool ranges held throughout capture
+    dyn_ptrs: list[int] = field(default_factory=list)
+    same_calls: list[int] = field(default_factory=list)
+    pooled: dict[int, tuple[int, int]] = field(default_factory=dict)  # input -> its buffer's (address, bytes) in the pool
+
+
+def uses(grp: OutputGroup) -> int:
+    """References to the group's memory beyond the runner's own."""
+    n = 0
+    if not grp.own.expired():
+        n += compat.storage_use_count(grp.own.cdata) - grp.own_base
+    if grp.view is not None:
+        n += compat.storage_use_count(grp.view._cdata) - grp.view_base
+    return n
+
+
+def is_held(grp: OutputGroup) -> bool:
+    # Anybody else holding the storage (a tensor, a view, autograd's saved tensors) raises its
+    # reference count.
+    return uses(grp) > 0
+
+
+def unclean(state: PoolState, refs: dict[int, int]) -> bool:
+    """Whether a tensor handed out after a replay is still held, beyond ``refs`` (storage ->
+    references): the allocator does not know that its memory is in use, so a capture into the
+    pool could place new buffers on it."""
+    return any(grp.view is not None
+               and compat.storage_use_count(grp.view._cdata) - refs.get(grp.view._cdata, 0) > grp.view_base
+               for y in state.graphs for grp in y.groups)
+
+
+def inside(grp: OutputGroup, ranges: list[tuple[int, int]]) -> bool:
+    return any(lo <= grp.ptr and grp.ptr + grp.nbytes <= hi for lo, hi in ranges)
+
+
+def overwrite_hazards(g: CapturedGraph, args: list) -> list[OutputGroup]:
+    """Output groups of the pool's other graphs that ``g``'s replay may overwrite and that somebody
+    other than this call's arguments (which the program consumes) still holds.
+
+    A replay writes only memory its capture allocated, and the allocator hands out no block that is
+    in use: memory held throughout the capture (``g.protected``) is never written."""
+    if not g.state.shared:
+        return []
+    refs: dict[int, int] | None = None
+    out = []
+    for y in g.state.graphs:
+        if y is g:
+            continue
+        for grp in y.groups:
+            n = uses(grp)
+            if n <= 0 or inside(grp, g.protected):
+                continue
+            if refs is None:
+                refs = storage_refs(args)
+            if not grp.own.expired():
+                n -= refs.get(grp.own.cdata, 0)
+            if grp.view is not None:
+                n -= refs.get(grp.view._cdata, 0)
+            if n > 0:
+                out.append(grp)
+    return out
+
+
+def pooled_clash(g: CapturedGraph, args: list) -> list[int]:
+    """Inputs whose buffers in the pool overlap the memory of this call's inputs there.
+
+    A pooled buffer is memory the capture allocated and freed; another graph of the pool may
+    hand out outputs there since (a forward replayed while this graph's capture read the
+    outputs of an uncaptured one), and the copy-in would overwrite an input before reading
+    it. In a pool of its own a graph's inputs never lie there: its own held outputs make the
+    call run uncaptured before any copy."""
+    if not g.pooled or not g.state.shared:
+        return []
+    spans = [sp for i in g.dynamic_idx if (sp := g.state.span(args[i])) is not None]
+    if not spans:
+        return []
+    return [i for i, (ptr, nbytes) in g.pooled.items() if any(ptr < hi and lo < ptr + nbytes for lo, hi in spans)]
+
+
+def storage_refs(args: list) -> dict[int, int]:
+    """Storage -> how many of ``args`` (distinct tensors, one reference each) refer to it."""
+    counts: dict[int, int] = {}
+    seen: set[int] = set()
+    for a in args:
+        if isinstance(a, torch.Tensor) and id(a) not in seen:
+            seen.add(id(a))
+            cdata = a.untyped_storage()._cdata
+            counts[cdata] = counts.get(cdata, 0) + 1
+    return counts
+
+
+def copy_group(grp: OutputGroup, slots: list[Slot], storage: torch.UntypedStorage) -> dict[int, torch.Tensor]:
+    """Copies of a group's outputs (on ``storage``) in one new storage, aliasing between them kept."""
+    first = slots[grp.members[0]].value
+    assert isinstance(first, torch.Tensor)
+    device = storage.device
+    raw = torch.empty(0, dtype=torch.uint8, device=device).set_(storage, grp.lo, (grp.hi - grp.lo,), (1,))
+    new = raw.clone().untyped_storage()
+    out = {}
+    for j in grp.members:
+        t = slots[j].value
+        assert isinstance(t, torch.Tensor)
+        size = t.element_size()
+        offset = (slots[j].delta * size - grp.lo) // size
+        out[j] = torch.empty(0, dtype=t.dtype, device=device).set_(new, offset, t.shape, t.stride())
+    return out
+
+
+def rebase(captured: torch.Tensor, caller: torch.Tensor, delta: int) -> torch.Tensor:
+    """The output that aliased an input during capture, as the same view of the caller's tensor."""
+    size = captured.element_size()
+    if captured.dtype == caller.dtype and delta % size == 0:
+        return caller.as_strided(captured.shape, captured.stride(), caller.storage_offset() + delta // size)
+    offset = (caller.storage_offset() * caller.element_size() + delta) // size
+    return torch.empty(0, dtype=captured.dtype, device=caller.device).set_(
+        caller.untyped_storage(), offset, captured.shape, captured.stride())
+
+
+def meta_of(t: torch.Tensor) -> torch.Tensor:
+    """Shape, strides and dtype of ``t`` without holding its memory."""
+    return torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device="meta")
+
+
+def ptr_of(a: object) -> int:
+    return a.data_ptr() if isinstance(a, torch.Tensor) else 0
+
+
+def version_of(a: object) -> int | None:
+    if not isinstance(a, torch.Tensor):
+        return 0
+    try:
+        return a._version
+    except RuntimeError:  # inference tensors have no version counter
+        return None
+
+
+def few(items: Sequence[int]) -> str:
+    shown = ", ".join(str(i) for i in items[:4])
+    return f"{shown} (+{len(items) - 4} more)" if len(items) > 4 else shown

@@ -1,0 +1,102 @@
+"""How Ember's backend sets AOTAutograd up: its graph text (capture/aot_settings.py) is not rendered
+unless a log shows it, and on GPU targets the backward compiles right after the forward
+(capture/aot_settings.py), so its compile overlaps the forward's kernel compile. A model still trains
+as in eager either way."""
+
+from __future__ import annotations
+
+import copy
+import logging
+
+import pytest
+import torch
+from core_helpers import assert_close
+from torch._functorch._aot_autograd import graph_compile
+
+import ember
+
+
+def _train_step_rendering(monkeypatch: pytest.MonkeyPatch) -> int:
+    """One compiled training step of a small model vs eager; how many graphs were rendered as text."""
+    rendered = []
+    real = torch.fx.GraphModule.print_readable
+
+    def spy(self, *args, **kwargs):
+        rendered.append(self)
+        return real(self, *args, **kwargs)
+
+    monkeypatch.setattr(torch.fx.GraphModule, "print_readable", spy)
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.GELU(), torch.nn.Linear(16, 4))
+    twin = copy.deepcopy(model)
+    x = torch.randn(5, 8)
+    ember.compile(model)(x).square().sum().backward()
+    twin(x).square().sum().backward()
+    for p, q in zip(model.parameters(), twin.parameters(), strict=True):
+        assert_close(p.grad, q.grad, torch.float32)
+    return len(rendered)
+
+
+def test_graph_text_is_not_rendered_when_no_log_shows_it(monkeypatch: pytest.MonkeyPatch) -> None:
+    for var in ("TORCH_TRACE", "TORCH_DTRACE", "TORCH_COMPILE_DEBUG"):
+        monkeypatch.delenv(var, raising=False)
+    steps = (graph_compile._log_joint_graph, graph_compile._log_fw_bw_graphs)
+    assert _train_step_rendering(monkeypatch) == 0
+    assert (graph_compile._log_joint_graph, graph_compile._log_fw_bw_graphs) == steps  # restored
+
+
+def test_graph_text_is_rendered_for_a_log_that_shows_it(monkeypatch: pytest.MonkeyPatch) -> None:
+    for var in ("TORCH_TRACE", "TORCH_DTRACE", "TORCH_COMPILE_DEBUG"):
+        monkeypatch.delenv(var, raising=False)
+    log = graph_compile.aot_graphs_log  # what TORCH_LOGS=aot_graphs turns on
+    level = log.level
+    log.setLevel(logging.INFO)  # setLevel, not the attribute: isEnabledFor caches its answer
+    try:
+        assert _train_step_rendering(monkeypatch) >= 2  # the forward and the backward
+    finally:
+        log.setLevel(level)
+
+
+def test_on_gpu_targets_the_backward_compiles_with_the_forward() -> None:
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 4))
+    twin = copy.deepcopy(model)
+    compiled = ember.compile(model, target="triton-interpret")
+    x = torch.randn(5, 8)
+    out = compiled(x)
+    log = compiled._ember_backend.log
+    assert [g.kind for g in log.graphs] == ["forward", "backward"]  # before any backward ran
+    out.square().sum().backward()
+    twin(x).square().sum().backward()
+    assert len(log.graphs) == 2
+    for p, q in zip(model.parameters(), twin.parameters(), strict=True):
+        assert_close(p.grad, q.grad, torch.float32)
+    assert not torch._functorch.config.force_non_lazy_backward_lowering  # only while Ember compiles
+
+
+def test_cpu_targets_compile_the_backward_on_first_use() -> None:
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 4))
+    compiled = ember.compile(model, target="cpu")
+    loss = compiled(torch.randn(5, 8)).sum()
+    assert [g.kind for g in compiled._ember_backend.log.graphs] == ["forward"]
+    loss.backward()
+    assert [g.kind for g in compiled._ember_backend.log.graphs] == ["forward", "backward"]
+
+
+def test_garbage_collection_pauses_only_while_ember_compiles() -> None:
+    import gc
+
+    from ember.instruments import instrument
+
+    seen = []
+
+    def spy(stage: str, record: object, args: tuple) -> None:
+        if stage == "passes":
+            seen.append(gc.isenabled())
+
+    assert gc.isenabled()
+    model = torch.nn.Sequential(torch.nn.Linear(8, 4), torch.nn.ReLU())
+    x = torch.randn(3, 8)
+    with instrument(before=spy):
+        assert_close(ember.compile(model)(x), model(x), torch.float32)
+    assert seen == [False] and gc.isenabled()

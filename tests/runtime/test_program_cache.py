@@ -1,0 +1,124 @@
+"""The compiled-program cache across processes: warm starts, damaged entries, concurrent writers."""
+
+from __future__ import annotations
+
+import json
+import os
+import sqlite3
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from ember.runtime.artifacts import ProgramStore
+
+WORKER = Path(__file__).parents[1] / "support" / "cache_worker.py"
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def _spawn(cache: Path, batch: int = 2) -> subprocess.Popen:
+    env = {**os.environ, "EMBER_CACHE_DIR": str(cache), "PYTHONPATH": str(ROOT / "src")}
+    env.pop("EMBER_STRICT", None)
+    return subprocess.Popen([sys.executable, str(WORKER), str(batch)], env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+
+
+def _result(proc: subprocess.Popen) -> dict:
+    out, err = proc.communicate(timeout=600)
+    assert proc.returncode == 0, err[-3000:]
+    result = json.loads(out.strip().splitlines()[-1])
+    bad = {k: v for k, v in result["errors"].items() if not v < 1e-4}
+    assert not bad, bad
+    return result
+
+
+def _run(cache: Path, batch: int = 2) -> dict:
+    return _result(_spawn(cache, batch))
+
+
+KINDS = {"forward", "backward", "inference"}
+
+
+def test_second_process_starts_warm(tmp_path: Path) -> None:
+    first = _run(tmp_path)
+    assert set(first["cache"]) == KINDS and set(first["cache"].values()) == {"stored"}
+    second = _run(tmp_path)
+    assert set(second["cache"].values()) == {"hit"}
+    for kind in KINDS:  # a hit skips every compile stage
+        assert set(second["stages"][kind]) == {"cache_load"}
+    assert ProgramStore(tmp_path).count() == 3
+    # A new input shape is a different graph: compiled and stored, the old entries stay.
+    other = _run(tmp_path, batch=3)
+    assert set(other["cache"].values()) == {"stored"}
+    assert ProgramStore(tmp_path).count() == 6
+
+
+def _db(cache: Path) -> sqlite3.Connection:
+    return sqlite3.connect(cache / "programs.sqlite")
+
+
+@pytest.mark.parametrize("damage", ["flipped bytes", "truncated payload", "broken program with valid checksum"])
+def test_damaged_entries_are_discarded_and_rebuilt(tmp_path: Path, damage: str) -> None:
+    _run(tmp_path)
+    with _db(tmp_path) as conn:
+        rows = conn.execute("SELECT key, payload FROM programs").fetchall()
+        for key, payload in rows:
+            if damage == "flipped bytes":
+                payload = payload[:40] + bytes(b ^ 0xFF for b in payload[40:80]) + payload[80:]
+                conn.execute("UPDATE programs SET payload = ? WHERE key = ?", (payload, key))
+            elif damage == "truncated payload":
+                conn.execute("UPDATE programs SET payload = ? WHERE key = ?", (payload[: len(payload) // 3], key))
+            else:
+                import hashlib
+                n = int.from_bytes(payload[:8], "little")
+                meta = json.loads(payload[8:8 + n])
+                meta["text"] = meta["text"].replace("def run(args):", "def run(args):\n    raise SyntaxError(", 1)
+                head = json.dumps(meta).encode()
+                payload = len(head).to_bytes(8, "little") + head + payload[8 + n:]
+                conn.execute("UPDATE programs SET payload = ?, sha256 = ? WHERE key = ?",
+                             (payload, hashlib.sha256(payload).hexdigest(), key))
+    rebuilt = _run(tmp_path)  # correct results (checked in _run), every graph compiled again
+    assert set(rebuilt["cache"].values()) == {"stored"}
+    assert set(_run(tmp_path)["cache"].values()) == {"hit"}
+
+
+def test_a_database_file_that_is_not_a_database_is_replaced(tmp_path: Path) -> None:
+    _run(tmp_path)
+    db = tmp_path / "programs.sqlite"
+    for suffix in ("-wal", "-shm"):
+        Path(str(db) + suffix).unlink(missing_ok=True)
+    db.write_bytes(b"this is not an SQLite file" * 100)
+    assert set(_run(tmp_path)["cache"].values()) == {"stored"}
+    assert list(tmp_path.glob("programs.corrupt-*")), "the damaged file is kept aside for inspection"
+    assert set(_run(tmp_path)["cache"].values()) == {"hit"}
+
+
+def test_concurrent_writers_share_one_database(tmp_path: Path) -> None:
+    procs = [_spawn(tmp_path) for _ in range(4)]
+    results = [_result(p) for p in procs]  # every process correct
+    for r in results:
+        assert set(r["cache"].values()) <= {"stored", "hit"}
+    assert ProgramStore(tmp_path).count() == 3
+    assert set(_run(tmp_path)["cache"].values()) == {"hit"}
+
+
+def test_key_covers_code_generator_settings() -> None:
+    import torch
+    from torch import fx
+
+    from ember.codegen import triton_kernel
+    from ember.runtime.artifacts import graph_key
+
+    gm = fx.symbolic_trace(lambda x: torch.ops.aten.sum.default(x))
+    x = torch.randn(4)
+    key = graph_key(gm, [x], "triton-interpret", "inference")
+    assert key == graph_key(gm, [x], "triton-interpret", "inference")
+    assert key != graph_key(gm, [torch.randn(5)], "triton-interpret", "inference")
+    assert key != graph_key(gm, [x], "aten", "inference")
+    saved = triton_kernel.LOOP_RBLOCK
+    try:
+        triton_kernel.LOOP_RBLOCK = saved // 2
+        assert key != graph_key(gm, [x], "triton-interpret", "inference")
+    finally:
+        triton_kernel.LOOP_RBLOCK = saved
