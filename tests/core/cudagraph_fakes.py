@@ -52,6 +52,15 @@ class _FakeGraph:
         return out
 
 
+def _write(old: torch.Tensor, fresh: torch.Tensor) -> None:
+    """A replay writing ``fresh`` into the captured output ``old``; an expanded output (stride 0,
+    one element seen many times, BERT's token-type ids) is written once per element."""
+    for d, stride in enumerate(old.stride()):
+        if stride == 0 and old.shape[d] > 1:
+            old, fresh = old.narrow(d, 0, 1), fresh.narrow(d, 0, 1)
+    old.copy_(fresh)
+
+
 def _leaves(out: object) -> list:
     return list(out) if isinstance(out, (list, tuple)) else [out]
 
@@ -100,7 +109,7 @@ class FakeGraphs(CudaBackend):
         outputs = run(list(inputs))
         for x, s in zip(inputs, saved):
             if s is not None:
-                x.data.copy_(s)  # .data: restoring contents is not a mutation
+                _write(x.data, s)  # .data: restoring contents is not a mutation
         torch.set_rng_state(rng)
         graph = _FakeGraph(run, list(inputs), outputs)
         graph.pool_memory = made
@@ -115,7 +124,7 @@ class FakeGraphs(CudaBackend):
         torch._C._autograd._unsafe_set_version_counter(tensors, versions)
         for old, fresh in zip(graph.outputs, _leaves(new)):
             if isinstance(old, torch.Tensor) and old.untyped_storage()._cdata != fresh.untyped_storage()._cdata:
-                old.data.copy_(fresh)
+                _write(old.data, fresh)
 
     def recover(self, device: torch.device) -> None:
         self.recovered = True

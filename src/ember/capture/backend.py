@@ -112,6 +112,7 @@ class EmberBackend:
     def __init__(self, options: Options | None = None) -> None:
         self.options = options or Options.from_env()
         self.log = CompileLog()
+        self.programs: list[tuple[GraphRecord, CompiledGraph]] = []  # every compiled graph, with its record
         self.static_compiles: Counter = Counter()  # frame id -> static-shape compiles
         # One CUDA-graph memory pool for every training graph of this model, so that a backward
         # reuses the memory of the activations it consumes (runtime/cudagraph.py).
@@ -171,11 +172,14 @@ class EmberBackend:
                                      input_signature=_signature(inputs))
                 self.log.graphs.append(record)
                 if _symbolic_inputs(graph, "val") or any(_symbolic(x) for x in inputs):
-                    return _run_as_captured(graph, record)
+                    compiled = _run_as_captured(graph, record)
+                    self.programs.append((record, compiled.ember_graph))
+                    return compiled
                 # AOTAutograd calls compilers with its fake mode active; Ember's compile works on
                 # real constants (folding, cache keys) and enters the graph's fake mode where it needs it.
                 with unset_fake_temporarily():
                     compiled = compile_graph(graph, inputs, self.options, record)
+                self.programs.append((record, compiled.ember_graph))  # explain times their calls
                 # Training graphs share the model's pool; an inference graph gets a pool of its own,
                 # measured, pre-sized and released the same way (runtime/graph_pool.py).
                 share_pool(compiled, self.graph_pool if kind != "inference" else GraphPool(training=False))
