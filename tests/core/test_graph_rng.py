@@ -242,3 +242,31 @@ def test_bert_trains_on_replayed_graphs_and_matches_eager_in_eval_mode(monkeypat
         want = reference(input_ids=ids).logits
     for g in got:
         torch.testing.assert_close(g, want, rtol=1e-4, atol=1e-4)
+
+
+def test_random_ops_stay_aten_ops_even_if_the_user_functionalizes_them(monkeypatch) -> None:
+    # Functionalized, dropout would become philox_rand with host-tensor seeds as graph inputs
+    # (capture/aot_settings.py): Ember's backend keeps the ATen op, whose kernel is graph-safe.
+    from torch._functorch import config as functorch_config
+
+    import ember.capture.backend as backend
+
+    seen = []
+    real = backend.compile_graph
+
+    def spy(gm, inputs, options, record):
+        seen.append((record.kind, functorch_config.functionalize_rng_ops, {str(n.target) for n in gm.graph.nodes}))
+        return real(gm, inputs, options, record)
+
+    monkeypatch.setattr(backend, "compile_graph", spy)
+    monkeypatch.setattr(functorch_config, "functionalize_rng_ops", True)
+    torch._dynamo.reset()
+    model = _DropoutNet(64)
+    x = torch.rand(64, requires_grad=True)
+    out = ember.compile(model, target="aten")(x)
+    out.backward(torch.ones(64))
+    (kind, flag, ops), = [s for s in seen if s[0] == "forward"]
+    assert flag is False and "aten.native_dropout.default" in ops and not any("philox" in op for op in ops)
+    kept = out.detach() != 0
+    torch.testing.assert_close(x.grad, torch.where(kept, model.w.detach() / (1 - P), torch.zeros(64)))
+    assert functorch_config.functionalize_rng_ops is True  # the user's setting, restored

@@ -29,7 +29,7 @@ from torch._dynamo.backends.common import aot_autograd
 from torch._functorch.partitioners import min_cut_rematerialization_partition
 from torch._subclasses.fake_tensor import unset_fake_temporarily
 
-from ember.capture.aot_settings import aot_graph_text_off, backward_with_forward, gc_paused
+from ember.capture.aot_settings import aot_graph_text_off, backward_with_forward, gc_paused, rng_ops_kept
 from ember.capture.decompositions import decomposition_table
 from ember.capture.instance_norm import rewrite_instance_norm
 from ember.capture.upsample import rewrite_nearest_interpolate
@@ -198,7 +198,7 @@ class EmberBackend:
                                inference_compiler=make("inference"),
                                decompositions=_decompositions(_cpu_inference(example_inputs, self.options), gpu),
                                partition_fn=_PARTITION)
-        with aot_graph_text_off(), backward_with_forward(gpu), gc_paused():  # capture/aot_settings.py
+        with aot_graph_text_off(), backward_with_forward(gpu), rng_ops_kept(), gc_paused():  # capture/aot_settings.py
             return backend(gm, example_inputs)
 
 
