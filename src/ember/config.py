@@ -43,6 +43,12 @@ def strict() -> bool:
     return os.environ.get("EMBER_STRICT", "0") not in ("0", "")
 
 
+def explain_steps() -> int:
+    """``EMBER_EXPLAIN_STEPS``: steps ``ember.explain`` times after the first call and two warm-up
+    steps, for the host time per step (default 3; 0: none)."""
+    return max(0, _env_int("EMBER_EXPLAIN_STEPS", 3))
+
+
 def default_cache_dir() -> Path:
     base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
     return Path(base) / "ember"

@@ -31,6 +31,7 @@ from ember.config import Options
 from ember.instruments import run_stage
 from ember.ops import reflection_pad
 from ember.passes import PassContext, PassResult, passes_for, run_passes
+from ember.passes.attention_seeds import route_attention_seeds
 from ember.passes.freeze import static_input_indices
 from ember.passes.layout import layout_summary, report_output_strides
 from ember.report.records import GraphRecord
@@ -95,6 +96,8 @@ def compile_graph(gm: fx.GraphModule, example_inputs: list, options: Options, re
         if config.debug_level() >= 1:
             traceback.print_exc()
         fallback = fx.GraphModule(gm, _copy_graph(gm.graph))
+        if route_attention_seeds(fallback):  # runs uncaptured, maybe after a replayed forward
+            fallback.recompile()
         return boxed(CompiledGraph(record.title, fallback.code, lambda args: fallback(*_take(args))))
 
 

@@ -9,6 +9,7 @@ it: runners on it, a forward/backward pair of programs sharing one pool, and a t
 from __future__ import annotations
 
 import ctypes
+import dataclasses
 import weakref
 from collections.abc import Callable, Iterator
 
@@ -16,6 +17,7 @@ import pytest
 import torch
 from torch.multiprocessing.reductions import StorageWeakRef
 
+from ember import instruments
 from ember.instruments import instrument
 from ember.runtime.cudagraphs import runner as cudagraph
 from ember.runtime.cudagraphs.runner import CudaBackend, CudaGraphRunner
@@ -49,6 +51,15 @@ class _FakeGraph:
                 assert x is not None or ptr is None, f"the graph reads freed memory (input {i})"
                 out.append(x)
         return out
+
+
+def _write(old: torch.Tensor, fresh: torch.Tensor) -> None:
+    """A replay writing ``fresh`` into the captured output ``old``; an expanded output (stride 0,
+    one element seen many times, BERT's token-type ids) is written once per element."""
+    for d, stride in enumerate(old.stride()):
+        if stride == 0 and old.shape[d] > 1:
+            old, fresh = old.narrow(d, 0, 1), fresh.narrow(d, 0, 1)
+    old.copy_(fresh)
 
 
 def _leaves(out: object) -> list:
@@ -99,7 +110,7 @@ class FakeGraphs(CudaBackend):
         outputs = run(list(inputs))
         for x, s in zip(inputs, saved):
             if s is not None:
-                x.data.copy_(s)  # .data: restoring contents is not a mutation
+                _write(x.data, s)  # .data: restoring contents is not a mutation
         torch.set_rng_state(rng)
         graph = _FakeGraph(run, list(inputs), outputs)
         graph.pool_memory = made
@@ -114,7 +125,7 @@ class FakeGraphs(CudaBackend):
         torch._C._autograd._unsafe_set_version_counter(tensors, versions)
         for old, fresh in zip(graph.outputs, _leaves(new)):
             if isinstance(old, torch.Tensor) and old.untyped_storage()._cdata != fresh.untyped_storage()._cdata:
-                old.data.copy_(fresh)
+                _write(old.data, fresh)
 
     def recover(self, device: torch.device) -> None:
         self.recovered = True
@@ -146,10 +157,17 @@ def graphs_on_cpu_rule(gm: object, inputs: object, kind: str, target: str, enabl
 
 
 @pytest.fixture
-def graphs_on_cpu() -> Iterator[None]:
+def cuda_graphs_on_cpu() -> Iterator[None]:
     """Ember's programs go through CudaGraphRunner on the CPU stand-in when cudagraphs=True."""
     with instrument(cudagraph_device=FakeGraphs(), capture_rule=graphs_on_cpu_rule):
         yield
+
+
+def graphs_on_cpu(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The same from the middle of a test, until it ends: the stand-in and the capture rule set as
+    the active instruments (ember.instruments, the pipeline's seam for this)."""
+    hooks = dataclasses.replace(instruments.active(), cudagraph_device=FakeGraphs(), capture_rule=graphs_on_cpu_rule)
+    monkeypatch.setattr(instruments, "_ACTIVE", hooks)
 
 
 # The runner decides from addresses: an input that stays put is read in place, one that moves

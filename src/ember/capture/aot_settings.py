@@ -13,6 +13,7 @@ each is a context manager, and everything is restored afterwards.
   compiling in the workers (runtime/precompile.py), and the backward's passes and code generation
   overlap them rather than follow the forward's first run. A backward that fails to compile falls
   back inside ``compile_graph`` as before, so the eager compile raises nothing new.
+- ``rng_ops_kept``: random ops stay ATen ops, whose CUDA kernels are graph-safe (see there).
 - ``gc_paused``: a compile allocates millions of Python objects, which trigger full garbage
   collections, and each full collection walks every object of the process (torch, Triton, the
   model and the compile's own graphs). On a 2-core CPU (``benchmarks/cpu_gc_during_compile.py``,
@@ -89,6 +90,22 @@ def backward_with_forward(on: bool) -> Iterator[None]:
         yield
         return
     with cfg.patch(force_non_lazy_backward_lowering=True):
+        yield
+
+
+@contextlib.contextmanager
+def rng_ops_kept() -> Iterator[None]:
+    """Within the block, AOTAutograd keeps random ops as the ATen ops they are
+    (``functionalize_rng_ops=False``, its default, even if the user turned it on). Their CUDA
+    kernels draw from the default generator's philox state, which a CUDA graph registers and
+    advances at every replay; functionalized, they become ``philox_rand`` with the seed and offset
+    as host-tensor graph inputs, which a replay would read once (runtime/cudagraphs/rules.py)."""
+    from torch._functorch import config as cfg
+
+    if not getattr(cfg, "functionalize_rng_ops", False):
+        yield
+        return
+    with cfg.patch(functionalize_rng_ops=False):
         yield
 
 

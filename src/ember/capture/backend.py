@@ -31,7 +31,7 @@ from torch._functorch.partitioners import min_cut_rematerialization_partition
 from torch._subclasses.fake_tensor import unset_fake_temporarily
 
 from ember import compat
-from ember.capture.aot_settings import aot_graph_text_off, backward_with_forward, gc_paused
+from ember.capture.aot_settings import aot_graph_text_off, backward_with_forward, gc_paused, rng_ops_kept
 from ember.capture.decompositions import decomposition_table
 from ember.capture.instance_norm import rewrite_instance_norm
 from ember.config import Options
@@ -102,6 +102,7 @@ class EmberBackend:
     def __init__(self, options: Options | None = None) -> None:
         self.options = options or Options.from_env()
         self.log = CompileLog()
+        self.programs: list[tuple[GraphRecord, CompiledGraph]] = []  # every compiled graph, with its record
         self.static_compiles: Counter = Counter()  # frame id -> static-shape compiles
         # One CUDA-graph memory pool for every training graph of this model, so that a backward
         # reuses the memory of the activations it consumes (runtime/cudagraphs/runner.py).
@@ -161,11 +162,14 @@ class EmberBackend:
                                      input_signature=_signature(inputs))
                 self.log.graphs.append(record)
                 if _symbolic_inputs(graph, "val") or any(_symbolic(x) for x in inputs):
-                    return _run_as_captured(graph, record)
+                    compiled = _run_as_captured(graph, record)
+                    self.programs.append((record, compiled.ember_graph))
+                    return compiled
                 # AOTAutograd calls compilers with its fake mode active; Ember's compile works on
                 # real constants (folding, cache keys) and enters the graph's fake mode where it needs it.
                 with unset_fake_temporarily():
                     compiled = compile_graph(graph, inputs, self.options, record, target)
+                self.programs.append((record, compiled.ember_graph))  # explain times their calls
                 # Training graphs share the model's pool; an inference graph gets a pool of its own,
                 # measured, pre-sized and released the same way (runtime/cudagraphs/pool.py).
                 share_pool(compiled, self.graph_pool if kind != "inference" else GraphPool(training=False))
@@ -186,7 +190,7 @@ class EmberBackend:
                                inference_compiler=make("inference"),
                                decompositions=_decompositions(_cpu_inference(example_inputs, self.options, target), gpu),
                                partition_fn=_PARTITION)
-        with aot_graph_text_off(), backward_with_forward(gpu), gc_paused():  # capture/aot_settings.py
+        with aot_graph_text_off(), backward_with_forward(gpu), rng_ops_kept(), gc_paused():  # capture/aot_settings.py
             return backend(gm, example_inputs)
 
 

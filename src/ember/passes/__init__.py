@@ -13,6 +13,7 @@ from dataclasses import dataclass
 
 import torch.fx as fx
 
+from ember.passes.attention_seeds import route_attention_seeds
 from ember.passes.cleanup import (
     eliminate_common_subexpressions,
     eliminate_dead_code,
@@ -51,10 +52,13 @@ class PassContext:
 
 
 def passes_for(context: PassContext) -> list[GraphPass]:
-    """The pass pipeline of one graph: cleanup always; channels_last for convolutional graphs on
+    """The pass pipeline of one graph: cleanup always; on CUDA backward graphs, the seeds of
+    memory-efficient attention with dropout routed for CUDA graphs; channels_last for convolutional graphs on
     the GPU targets; freezing, convolution folding and oneDNN library calls for CPU inference
     graphs whose parameters are known."""
     passes = list(DEFAULT_PASSES)
+    if BY_NAME[context.target].runs_on_cuda and context.kind == "backward":
+        passes.append(route_attention_seeds)  # memory-efficient attention's dropout seeds, captured or not
     if context.channels_last and BY_NAME[context.target].gpu_code_path:
         def channels_last_layout(gm: fx.GraphModule) -> int:
             return to_channels_last(gm, context.kind, context.example_inputs)

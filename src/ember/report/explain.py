@@ -5,8 +5,9 @@
     print(report); report.to_html("explain.html"); report.coverage(); report.as_dict()
 
 The model is run once through a fresh ``EmberBackend`` (forward, and backward when the
-output requires grad). The user's weights, buffers, ``.grad`` fields and RNG state are left
-as they were.
+output requires grad), then for a few more timed steps: host milliseconds per step and what ran
+outside the graphs (report/host_time.py). The user's weights, buffers, ``.grad`` fields and RNG
+state are left as they were.
 """
 
 from __future__ import annotations
@@ -26,8 +27,10 @@ from typing import Any
 import torch
 from torch.utils._pytree import tree_leaves
 
+from ember import config
 from ember.capture.backend import EmberBackend, optimize
 from ember.config import Options
+from ember.report.host_time import HostTimes, host_time_section, measure_steps
 from ember.report.html import Section, Table, render_html
 from ember.report.records import STAGES, CompileLog, GraphRecord  # noqa: F401 - STAGES re-exported
 from ember.schedule.rules import CONSTANT_OPS, VIEW_OPS
@@ -83,6 +86,8 @@ class ExplainReport:
     model_compiles: list[str] = field(default_factory=list)  # compile ids, e.g. "0/3"
     model_recompiles: list[str] = field(default_factory=list)  # what changed, per recompile
     model_dynamic: list[str] = field(default_factory=list)  # compile ids of dynamic-shape graphs
+    host: HostTimes | None = None  # steady-state steps after the first call (report/host_time.py)
+    host_note: str = "not measured (steps=0)"  # why ``host`` is None
 
     # -- numbers -------------------------------------------------------------------------------
     @property
@@ -171,6 +176,7 @@ class ExplainReport:
             "kernels": self.kernels, "unique_kernels": self.unique_kernels,
             "layout_conversions": self.layout_conversions(),
             "coverage": self.coverage(), "problems": self.problems(), "graphs": graphs,
+            "host_time": self.host.as_dict() if self.host is not None else {"note": self.host_note},
         }
 
     def sections(self) -> list[Section]:
@@ -178,9 +184,14 @@ class ExplainReport:
         out = []
         if self.problems():
             out.append(Section("Problems", self.problems(), alert=True))
-        out += [self._summary(), self._times(), self._categories(), self._placement(),
+        out += [self._summary(), self._host_section(), self._times(), self._categories(), self._placement(),
                 self._fusion_section(), self._layout_section(), self._fallbacks(), self._coverage_section()]
         return out
+
+    def _host_section(self) -> Section:
+        return host_time_section(self.host, sum(self.graph_breaks.values()), self.dynamo_graphs,
+                                 [f"{n}x {short_reason(r)}" for r, n in self.graph_breaks.most_common()],
+                                 self.host_note)
 
     def layout_conversions(self) -> int:
         """Layout conversions (copies) the channels_last pass inserted, over all graphs."""
@@ -432,10 +443,33 @@ def _own_recompiles(log: CompileLog) -> list[str]:
     return out
 
 
-def explain_with(model: Callable, args: tuple | list = (), kwargs: dict[str, Any] | None = None,
-                 **options: Any) -> ExplainReport:
+def _run_once(compiled: Callable, args: tuple | list, kwargs: dict[str, Any]) -> tuple[float, float, bool]:
+    """One call (and its backward when the output requires grad): (forward s, backward s, training)."""
+    start = time.perf_counter()
+    out = compiled(*args, **kwargs)
+    forward_s = time.perf_counter() - start
+    floats = [t for t in tree_leaves(out) if isinstance(t, torch.Tensor) and t.is_floating_point() and t.requires_grad]
+    if not (floats and torch.is_grad_enabled()):
+        return forward_s, 0.0, False
+    loss = sum(t.sum() for t in floats)
+    leaves = _leaves_needing_grad(loss)
+    start = time.perf_counter()
+    # autograd.grad, not .backward(): the backward graph compiles and runs, no .grad is touched.
+    torch.autograd.grad(loss, leaves, allow_unused=True)
+    return forward_s, time.perf_counter() - start, True
+
+
+def _device_sync(args: tuple | list, kwargs: dict[str, Any]) -> Callable[[], None] | None:
+    if any(isinstance(t, torch.Tensor) and t.is_cuda for t in tree_leaves((args, kwargs))):
+        return torch.cuda.synchronize
+    return None
+
+
+def explain_with(model: Callable, args: tuple | list = (), kwargs: dict[str, Any] | None = None, *,
+                 steps: int | None = None, **options: Any) -> ExplainReport:
     """Compile ``model`` with Ember ``options``, call ``model(*args, **kwargs)`` once (and backward
-    when the output requires grad) and return the report."""
+    when the output requires grad), then ``steps`` more timed steps after two warm-up steps
+    (``EMBER_EXPLAIN_STEPS``, default 3; 0: none) for the host time per step, and return the report."""
     from torch._dynamo.utils import counters
 
     history = getattr(getattr(model, "_ember_backend", None), "log", None)
@@ -444,23 +478,19 @@ def explain_with(model: Callable, args: tuple | list = (), kwargs: dict[str, Any
     timed = _TimedBackend(backend)
     compiled = optimize(model, timed, isolate_recompiles=True)
     breaks_before = Counter(counters["graph_break"])
-    backward_s, training = 0.0, False
+    kwargs = kwargs or {}
+    steps = config.explain_steps() if steps is None else steps
+    host, host_note = None, "not measured (steps=0)"
+    inputs = [t for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
+    versions = [t._version for t in inputs]
     with _preserve_state(model):
-        start = time.perf_counter()
-        out = compiled(*args, **(kwargs or {}))
-        forward_s = time.perf_counter() - start
-        floats = [t for t in tree_leaves(out)
-                  if isinstance(t, torch.Tensor) and t.is_floating_point() and t.requires_grad]
-        if floats and torch.is_grad_enabled():
-            training = True
-            loss = sum(t.sum() for t in floats)
-            leaves = _leaves_needing_grad(loss)
-            start = time.perf_counter()
-            # autograd.grad, not .backward(): the backward graph compiles and runs, no .grad is touched.
-            torch.autograd.grad(loss, leaves, allow_unused=True)
-            backward_s = time.perf_counter() - start
-        del out
-    breaks = Counter(counters["graph_break"])
+        forward_s, backward_s, training = _run_once(compiled, args, kwargs)
+        breaks = Counter(counters["graph_break"])
+        if steps > 0 and versions != [t._version for t in inputs]:
+            host_note = "not measured: the model writes its inputs, and more steps would change the caller's tensors"
+        elif steps > 0:  # report/host_time.py
+            host = measure_steps(lambda: _run_once(compiled, args, kwargs), lambda: list(backend.programs),
+                                 steps, synchronize=_device_sync(args, kwargs))
     breaks.subtract(breaks_before)
     log = backend.log
     measured = [g.first_call_s for g in log.graphs if g.first_call_s is not None]
@@ -475,7 +505,7 @@ def explain_with(model: Callable, args: tuple | list = (), kwargs: dict[str, Any
         dynamo_graphs=len(log.frames), graph_breaks=+breaks, recompiles=_own_recompiles(log),
         model_compiles=[cid for cid, _ in history.frames] if history else [],
         model_recompiles=list(history.recompiles) if history else [],
-        model_dynamic=list(history.dynamic) if history else [])
+        model_dynamic=list(history.dynamic) if history else [], host=host, host_note=host_note)
 
 
 def explain(model: Callable, *args: Any, **kwargs: Any) -> ExplainReport:

@@ -158,6 +158,8 @@ def classify(node: fx.Node) -> Classification:
 
 # Ember's custom ops (opaque to the planner; each runs one kernel) and what runs behind them.
 EMBER_OPS = {
+    "attention_seeds": "memory-efficient attention's dropout seed and offset, on the host uncaptured and on the "
+                       "device under CUDA-graph capture (passes/attention_seeds.py)",
     "upsample_nearest": "ATen's kernel behind Ember's custom op upsample_nearest (ops/upsample.py)",
     "upsample_nearest_backward": "ATen's kernel behind Ember's custom op upsample_nearest_backward "
                                  "(ops/upsample.py)",

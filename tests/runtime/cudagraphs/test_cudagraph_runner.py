@@ -362,7 +362,7 @@ def _check_module():
 
 
 @pytest.mark.parametrize("mode", ["plain", "accumulate", "together"])
-def test_gpu_check_training_rows_pass_on_cpu(graphs_on_cpu, monkeypatch, mode: str) -> None:
+def test_gpu_check_training_rows_pass_on_cpu(cuda_graphs_on_cpu, monkeypatch, mode: str) -> None:
     check = _check_module()
     row = check.check_training("convnet", "fp32", mode, device="cpu", steps=3, graphs_off=mode == "plain",
                                compile_fn=functools.partial(ember.compile, target="aten"))
@@ -372,7 +372,7 @@ def test_gpu_check_training_rows_pass_on_cpu(graphs_on_cpu, monkeypatch, mode: s
     assert "convnet" in check.table([row]) and "NO" not in check.table([row])
 
 
-def test_gpu_check_fails_when_a_replay_overwrites_held_outputs(graphs_on_cpu, monkeypatch) -> None:
+def test_gpu_check_fails_when_a_replay_overwrites_held_outputs(cuda_graphs_on_cpu, monkeypatch) -> None:
     check = _check_module()
     monkeypatch.setattr(cudagraph, "is_held", lambda grp: False)  # the runner's guard, switched off
     row = check.check_training("convnet", "fp32", "together", device="cpu", steps=3, graphs_off=False,
@@ -426,7 +426,7 @@ def test_forward_and_backward_share_one_pool_and_the_backward_reads_activations_
     assert "memory pool shared" in bw.status and "1 other graph" in bw.status
 
 
-def test_ember_training_graphs_get_the_models_pool(graphs_on_cpu, monkeypatch) -> None:
+def test_ember_training_graphs_get_the_models_pool(cuda_graphs_on_cpu, monkeypatch) -> None:
     torch._dynamo.reset()
     model = bn_dropout_net()
     compiled = ember.compile(model, target="aten")
@@ -437,7 +437,7 @@ def test_ember_training_graphs_get_the_models_pool(graphs_on_cpu, monkeypatch) -
     assert compiled._ember_backend.graph_pool.state is not None
 
 
-def test_an_inference_graph_gets_a_pool_of_its_own(graphs_on_cpu, monkeypatch) -> None:
+def test_an_inference_graph_gets_a_pool_of_its_own(cuda_graphs_on_cpu, monkeypatch) -> None:
     # Sized on its first call and released like the training pool (runtime/cudagraphs/pool.py), but
     # apart from it: inference and training graphs of one model never share memory.
     torch._dynamo.reset()
@@ -463,7 +463,7 @@ class _ScalesItsInput(nn.Module):
         return self.lin(x) + y
 
 
-def test_inference_inputs_moving_between_calls_are_copied_into_the_graphs_pool(graphs_on_cpu, monkeypatch) -> None:
+def test_inference_inputs_moving_between_calls_are_copied_into_the_graphs_pool(cuda_graphs_on_cpu, monkeypatch) -> None:
     # Both are only read by the program (AOTAutograd applies the module's write to x after it,
     # from an output), so both buffers lie in the graph's pool and die after their last read:
     # each replay copies the new batch there and the caller still sees eager's values.

@@ -42,11 +42,15 @@ GRAPH_SAFE_RANDOM = {
     # generator's device memory and writes them into CUDA tensors that the backward reads
     # (uncaptured they are host tensors, which the runner never captures as inputs: see
     # ``_capture``). PyTorch's own CUDA-graph support (Inductor's cudagraph trees) relies on it.
-    # Memory-efficient attention is left out: its backward is a seeded op this list does not
-    # hold, so its forward would be captured (device seeds) and its backward not, and the
-    # uncaptured backward then crashed on the H100 reading those seeds (segmentation fault,
-    # BERT with dropout: benchmarks/h100_2026-11-23_session4/call5/bert_graphs.log).
     "_scaled_dot_product_flash_attention", "_flash_attention_forward",
+    # Memory-efficient attention: host seeds uncaptured, device seeds captured, and its backward
+    # reads them by its own capture status. An uncaptured backward after a replayed forward once
+    # read device seeds on the host (segmentation fault on the H100, BERT with dropout:
+    # benchmarks/h100_2026-11-23_session4/call5/bert_graphs.log); Ember's CUDA backward graphs
+    # now pass the seeds through ember::attention_seeds, which hands either form over
+    # (passes/attention_seeds.py), and a capture never reads host seeds (runtime/cudagraph.py).
+    "_scaled_dot_product_efficient_attention", "_scaled_dot_product_efficient_attention_backward",
+    "_efficient_attention_forward",
     # cuDNN attention (what torch 2.11 picks for BERT on the H100): its forward, captured and
     # replayed 8 steps, gave eager's losses within 1.5e-3 with dropout 0.1 (eager's masks;
     # benchmarks/h100_train_cudagraph_run2.json). Its backward draws nothing new: it rebuilds the

@@ -50,9 +50,12 @@ The rules a replay must keep, and how:
   and every graph is captured again into the new one, on its next call.
 - Random ops draw from the default CUDA generator's philox stream: a captured graph reads
   seed and offset from device memory that ``CUDAGraph.replay()`` advances, so each replay
-  draws new numbers, the same ones uncaptured calls would. Attention with dropout too (its
-  seed reaches the backward in a CUDA tensor when captured, a host tensor when not: a host
-  input that changes between calls is never captured). Random ops outside that set, or with an
+  draws new numbers, the same ones uncaptured calls would. The backward reuses the forward's
+  mask (a saved output), it draws nothing. Attention with dropout too: flash and cuDNN keep
+  their seeds on the device; memory-efficient attention's are host tensors when uncaptured and
+  device tensors when captured, so a capture is deferred while an input is a host tensor, and
+  its backward takes them through ``ember::attention_seeds`` (passes/attention_seeds.py), which
+  gives it the form its own capture status reads. Random ops outside that set, or with an
   explicit generator, are refused.
 - At most ``MAX_CAPTURES`` captures; the last one copies every input in and every output out,
   so it never needs another. A capture that fails runs the program uncaptured from then on
@@ -119,7 +122,7 @@ class CudaGraphRunner:
                  read_only: frozenset[int] = frozenset()) -> None:
         self.run = run
         self.title = title
-        # Inputs the program never writes (capture_rules.read_only_inputs): their copy buffers
+        # Inputs the program never writes (rules.read_only_inputs): their copy buffers
         # may live in the graph's pool and die after their last read.
         self.read_only = read_only if pooled_inputs_enabled() else frozenset()
         self.on_status = on_status
