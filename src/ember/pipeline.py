@@ -179,6 +179,9 @@ def _compile(gm: fx.GraphModule, example_inputs: list, options: Options, record:
     _dump(options, f"{slug}/00_captured.py", gm.code)
     # Decided on the captured graph, before the passes rewrite it in place.
     blocker = cudagraph_blocker(gm, example_inputs, record.kind, target, options.cudagraphs)
+    # Whole-step programs turn per-graph capture off and capture the step around this program.
+    record.whole_step_blocker = blocker if options.cudagraphs else cudagraph_blocker(gm, example_inputs, record.kind,
+                                                                                    target, True)
     read_only = read_only_inputs(gm) if blocker is None else frozenset()
     store = ProgramStore(options.cache_root()) if caching_enabled(options.cache) else None
     # The layout option changes the program: part of the key.
