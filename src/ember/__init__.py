@@ -2,6 +2,8 @@
 
     model = ember.compile(model)          # or torch.compile(model, backend="ember")
     print(ember.explain(model, x))        # what ran where, and why
+    step = ember.compile_step(lambda x, y: F.cross_entropy(model(x), y), optimizer=opt)
+    loss = step(x, y)                     # forward, backward, optimizer step: one CUDA graph
 """
 
 from __future__ import annotations
@@ -11,12 +13,14 @@ from collections.abc import Callable
 from typing import Any
 
 __version__ = "0.1.0"
-__all__ = ["compile", "explain", "EmberBackend", "EmberMismatchError", "Options", "__version__"]
+__all__ = ["compile", "compile_step", "train_step", "explain", "EmberBackend", "EmberMismatchError", "Options",
+           "TrainStep", "__version__"]
 
 # Names imported on first use: a kernel-compile worker (runtime/precompile.py) imports
 # ember.runtime.precompile, and with it this package, without paying for Dynamo's import.
 _LAZY = {"EmberBackend": "ember.capture.backend", "ember_backend": "ember.capture.backend",
-         "Options": "ember.config", "EmberMismatchError": "ember.runtime.program"}
+         "Options": "ember.config", "EmberMismatchError": "ember.runtime.program",
+         "compile_step": "ember.train.step", "train_step": "ember.train.step", "TrainStep": "ember.train.step"}
 
 
 def __getattr__(name: str) -> Any:
@@ -35,7 +39,16 @@ def compile(model: Callable, **options: Any) -> Callable:  # noqa: A001 - mirror
     "aten"), ``check`` (compare with eager on the first call), ``debug_dir``, ``cache_dir``,
     ``max_recompiles`` (static shape specialisations per frame before one dynamic-shape graph;
     see ``ember.capture.backend``).
+
+    With ``optimizer=`` (and optionally ``scaler``, ``clip_grad_norm``, ``accumulate``, ``model``),
+    ``model`` is a training function ``fn(*batch) -> loss`` and the result a whole-step program:
+    ``ember.compile_step(fn, optimizer, ...)`` (see ``ember.train.step``).
     """
+    if options.get("optimizer") is not None:
+        from ember.train.step import compile_step
+        return compile_step(model, **options)
+    options.pop("optimizer", None)
+
     from ember.capture.backend import EmberBackend, optimize
     from ember.config import Options
 
@@ -47,6 +60,8 @@ def compile(model: Callable, **options: Any) -> Callable:  # noqa: A001 - mirror
 
 def explain(model: Callable, *args: Any, **kwargs: Any) -> Any:
     """Compile and run ``model(*args, **kwargs)`` once and report what ran where (see report.explain)."""
+    if getattr(model, "_ember_whole_step", False):
+        return model.explain()  # a whole-step program reports what it did so far
     from ember.report.explain import explain as _explain
     return _explain(model, *args, **kwargs)
 

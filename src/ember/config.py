@@ -118,3 +118,16 @@ class Options:
 
     def kernel_dir(self) -> Path:
         return self.cache_root() / "kernels"
+
+
+# Whole-step training programs (ember.compile_step, src/ember/train/).
+def whole_step_cudagraph_enabled() -> bool:
+    """``EMBER_WHOLE_STEP_CUDAGRAPH=0``: whole-step programs on CUDA run uncaptured (compiled model,
+    eager optimizer) instead of replaying one CUDA graph per step."""
+    return os.environ.get("EMBER_WHOLE_STEP_CUDAGRAPH", "1") not in ("0", "false", "")
+
+
+def whole_step_warmup() -> int:
+    """Optimizer steps a whole-step program runs uncaptured on CUDA before it captures
+    (``EMBER_WHOLE_STEP_WARMUP``, default 3, as PyTorch's whole-network capture recipe warms up)."""
+    return max(1, _env_int("EMBER_WHOLE_STEP_WARMUP", 3))

@@ -110,6 +110,9 @@ def _compile(job: GraphJob, reference: fx.GraphModule | None) -> CompiledGraph:
     # Decided on the captured graph, before the passes rewrite it in place.
     rule = instruments.active().capture_rule or cudagraph_blocker
     blocker = rule(gm, job.example_inputs, record.kind, job.target.name, job.options.cudagraphs)
+    # Whole-step programs turn per-graph capture off and capture the step around this program.
+    record.whole_step_blocker = (blocker if job.options.cudagraphs
+                                 else rule(gm, job.example_inputs, record.kind, job.target.name, True))
     read_only = read_only_inputs(gm) if blocker is None else frozenset()
     store, key = _cache_key(job)
     if store is not None and key is not None and not job.options.debug_dir and job.level == 0:

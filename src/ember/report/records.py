@@ -34,6 +34,8 @@ class GraphRecord:
     kernel_sources: dict[str, str] = field(default_factory=dict)
     first_call_s: float | None = None
     cudagraph: str = ""  # "captured ..." or why the program runs without a CUDA graph
+    # Why this program could not sit inside a whole-step CUDA graph (train/capture.py); None: it can.
+    whole_step_blocker: str | None = None
     layout: dict = field(default_factory=dict)  # passes/layout.py: conversions, saved-output strides
     cache: str = ""  # compiled-program cache: hit | stored | miss | off | not cacheable (...)
     compile_note: str = ""  # where the kernel_compile stage went (runtime/precompile.py)

@@ -1,0 +1,397 @@
+"""A whole training step as CUDA graphs, after PyTorch's whole-network capture recipe.
+
+    warm-up     ``warmup`` optimizer steps run uncaptured on a side stream (lazy initialisation:
+                optimizer state, momentum buffers, cuBLAS workspaces, Ember's kernels); the last
+                one under ``torch.cuda.set_sync_debug_mode("warn")``: a step that waits for the
+                device (``.item()``, a host-side inf check) cannot be captured.
+    capture     with every gradient set to None, ``torch.cuda.graph`` records forward, loss,
+                backward, clipping, the GradScaler and ``optimizer.step()`` reading the batch from
+                static input buffers; the backward then allocates the gradients in the graph's
+                pool and every replay writes this step's gradients there (the zero_grad).
+                With ``accumulate=N`` there are up to three graphs in one pool: the first
+                micro-step (fresh gradients), the middle ones (accumulate in place) and the last
+                (accumulate, then update).
+    replay      copy the batch into the static buffers, replay, hand out a copy of the loss.
+
+What capture changes in the user's optimizer, and why (each makes the replay do what eager does):
+- Adam/AdamW (not fused): ``capturable=True`` (their step then keeps ``step`` on the device and
+  computes bias corrections there instead of reading them on the host); ``state["step"]`` moves
+  to the parameters' device as ``load_state_dict`` does for capturable optimizers.
+- Adam/AdamW and fused SGD: ``lr`` becomes a 0-d float32 tensor on the device, so an LR scheduler's
+  new rate (PyTorch's schedulers ``fill_`` a tensor lr in place) reaches the replays.
+- foreach SGD reads ``lr`` as a Python number (``alpha=-lr``): the graph holds the value it was
+  captured with. Every replay first compares each param_group's hyperparameters with those
+  captured; a change (a StepLR decay) captures the step again; a change within ``HYPER_INTERVAL``
+  steps of the last one (a per-step schedule) makes the step run uncaptured from then on, with
+  the reason. Never a replay with a stale value.
+- GradScaler: only with optimizers that take ``grad_scale``/``found_inf`` on the device (fused
+  SGD/Adam/AdamW): their step skips the update on inf inside the graph, and ``scaler.update()``
+  is device-only. Other optimizers' ``scaler.step`` checks for inf with ``.item()``: uncaptured.
+
+Also checked before each replay: the batch's shapes, strides, dtypes and non-tensor values,
+grad and autocast mode, the model's train/eval flags, the optimizer's state and param_groups
+objects (``load_state_dict`` replaces them: capture again), the parameters' addresses.
+Python side effects inside ``train_fn`` run only when a step is captured or uncaptured: the
+replay runs kernels, nothing else (as in PyTorch's recipe).
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+if TYPE_CHECKING:
+    from ember.train.step import TrainStep
+
+HYPER_INTERVAL = 10  # optimizer steps between hyperparameter changes that still recapture
+MAX_CAPTURES = 32  # then the step runs uncaptured: something changes every few steps
+
+
+class CaptureRefused(Exception):
+    """The step cannot be captured; the message says why."""
+
+
+@dataclass
+class PhaseGraph:
+    """One captured micro-step kind: its graph, its static loss and the gradients it writes."""
+
+    graph: torch.cuda.CUDAGraph
+    loss: torch.Tensor
+    grads: list[torch.Tensor | None]
+
+
+def _phase(first: bool, last: bool) -> str:
+    return "full" if first and last else "first" if first else "last" if last else "middle"
+
+
+def _signature(batch: Sequence[Any], model: torch.nn.Module | None, device: torch.device) -> list:
+    sig: list = [torch.is_grad_enabled(), torch.is_autocast_enabled(device.type),
+                 torch.get_autocast_dtype(device.type)]
+    for x in batch:
+        if isinstance(x, torch.Tensor):
+            sig.append((tuple(x.shape), x.stride(), x.dtype, x.device, x.requires_grad))
+        else:
+            sig.append((type(x), x))
+    if model is not None:
+        sig.append(tuple(m.training for m in model.modules()))
+    return sig
+
+
+def _hyper(group: dict) -> dict:
+    return {k: v for k, v in group.items() if k != "params"}
+
+
+def _hyper_change(old: dict, new: dict) -> str | None:
+    """The first hyperparameter of a param_group that changed (tensors: replaced by another object)."""
+    if old.keys() != new.keys():
+        return f"keys {sorted(set(old) ^ set(new))}"
+    for key, was in old.items():
+        now = new[key]
+        if isinstance(was, torch.Tensor) or isinstance(now, torch.Tensor):
+            if was is not now:
+                return key
+        elif was != now:
+            return key
+    return None
+
+
+class CudaWholeStep:
+    """Captures and replays one ``TrainStep``'s micro-steps on ``device``."""
+
+    def __init__(self, step: TrainStep, device: torch.device) -> None:
+        self.step = step
+        self.device = device
+        self.disabled: str | None = step.blocker
+        self.prepared = False
+        self.changes: list[str] = []  # what capture changed in the optimizer
+        self.graphs: dict[str, PhaseGraph] = {}
+        self.pool: Any = None
+        self.static_batch: tuple | None = None
+        self.signature: list | None = None
+        self.captures = 0
+        self.replays = 0
+        self.warm_steps = 0
+        self.steps_at_capture = 0
+        self.last_hyper_change: int | None = None
+        self.guard: dict[str, Any] = {}
+        self.side: Any = None  # the warm-up stream, made on first use
+
+    # -- one call ------------------------------------------------------------------------------
+
+    def run(self, batch: tuple, first: bool, last: bool) -> tuple[torch.Tensor, bool]:
+        """This micro-step's loss, and whether it replayed a graph."""
+        if self.disabled is None and not self.prepared:
+            self.prepared = True
+            self.disabled = self._prepare()
+        if self.disabled is not None:
+            return self._eager(batch, first, last, self.disabled), False
+        if self.warm_steps < self.step.warmup or (self.captures == 0 and not first):
+            return self._warm_up(batch, first, last), False
+        phase = _phase(first, last)
+        why = self._check(batch, first)
+        if why:
+            return self._eager(batch, first, last, why), False
+        graph = self.graphs.get(phase)
+        if graph is None:
+            if phase != "full" and not first and "first" not in self.graphs:
+                return self._eager(batch, first, last, "waiting for the next optimizer step to capture"), False
+            try:
+                graph = self._capture(first, last)
+            except Exception as err:  # noqa: BLE001 - never fail where eager works
+                self.graphs.clear()
+                self.disabled = f"capture failed ({type(err).__name__}: {str(err).splitlines()[0][:200]})"
+                return self._eager(batch, first, last, self.disabled), False
+            self.graphs[phase] = graph
+        return self._replay(graph, batch), True
+
+    def _eager(self, batch: tuple, first: bool, last: bool, reason: str) -> torch.Tensor:
+        self.step._uncaptured(reason, warn=not reason.startswith("waiting"))
+        if self.graphs:
+            self._restore_grads(next(iter(self.graphs.values())), first)
+            return self.step.run_eager(batch, first, last, set_to_none=False)
+        return self.step.run_eager(batch, first, last)
+
+    def _warm_up(self, batch: tuple, first: bool, last: bool) -> torch.Tensor:
+        """An uncaptured micro-step on a side stream; the last warm-up step also looks for host syncs."""
+        self.step._uncaptured(f"warm-up ({self.step.warmup} optimizer step(s) run uncaptured before capture)",
+                              warn=False)
+        checking = self.warm_steps == self.step.warmup - 1
+        if self.side is None:
+            self.side = torch.cuda.Stream(self.device)
+        self.side.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(self.side):
+            if checking:
+                loss, syncs = self._with_sync_check(batch, first, last)
+            else:
+                loss, syncs = self.step.run_eager(batch, first, last), []
+        torch.cuda.current_stream(self.device).wait_stream(self.side)
+        if last:
+            self.warm_steps += 1
+        if syncs and self.disabled is None:
+            self.disabled = (f"the step waits for the device ({syncs[0]}), which a CUDA graph cannot hold "
+                             "(.item(), .cpu(), a data-dependent shape, or a host-side check)")
+        if self.warm_steps >= self.step.warmup and self.disabled is None:
+            self.disabled = self._graph_blocker()
+        return loss
+
+    def _with_sync_check(self, batch: tuple, first: bool, last: bool) -> tuple[torch.Tensor, list[str]]:
+        previous = torch.cuda.get_sync_debug_mode()
+        with warnings.catch_warnings(record=True) as seen:
+            warnings.simplefilter("always")
+            torch.cuda.set_sync_debug_mode("warn")
+            try:
+                loss = self.step.run_eager(batch, first, last)
+            finally:
+                torch.cuda.set_sync_debug_mode(previous)
+        syncs = [str(w.message).splitlines()[0] for w in seen if "synchroniz" in str(w.message)]
+        for w in seen:  # hand the other warnings on
+            if "synchroniz" not in str(w.message):
+                warnings.warn_explicit(w.message, w.category, w.filename, w.lineno)
+        return loss, syncs
+
+    # -- before the first capture --------------------------------------------------------------
+
+    def _prepare(self) -> str | None:
+        """Make the user's optimizer capturable (see the module docstring); or say why not."""
+        step, opt = self.step, self.step.optimizer
+        params = step.params
+        if not params:
+            return "the optimizer has no parameters"
+        devices = {p.device for p in params}
+        if devices != {self.device}:
+            return f"parameters on {sorted(str(d) for d in devices)}, the batch on {self.device}: one device only"
+        if any(p.is_sparse for p in params):
+            return "sparse parameters are not captured"
+        fused = any(g.get("fused") for g in opt.param_groups)
+        if step.scaler is not None:
+            if not getattr(opt, "_step_supports_amp_scaling", False):
+                return ("GradScaler with a non-fused optimizer: scaler.step checks for inf/NaN with .item() before "
+                        "optimizer.step, which a CUDA graph cannot hold (construct the optimizer with fused=True "
+                        "to capture the whole step)")
+            if getattr(step.scaler, "_device", "cuda") != "cuda":
+                return f"GradScaler on {step.scaler._device}"
+        adam = isinstance(opt, (torch.optim.Adam, torch.optim.AdamW))
+        for group in opt.param_groups:
+            if adam and not group.get("fused") and not group.get("capturable"):
+                group["capturable"] = True
+                self._changed("capturable=True (Adam/AdamW keep step counts and bias corrections on the device)")
+            if (adam or group.get("fused")) and not (isinstance(group["lr"], torch.Tensor)
+                                                     and group["lr"].device == self.device):
+                group["lr"] = torch.tensor(float(group["lr"]), dtype=torch.float32, device=self.device)
+                self._changed("lr is a 0-d tensor on the device (schedulers fill it in place)")
+            if group.get("capturable") or group.get("fused"):
+                for p in group["params"]:
+                    state = opt.state.get(p, {})
+                    if isinstance(state.get("step"), torch.Tensor) and state["step"].device != p.device:
+                        state["step"] = state["step"].to(device=p.device, dtype=torch.float32)
+        if not adam and not fused:
+            self._changed("lr read as a number: a change captures again (or runs uncaptured if it changes "
+                          "every step; SGD(fused=True) takes a tensor lr)")
+        return None
+
+    def _changed(self, what: str) -> None:
+        if what not in self.changes:
+            self.changes.append(what)
+
+    def _graph_blocker(self) -> str | None:
+        """After warm-up: why Ember's compiled graphs of train_fn cannot be captured, if they cannot."""
+        if any(p.grad is not None and p.grad.is_sparse for p in self.step.params):
+            return "sparse gradients are not captured"
+        log = getattr(self.step.backend, "log", None)
+        for record in log.graphs if log is not None else []:
+            if record.dynamic:
+                return f"{record.title} has dynamic shapes"
+            if record.whole_step_blocker:
+                return f"{record.title}: {record.whole_step_blocker}"
+        return None
+
+    # -- guards --------------------------------------------------------------------------------
+
+    def _check(self, batch: tuple, first: bool) -> str | None:
+        """Why this call must not replay (None: replay, capturing first where needed)."""
+        step = self.step
+        sig = _signature(batch, step.model, self.device)
+        if self.signature is None:
+            for i, x in enumerate(batch):
+                if isinstance(x, torch.Tensor) and x.device != self.device:
+                    return f"batch argument {i} is on {x.device}, not {self.device} (move batches to the GPU first)"
+            self.signature = sig
+            self.static_batch = tuple(torch.empty_strided(x.shape, x.stride(), dtype=x.dtype, device=x.device)
+                                      if isinstance(x, torch.Tensor) else x for x in batch)
+        elif sig != self.signature:
+            return "the batch (shapes, strides, dtypes, values), grad/autocast mode or train/eval mode differ from the captured step"
+        if not self.graphs:
+            return None
+        why, hyper = self._guard_change()
+        if why is None:
+            return None
+        if not first:
+            return f"{why}: captured again at the next optimizer step"
+        steps = step.optimizer_steps
+        if hyper:
+            if self.last_hyper_change is not None and steps - self.last_hyper_change < HYPER_INTERVAL:
+                self.disabled = (f"{why} again after {steps - self.last_hyper_change} steps: a value the captured "
+                                 "step reads as a Python number changes too often to capture each time")
+                self._drop()
+                return self.disabled
+            self.last_hyper_change = steps
+        if self.captures >= MAX_CAPTURES:
+            self.disabled = f"{why} after {self.captures} captures"
+            self._drop()
+            return self.disabled
+        self._drop()  # the next _capture records the step anew
+        return None
+
+    def _snapshot(self) -> None:
+        opt = self.step.optimizer
+        self.guard = {"state": opt.state, "groups": opt.param_groups, "group_objs": list(opt.param_groups),
+                      "hyper": [_hyper(g) for g in opt.param_groups],
+                      "ptrs": [p.data_ptr() for p in self.step.params],
+                      "scale": getattr(self.step.scaler, "_scale", None)}
+
+    def _guard_change(self) -> tuple[str | None, bool]:
+        opt, g = self.step.optimizer, self.guard
+        if opt.state is not g["state"] or opt.param_groups is not g["groups"] or \
+                len(opt.param_groups) != len(g["group_objs"]) or \
+                any(a is not b for a, b in zip(opt.param_groups, g["group_objs"])):
+            return "the optimizer's state or param_groups were replaced (load_state_dict?)", False
+        if [p.data_ptr() for p in self.step.params] != g["ptrs"]:
+            return "a parameter moved to other memory", False
+        if getattr(self.step.scaler, "_scale", None) is not g["scale"]:
+            return "the GradScaler's scale tensor was replaced", False
+        for i, (was, group) in enumerate(zip(g["hyper"], opt.param_groups)):
+            key = _hyper_change(was, _hyper(group))
+            if key is not None:
+                return f"param_group {i}'s {key} changed", True
+        return None, False
+
+    # -- capture and replay --------------------------------------------------------------------
+
+    def _drop(self) -> None:
+        self.graphs.clear()
+
+    def _capture(self, first: bool, last: bool) -> PhaseGraph:
+        step = self.step
+        params = step.params
+        before = [p.grad for p in params]
+        scaler_states = _scaler_states(step.scaler)
+        if self.pool is None or first and not self.graphs:
+            self.pool = torch.cuda.graph_pool_handle()  # a fresh pool for a new set of graphs
+        if first:
+            for p in params:
+                p.grad = None  # the backward allocates them in the graph's pool: replays overwrite them
+        graph = torch.cuda.CUDAGraph()
+        assert self.static_batch is not None
+        try:
+            with torch.cuda.graph(graph, pool=self.pool):
+                loss = step.body(self.static_batch, first, last, set_to_none=True)
+        except BaseException:
+            for p, grad in zip(params, before):
+                p.grad = grad
+            _restore_scaler(step.scaler, scaler_states)
+            raise
+        grads = [p.grad for p in params]
+        if not first and any(a is not b for a, b in zip(grads, before)):
+            for p, grad in zip(params, before):
+                p.grad = grad
+            raise CaptureRefused("the backward did not accumulate gradients in place")
+        self.captures += 1
+        if first or not self.guard:
+            self.steps_at_capture = step.optimizer_steps
+            self._snapshot()
+        return PhaseGraph(graph, loss, grads)
+
+    def _restore_grads(self, graph: PhaseGraph, first: bool) -> None:
+        """The gradients a replay writes are the captured tensors: put them back where the user
+        replaced them (``zero_grad()`` between steps), keeping what they hold mid-accumulation."""
+        for p, static in zip(self.step.params, graph.grads):
+            if p.grad is static or static is None:
+                continue
+            if not first:
+                if p.grad is None:
+                    static.zero_()
+                else:
+                    static.copy_(p.grad)
+            p.grad = static
+
+    def _replay(self, graph: PhaseGraph, batch: tuple) -> torch.Tensor:
+        assert self.static_batch is not None
+        for buf, x in zip(self.static_batch, batch):
+            if isinstance(x, torch.Tensor):
+                buf.copy_(x, non_blocking=True)
+        self._restore_grads(graph, graph is self.graphs.get("full") or graph is self.graphs.get("first"))
+        graph.graph.replay()
+        self.replays += 1
+        return graph.loss.clone()  # the next replay overwrites the static loss
+
+    def describe(self) -> str:
+        if self.disabled is not None:
+            return f"uncaptured: {self.disabled}"
+        if not self.graphs:
+            return (f"warming up: {self.warm_steps} of {self.step.warmup} optimizer step(s) run uncaptured "
+                    "before the whole step is captured")
+        phases = ", ".join(self.graphs)
+        text = (f"captured: each micro-step replays one CUDA graph ({len(self.graphs)}: {phases}), "
+                f"{self.replays} replays, {self.captures} capture(s)")
+        if self.changes:
+            text += "; optimizer: " + "; ".join(self.changes)
+        return text
+
+
+def _scaler_states(scaler: Any) -> dict | None:
+    states = getattr(scaler, "_per_optimizer_states", None)
+    return {k: dict(v) for k, v in states.items()} if states is not None else None
+
+
+def _restore_scaler(scaler: Any, states: dict | None) -> None:
+    """A failed capture ran the scaler's Python bookkeeping, not its kernels: undo the bookkeeping."""
+    if scaler is None or states is None:
+        return
+    current = scaler._per_optimizer_states
+    current.clear()
+    for k, v in states.items():
+        current[k] = v

@@ -1,0 +1,373 @@
+"""Whole-step training programs (``ember.compile_step``) against a plain eager training loop.
+
+Each test trains two copies of one model from identical weights on the same fresh random batches:
+one with the whole-step program, one with the canonical eager loop (zero_grad, loss, backward,
+clip, step). Parameters (and losses) must agree within fp32 tolerance after every step, and must
+have moved. On CPU there is no CUDA graph: these check the step's semantics (the optimizer, the
+scheduler, clipping, accumulation, GradScaler, checkpoints, fallbacks); the guards of the CUDA
+capture are checked as pure functions at the end. benchmarks/scripts/gpu_whole_step.py checks
+the captured path on a GPU.
+"""
+
+from __future__ import annotations
+
+import copy
+import io
+import math
+import warnings
+from collections.abc import Callable
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import ember
+from ember.train.capture import CudaWholeStep, _hyper, _hyper_change, _signature
+
+STEPS = 20
+TARGET = "aten"  # the generated-code targets are tested elsewhere; this file tests the step
+
+
+@pytest.fixture(autouse=True)
+def clean_dynamo(monkeypatch: pytest.MonkeyPatch):
+    for name in ("EMBER_TARGET", "EMBER_CUDAGRAPHS", "EMBER_WHOLE_STEP_CUDAGRAPH", "EMBER_WHOLE_STEP_WARMUP"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("EMBER_STRICT", "1")
+    torch._dynamo.reset()
+    torch.manual_seed(1234)
+    yield
+    torch._dynamo.reset()
+
+
+def mlp() -> torch.nn.Module:
+    return torch.nn.Sequential(torch.nn.Linear(8, 32), torch.nn.GELU(), torch.nn.LayerNorm(32),
+                               torch.nn.Linear(32, 4))
+
+
+class SmallConvNet(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv1 = torch.nn.Conv2d(3, 8, 3, padding=1, bias=False)  # bias before BN: zero gradient
+        self.bn = torch.nn.BatchNorm2d(8)
+        self.conv2 = torch.nn.Conv2d(8, 8, 3, stride=2, padding=1)
+        self.fc = torch.nn.Linear(8, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = F.relu(self.bn(self.conv1(x)))
+        x = F.relu(self.conv2(x))
+        return self.fc(x.mean(dim=(2, 3)))
+
+
+def batch_for(model: torch.nn.Module, n: int = 6) -> tuple[torch.Tensor, torch.Tensor]:
+    if isinstance(model, SmallConvNet):
+        return torch.randn(n, 3, 8, 8), torch.randint(0, 4, (n,))
+    return torch.randn(n, 8), torch.randint(0, 4, (n,))
+
+
+def twins(make: Callable[[], torch.nn.Module]) -> tuple[torch.nn.Module, torch.nn.Module]:
+    torch.manual_seed(0)
+    model = make()
+    return model, copy.deepcopy(model)
+
+
+def loss_of(model: torch.nn.Module) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
+    return lambda x, y: F.cross_entropy(model(x), y)
+
+
+def eager_step(model, opt, x, y, clip: float | None = None, scaler=None) -> torch.Tensor:
+    """The canonical eager loop's step."""
+    opt.zero_grad()
+    loss = F.cross_entropy(model(x), y)
+    (scaler.scale(loss) if scaler is not None else loss).backward()
+    if clip is not None:
+        if scaler is not None:
+            scaler.unscale_(opt)
+        torch.nn.utils.clip_grad_norm_(list(model.parameters()), clip)
+    if scaler is not None:
+        scaler.step(opt)
+        scaler.update()
+    else:
+        opt.step()
+    return loss.detach()
+
+
+def assert_same_params(got: torch.nn.Module, want: torch.nn.Module, what: str, tol: float = 2e-5) -> None:
+    for (name, p), (_, q) in zip(got.named_parameters(), want.named_parameters()):
+        torch.testing.assert_close(p.detach(), q.detach(), rtol=tol, atol=tol, msg=lambda m, name=name: f"{what} {name}: {m}")
+    for (name, b), (_, c) in zip(got.named_buffers(), want.named_buffers()):
+        torch.testing.assert_close(b, c, rtol=tol, atol=tol, msg=lambda m, name=name: f"{what} buffer {name}: {m}")
+
+
+def assert_moved(model: torch.nn.Module, initial: list[torch.Tensor]) -> None:
+    moved = [not torch.equal(p.detach(), p0) for p, p0 in zip(model.parameters(), initial)]
+    assert all(moved), f"parameters that never changed: {[i for i, m in enumerate(moved) if not m]}"
+
+
+OPTIMIZERS = {
+    "sgd_momentum_nesterov_wd": lambda ps: torch.optim.SGD(ps, lr=0.05, momentum=0.9, nesterov=True,
+                                                           weight_decay=1e-2),
+    "sgd_momentum_foreach": lambda ps: torch.optim.SGD(ps, lr=0.05, momentum=0.9, foreach=True),
+    "adam": lambda ps: torch.optim.Adam(ps, lr=1e-2),
+    "adam_amsgrad_wd": lambda ps: torch.optim.Adam(ps, lr=1e-2, amsgrad=True, weight_decay=1e-2),
+    "adamw": lambda ps: torch.optim.AdamW(ps, lr=1e-2, weight_decay=0.1),
+}
+
+
+# Every optimizer on the MLP; the conv net (batch norm) with one SGD and one Adam-family optimizer.
+CASES = [(mlp, name) for name in OPTIMIZERS] + [(SmallConvNet, "sgd_momentum_nesterov_wd"), (SmallConvNet, "adamw")]
+
+
+@pytest.mark.parametrize(("make", "name"), CASES, ids=[f"{m.__name__}-{n}" for m, n in CASES])
+def test_optimizers_match_eager(make: Callable[[], torch.nn.Module], name: str) -> None:
+    model, ref = twins(make)
+    initial = [p.detach().clone() for p in model.parameters()]
+    opt, ref_opt = OPTIMIZERS[name](model.parameters()), OPTIMIZERS[name](ref.parameters())
+    step = ember.compile_step(loss_of(model), opt, model=model, target=TARGET)
+    for i in range(STEPS):
+        x, y = batch_for(model)
+        loss = step(x, y)
+        want = eager_step(ref, ref_opt, x, y)
+        torch.testing.assert_close(loss, want, rtol=1e-5, atol=1e-5, msg=lambda m, i=i: f"loss at step {i}: {m}")
+        assert_same_params(model, ref, f"step {i}")
+    assert_moved(model, initial)
+    assert step.optimizer_steps == STEPS and step.calls == STEPS
+    report = step.explain()
+    assert {"forward", "backward"} <= {t.split()[0] for t in report.graphs}, report.graphs
+    # The optimizer's own state is the user's: same keys and values as eager's.
+    for p, q in zip(model.parameters(), ref.parameters()):
+        for key, value in ref_opt.state[q].items():
+            torch.testing.assert_close(opt.state[p][key], value, rtol=2e-5, atol=2e-5)
+
+
+@pytest.mark.parametrize("sched", ["step_lr", "one_cycle"])
+def test_lr_scheduler_changes_the_rate(sched: str) -> None:
+    model, ref = twins(mlp)
+    if sched == "step_lr":
+        opt, ref_opt = (torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9) for m in (model, ref))
+        make = lambda o: torch.optim.lr_scheduler.StepLR(o, step_size=5, gamma=0.3)  # noqa: E731
+    else:
+        opt, ref_opt = (torch.optim.Adam(m.parameters(), lr=1e-2) for m in (model, ref))
+        make = lambda o: torch.optim.lr_scheduler.OneCycleLR(o, max_lr=0.05, total_steps=STEPS + 4)  # noqa: E731
+    scheduler, ref_scheduler = make(opt), make(ref_opt)
+    step = ember.compile_step(loss_of(model), opt, target=TARGET)
+    rates = set()
+    for i in range(STEPS):
+        x, y = batch_for(model)
+        step(x, y)
+        eager_step(ref, ref_opt, x, y)
+        scheduler.step()
+        ref_scheduler.step()
+        rates.add(round(float(opt.param_groups[0]["lr"]), 8))
+        assert_same_params(model, ref, f"step {i}")
+    assert len(rates) >= 4, rates  # the schedule did change the rate
+
+
+def test_gradient_clipping_by_norm() -> None:
+    model, ref = twins(mlp)
+    opt, ref_opt = (torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.5) for m in (model, ref))
+    clip = 0.05
+    step = ember.compile_step(loss_of(model), opt, clip_grad_norm=clip, target=TARGET)
+    norms_before_clip = []
+    for i in range(STEPS):
+        x, y = batch_for(model)
+        step(x, y)
+        ref_opt.zero_grad()
+        F.cross_entropy(ref(x), y).backward()
+        norms_before_clip.append(float(torch.nn.utils.clip_grad_norm_(list(ref.parameters()), clip)))
+        ref_opt.step()
+        assert_same_params(model, ref, f"step {i}")
+        # The step's gradients (kept after the step) are the clipped ones.
+        norm = math.sqrt(sum(float(p.grad.pow(2).sum()) for p in model.parameters()))
+        assert norm <= clip * (1 + 1e-4), (i, norm)
+    assert min(norms_before_clip) > clip  # every step was clipped: the clip mattered
+
+
+def test_gradient_accumulation_over_micro_steps() -> None:
+    model, ref = twins(mlp)
+    opt, ref_opt = (torch.optim.AdamW(m.parameters(), lr=1e-2, weight_decay=0.05) for m in (model, ref))
+    n = 3
+    step = ember.compile_step(loss_of(model), opt, accumulate=n, clip_grad_norm=1.0, target=TARGET)
+    for k in range(8):
+        ref_opt.zero_grad()
+        before = [p.detach().clone() for p in model.parameters()]
+        for j in range(n):
+            x, y = batch_for(model, 4)
+            loss = step(x, y)
+            want = F.cross_entropy(ref(x), y)
+            (want / n).backward()
+            torch.testing.assert_close(loss, want.detach(), rtol=1e-5, atol=1e-5)
+            if j < n - 1:  # no update until the last micro-step
+                assert all(torch.equal(p.detach(), b) for p, b in zip(model.parameters(), before))
+        torch.nn.utils.clip_grad_norm_(list(ref.parameters()), 1.0)
+        ref_opt.step()
+        assert_same_params(model, ref, f"optimizer step {k}")
+    assert step.optimizer_steps == 8 and step.calls == 24
+
+
+def test_checkpoint_resume_mid_run() -> None:
+    model, ref = twins(SmallConvNet)
+    make_opt = lambda ps: torch.optim.AdamW(ps, lr=1e-2, weight_decay=0.1)  # noqa: E731
+    opt, ref_opt = make_opt(model.parameters()), make_opt(ref.parameters())
+    scheduler = torch.optim.lr_scheduler.StepLR(opt, step_size=4, gamma=0.5)
+    ref_scheduler = torch.optim.lr_scheduler.StepLR(ref_opt, step_size=4, gamma=0.5)
+    step = ember.compile_step(loss_of(model), opt, target=TARGET)
+    batches = [batch_for(model) for _ in range(STEPS)]
+    half = STEPS // 2
+    for x, y in batches[:half]:
+        step(x, y)
+        scheduler.step()
+    buffer = io.BytesIO()
+    torch.save({"model": model.state_dict(), "optimizer": opt.state_dict(), "scheduler": scheduler.state_dict()},
+               buffer)
+    del step, opt, scheduler, model
+    torch._dynamo.reset()
+    buffer.seek(0)
+    checkpoint = torch.load(buffer, weights_only=True)
+    torch.manual_seed(99)
+    resumed = SmallConvNet()  # fresh weights, replaced by the checkpoint's
+    resumed.load_state_dict(checkpoint["model"])
+    opt2 = make_opt(resumed.parameters())
+    opt2.load_state_dict(checkpoint["optimizer"])
+    scheduler2 = torch.optim.lr_scheduler.StepLR(opt2, step_size=4, gamma=0.5)
+    scheduler2.load_state_dict(checkpoint["scheduler"])
+    step2 = ember.compile_step(loss_of(resumed), opt2, target=TARGET)
+    for i, (x, y) in enumerate(batches):
+        eager_step(ref, ref_opt, x, y)
+        ref_scheduler.step()
+        if i >= half:
+            step2(x, y)
+            scheduler2.step()
+            assert_same_params(resumed, ref, f"step {i} (resumed at {half})")
+        elif i == half - 1:
+            assert_same_params(resumed, ref, "the checkpoint")
+    assert opt2.param_groups[0]["lr"] == pytest.approx(ref_opt.param_groups[0]["lr"])
+
+
+def test_grad_scaler_skips_steps_on_inf() -> None:
+    scaler_cls = getattr(torch.amp, "GradScaler", None)
+    if scaler_cls is None:
+        pytest.skip("torch.amp.GradScaler not available")
+    try:
+        scaler_cls("cpu")
+    except Exception as err:  # noqa: BLE001
+        pytest.skip(f"GradScaler('cpu') unusable here: {err}")
+    model, ref = twins(mlp)
+    opt, ref_opt = (torch.optim.SGD(m.parameters(), lr=0.05, momentum=0.9) for m in (model, ref))
+    scaler = scaler_cls("cpu", init_scale=2.0 ** 12, growth_interval=4)
+    ref_scaler = scaler_cls("cpu", init_scale=2.0 ** 12, growth_interval=4)
+    step = ember.compile_step(loss_of(model), opt, scaler=scaler, clip_grad_norm=2.0, target=TARGET)
+    bad_steps = {5, 6, 13}
+    scales = set()
+    for i in range(STEPS):
+        x, y = batch_for(model)
+        if i in bad_steps:
+            x[0, 0] = float("inf")  # the loss and gradients overflow: the update must be skipped
+        before = [p.detach().clone() for p in model.parameters()]
+        step(x, y)
+        eager_step(ref, ref_opt, x, y, clip=2.0, scaler=ref_scaler)
+        assert scaler.get_scale() == ref_scaler.get_scale(), i
+        scales.add(scaler.get_scale())
+        if i in bad_steps:
+            assert all(torch.equal(p.detach(), b) for p, b in zip(model.parameters(), before)), f"step {i} not skipped"
+        assert_same_params(model, ref, f"step {i}")
+    assert len(scales) >= 3, scales  # it backed off on inf and grew after good steps
+
+
+def test_lbfgs_falls_back_with_a_reason() -> None:
+    model, ref = twins(mlp)
+    opt, ref_opt = (torch.optim.LBFGS(m.parameters(), lr=0.5, max_iter=4) for m in (model, ref))
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        step = ember.compile_step(loss_of(model), opt, target=TARGET)
+    assert any("LBFGS needs a closure" in str(w.message) for w in seen), [str(w.message) for w in seen]
+    for i in range(6):
+        x, y = batch_for(model)
+        loss = step(x, y)
+
+        def closure(x=x, y=y) -> torch.Tensor:
+            ref_opt.zero_grad()
+            out = F.cross_entropy(ref(x), y)
+            out.backward()
+            return out
+        want = ref_opt.step(closure)
+        # LBFGS's line search amplifies rounding differences of the compiled forward: looser tolerances.
+        torch.testing.assert_close(loss, want.detach(), rtol=2e-4, atol=2e-4)
+        assert_same_params(model, ref, f"LBFGS step {i}", tol=2e-4)
+    assert "LBFGS needs a closure" in step.status
+    report = ember.explain(step)
+    assert "LBFGS needs a closure" in str(report) and report.uncaptured_calls
+    with pytest.raises(ValueError, match="accumulate"):
+        ember.compile_step(loss_of(model), opt, accumulate=2, target=TARGET)
+
+
+def test_entry_points_and_bad_input() -> None:
+    model, ref = twins(mlp)
+    opt, ref_opt = (torch.optim.Adam(m.parameters(), lr=1e-2) for m in (model, ref))
+    step = ember.compile(loss_of(model), optimizer=opt, target=TARGET)
+    assert isinstance(step, ember.TrainStep)
+
+    @ember.train_step(ref_opt, target=TARGET)
+    def ref_step(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        return F.cross_entropy(ref(x), y)
+    for _ in range(3):
+        x, y = batch_for(model)
+        step(x, y)
+        ref_step(x, y)
+    assert_same_params(model, ref, "ember.compile(optimizer=) vs @ember.train_step")
+    bad = ember.compile_step(lambda x, y: model(x), opt, target=TARGET)
+    with pytest.raises(TypeError, match="must return the loss"):
+        bad(*batch_for(model))
+    with pytest.raises(ValueError, match="accumulate"):
+        ember.compile_step(loss_of(model), opt, accumulate=0)
+
+
+# -- the CUDA capture's guards, as pure functions (no GPU needed) ---------------------------------
+
+
+def test_capture_guards_see_scheduler_and_checkpoint_changes() -> None:
+    model = mlp()
+    x, y = batch_for(model)
+    assert _signature((x, y), model, torch.device("cpu")) == _signature((x.clone(), y), model, torch.device("cpu"))
+    assert _signature((x, y), model, torch.device("cpu")) != _signature((x[:3], y[:3]), model, torch.device("cpu"))
+    model.eval()
+    eval_sig = _signature((x, y), model, torch.device("cpu"))
+    model.train()
+    assert eval_sig != _signature((x, y), model, torch.device("cpu"))
+    # A float lr that a scheduler replaces is a change; a tensor lr it fills in place is not.
+    sgd = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    scheduler = torch.optim.lr_scheduler.StepLR(sgd, step_size=1, gamma=0.5)
+    before = _hyper(sgd.param_groups[0])
+    sgd.step()
+    scheduler.step()
+    assert _hyper_change(before, _hyper(sgd.param_groups[0])) == "lr"
+    adam = torch.optim.Adam(model.parameters(), lr=torch.tensor(0.01))
+    scheduler = torch.optim.lr_scheduler.StepLR(adam, step_size=1, gamma=0.5)
+    before = _hyper(adam.param_groups[0])
+    adam.step()
+    scheduler.step()
+    assert _hyper_change(before, _hyper(adam.param_groups[0])) is None
+    assert float(adam.param_groups[0]["lr"]) == pytest.approx(0.005)
+
+
+def test_capture_preparation_and_state_guard_on_cpu_objects() -> None:
+    # CudaWholeStep's checks, driven with CPU tensors standing in for the device.
+    model = mlp()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    step = ember.compile_step(loss_of(model), opt, target=TARGET)
+    step(*batch_for(model))
+    cuda = CudaWholeStep(step, torch.device("cpu"))
+    assert cuda._prepare() is None
+    group = opt.param_groups[0]
+    assert group["capturable"] is True and isinstance(group["lr"], torch.Tensor)
+    assert any("capturable" in c for c in cuda.changes)
+    cuda._snapshot()
+    assert cuda._guard_change() == (None, False)
+    opt.load_state_dict(copy.deepcopy(opt.state_dict()))
+    why, hyper = cuda._guard_change()
+    assert why is not None and "replaced" in why and not hyper
+    # Unknown optimizers and GradScaler with a non-fused optimizer are refused with a reason.
+    rms = torch.optim.RMSprop(model.parameters())
+    assert "RMSprop" in ember.compile_step(loss_of(model), rms, target=TARGET).blocker
+    scaled = ember.compile_step(loss_of(model), torch.optim.SGD(model.parameters(), lr=0.1),
+                                scaler=torch.amp.GradScaler("cpu"), target=TARGET)
+    assert "non-fused" in CudaWholeStep(scaled, torch.device("cpu"))._prepare()
