@@ -249,22 +249,22 @@ def test_random_ops_stay_aten_ops_even_if_the_user_functionalizes_them(monkeypat
     # (capture/aot_settings.py): Ember's backend keeps the ATen op, whose kernel is graph-safe.
     from torch._functorch import config as functorch_config
 
-    import ember.capture.backend as backend
+    from ember.instruments import instrument
 
     seen = []
-    real = backend.compile_graph
 
-    def spy(gm, inputs, options, record):
-        seen.append((record.kind, functorch_config.functionalize_rng_ops, {str(n.target) for n in gm.graph.nodes}))
-        return real(gm, inputs, options, record)
+    def spy(stage, record, args):
+        if stage == "passes":  # the captured graph, before Ember's passes
+            gm = args[0].gm
+            seen.append((record.kind, functorch_config.functionalize_rng_ops, {str(n.target) for n in gm.graph.nodes}))
 
-    monkeypatch.setattr(backend, "compile_graph", spy)
     monkeypatch.setattr(functorch_config, "functionalize_rng_ops", True)
     torch._dynamo.reset()
     model = _DropoutNet(64)
     x = torch.rand(64, requires_grad=True)
-    out = ember.compile(model, target="aten")(x)
-    out.backward(torch.ones(64))
+    with instrument(before=spy):
+        out = ember.compile(model, target="aten")(x)
+        out.backward(torch.ones(64))
     (kind, flag, ops), = [s for s in seen if s[0] == "forward"]
     assert flag is False and "aten.native_dropout.default" in ops and not any("philox" in op for op in ops)
     kept = out.detach() != 0
