@@ -24,9 +24,10 @@ from ember import config
 from ember.capture import reflection_pad
 from ember.codegen.cpu_kernel import CpuUnsupported, generate_cpu
 from ember.codegen.kernel_source import KernelSource, launch_kernels
-from ember.codegen.program import base_namespace, generate_program, get_attr
+from ember.codegen.program import base_namespace, generate_program
 from ember.codegen.triton_kernel import generate_triton
 from ember.config import Options
+from ember.graph_utils import get_attr, is_symbolic, op_family
 from ember.passes import PassContext, PassResult, passes_for, run_passes
 from ember.passes.freeze import static_input_indices
 from ember.passes.layout import layout_summary, report_output_strides
@@ -82,24 +83,6 @@ def _dump(options: Options, name: str, text: str) -> None:
         path.write_text(text)
 
 
-def _op_name(node: fx.Node) -> str:
-    target = node.target
-    if isinstance(target, torch._ops.OpOverload):
-        return f"{target.namespace}.{target._overloadpacket.__name__}"
-    return getattr(target, "__name__", str(target))
-
-
-def _symbolic(gm: fx.GraphModule) -> bool:
-    for n in gm.graph.nodes:
-        val = n.meta.get("val")
-        if n.op == "placeholder" and isinstance(val, torch.Tensor):
-            if any(not isinstance(s, int) for s in val.shape):
-                return True
-        elif n.op == "placeholder" and isinstance(val, torch.SymInt):
-            return True
-    return False
-
-
 def _expect_nodes(plan: KernelPlan, kernels: dict[int, KernelSource]) -> set[fx.Node]:
     """Tensors a generated kernel reads that Ember did not allocate: their strides get checked."""
     expect = set()
@@ -129,9 +112,9 @@ def _record_plan(record: GraphRecord, plan: KernelPlan, kernels: dict[int, Kerne
             where = _PLACEMENT.get(cls)
         if where is None:
             continue
-        record.placement.setdefault(where, Counter())[_op_name(node)] += 1
+        record.placement.setdefault(where, Counter())[op_family(node)] += 1
         if where == "fallback":
-            record.fallback_reasons[f"{_op_name(node)}: {reason}"] += 1
+            record.fallback_reasons[f"{op_family(node)}: {reason}"] += 1
     for s in plan.steps:
         record.steps[s.kind] += 1
     record.fusion_decisions.update(plan.fusion_decisions())
@@ -172,7 +155,7 @@ def _compile(gm: fx.GraphModule, example_inputs: list, options: Options, record:
     level = config.debug_level()
     slug = debug_folder(record.title)
     stage = record.stage_seconds
-    if _symbolic(gm):
+    if any(is_symbolic(n.meta.get("val")) for n in gm.graph.nodes if n.op == "placeholder"):
         raise NotImplementedError("graph has symbolic shapes; Ember compiles static shapes")
     target = _resolve_target(gm, options)
     record.target = target
