@@ -21,13 +21,13 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-import torch
 import torch.fx as fx
 
 from ember import config, instruments
 from ember.codegen.kernel_source import KernelSource
-from ember.codegen.program import ProgramSource, base_namespace, generate_program, get_attr
+from ember.codegen.program import ProgramSource, base_namespace, generate_program
 from ember.config import Options
+from ember.graph_utils import get_attr, is_symbolic, op_family
 from ember.instruments import run_stage
 from ember.ops import reflection_pad
 from ember.passes import PassContext, PassResult, passes_for, run_passes
@@ -103,7 +103,7 @@ def compile_graph(gm: fx.GraphModule, example_inputs: list, options: Options, re
 
 def _compile(job: GraphJob, reference: fx.GraphModule | None) -> CompiledGraph:
     gm, record = job.gm, job.record
-    if _symbolic(gm):
+    if any(is_symbolic(n.meta.get("val")) for n in gm.graph.nodes if n.op == "placeholder"):
         raise NotImplementedError("graph has symbolic shapes; Ember compiles static shapes")
     record.target = job.target.name
     job.dump("00_captured.py", gm.code)
@@ -294,24 +294,6 @@ def _link(job: GraphJob, text: str, kernels: list, consts: list, attrs: dict[str
     return namespace["run"]
 
 
-def _op_name(node: fx.Node) -> str:
-    target = node.target
-    if isinstance(target, torch._ops.OpOverload):
-        return f"{target.namespace}.{target._overloadpacket.__name__}"
-    return getattr(target, "__name__", str(target))
-
-
-def _symbolic(gm: fx.GraphModule) -> bool:
-    for n in gm.graph.nodes:
-        val = n.meta.get("val")
-        if n.op == "placeholder" and isinstance(val, torch.Tensor):
-            if any(not isinstance(s, int) for s in val.shape):
-                return True
-        elif n.op == "placeholder" and isinstance(val, torch.SymInt):
-            return True
-    return False
-
-
 def _expect_nodes(plan: KernelPlan, kernels: dict[int, KernelSource]) -> set[fx.Node]:
     """Tensors a generated kernel reads that Ember did not allocate: their strides get checked."""
     expect = set()
@@ -341,9 +323,9 @@ def _record_plan(record: GraphRecord, plan: KernelPlan, kernels: GeneratedKernel
             where = _PLACEMENT.get(cls)
         if where is None:
             continue
-        record.placement.setdefault(where, Counter())[_op_name(node)] += 1
+        record.placement.setdefault(where, Counter())[op_family(node)] += 1
         if where == "fallback":
-            record.fallback_reasons[f"{_op_name(node)}: {reason}"] += 1
+            record.fallback_reasons[f"{op_family(node)}: {reason}"] += 1
     for s in plan.steps:
         record.steps[s.kind] += 1
     record.fusion_decisions.update(plan.fusion_decisions())

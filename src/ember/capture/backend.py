@@ -35,6 +35,7 @@ from ember.capture.aot_settings import aot_graph_text_off, backward_with_forward
 from ember.capture.decompositions import decomposition_table
 from ember.capture.instance_norm import rewrite_instance_norm
 from ember.config import Options
+from ember.graph_utils import is_symbolic
 from ember.ops.upsample import rewrite_nearest_interpolate
 from ember.pipeline import compile_graph
 from ember.report.records import CompileLog, GraphRecord
@@ -76,17 +77,11 @@ def _signature(inputs: list) -> list[str]:
     return sig
 
 
-def _symbolic(value: object) -> bool:
-    if isinstance(value, torch.SymInt):
-        return True
-    return isinstance(value, torch.Tensor) and any(not isinstance(d, int) for d in value.shape)
-
-
 def _symbolic_inputs(gm: fx.GraphModule, key: str) -> list[str]:
     """The graph's inputs with symbolic sizes (``key``: "example_value" for Dynamo's graph, "val"
     for AOTAutograd's), e.g. ``torch.float32[s77, 7]@cpu``."""
     vals = [n.meta.get(key) for n in gm.graph.nodes if n.op == "placeholder"]
-    return _signature([v for v in vals if isinstance(v, torch.Tensor) and _symbolic(v)])
+    return _signature([v for v in vals if isinstance(v, torch.Tensor) and is_symbolic(v)])
 
 
 def _compile_id() -> str:
@@ -140,7 +135,7 @@ class EmberBackend:
         cid = _compile_id()
         # Sizes as called; a dynamic-shape graph also takes its symbolic sizes as SymInt inputs.
         sig = _signature([x for x in example_inputs if not isinstance(x, torch.SymInt)])
-        dynamic = any(_symbolic(x) for x in example_inputs) or bool(_symbolic_inputs(gm, "example_value"))
+        dynamic = any(is_symbolic(x) for x in example_inputs) or bool(_symbolic_inputs(gm, "example_value"))
         frame, _, nth = cid.partition("/")
         if nth not in ("", "0"):
             prior = [s for f, s in self.log.frames if f.partition("/")[0] == frame]
@@ -161,7 +156,7 @@ class EmberBackend:
                 record = GraphRecord(title=f"{kind} {n} (frame {cid})", kind=kind, frame=cid, target="",
                                      input_signature=_signature(inputs))
                 self.log.graphs.append(record)
-                if _symbolic_inputs(graph, "val") or any(_symbolic(x) for x in inputs):
+                if _symbolic_inputs(graph, "val") or any(is_symbolic(x) for x in inputs):
                     compiled = _run_as_captured(graph, record)
                     self.programs.append((record, compiled.ember_graph))
                     return compiled

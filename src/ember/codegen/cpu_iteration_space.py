@@ -1,8 +1,8 @@
 """The iteration space of a generated CPU kernel (codegen/cpu_kernel.py): the tensors the kernel
 reads and writes, with their stride along every dim of the group's reference shape S; the loop
 dims (adjacent S dims that are contiguous in every tensor merge into one loop), ordered by memory;
-the layout (``rows`` when a reduced dim is innermost in memory, else ``columns``); and the
-reduction level of every node (reductions that read another reduction run in a later loop nest).
+and the layout (``rows`` when a reduced dim is innermost in memory, else ``columns``). Reduction
+levels are the shared writer's (codegen/kernel_writer.py).
 """
 
 from __future__ import annotations
@@ -12,7 +12,6 @@ from dataclasses import dataclass, field
 import torch.fx as fx
 
 from ember.schedule.plan import FusedGroup
-from ember.schedule.rules import OpClass, classify
 
 _BIG = 1 << 62  # sort key of a broadcast dim: outermost, past any real stride
 
@@ -113,14 +112,4 @@ def choose_layout(loops_x: list[Loop], loops_r: list[Loop], accesses: list[Acces
     return "rows" if inner in reduced else "columns"
 
 
-def reduction_levels(group: FusedGroup) -> dict[fx.Node, int]:
-    """How many reductions lie on the longest path into each node (itself included)."""
-    level: dict[fx.Node, int] = {}
-    members = set(group.nodes)
-    for n in group.nodes:
-        base = max((level[a] for a in n.all_input_nodes if a in members), default=0)
-        level[n] = base + 1 if classify(n).cls == OpClass.REDUCTION else base
-    return level
-
-
-__all__ = ["Access", "Loop", "choose_layout", "collect_accesses", "loop_dims", "loop_size", "reduction_levels"]
+__all__ = ["Access", "Loop", "choose_layout", "collect_accesses", "loop_dims", "loop_size"]

@@ -7,7 +7,9 @@ contiguous in every tensor the kernel touches merge into one loop ("loop dims"),
 contiguous NCHW pointwise chain is one flat loop. The innermost loop is the *vector loop*; LLVM
 vectorises it (reductions too: sums are reassociated). Long float32 sums add float32 partial
 sums per block and float64 across blocks, so they stay exact over millions of elements.
-bfloat16 tensors are computed in float32 as in Triton kernels (cpu_ops.py: loads widen, stores round).
+bfloat16 tensors are computed in float32 as in Triton kernels (cpu_dialect.py: loads widen, stores round).
+Pointwise ops are the shared lowerings of codegen/lowering.py in the numba dialect; the reduction
+loops are written by codegen/cpu_reductions.py.
 
 Layouts:
   rows     a reduced dim is innermost in memory (softmax, layer norm, batch-norm statistics of
@@ -38,7 +40,7 @@ import numpy as np
 import torch
 import torch.fx as fx
 
-from ember.codegen import cpu_ops
+from ember.codegen.cpu_dialect import CPU, POINTER, CpuValue, load_expr, store_expr
 from ember.codegen.cpu_iteration_space import (
     Access,
     Loop,
@@ -46,12 +48,14 @@ from ember.codegen.cpu_iteration_space import (
     collect_accesses,
     loop_dims,
     loop_size,
-    reduction_levels,
 )
-from ember.codegen.cpu_ops import NP_DTYPE, POINTER, Value, typed, value_dtype
+from ember.codegen.cpu_reductions import CpuReductions, indent
 from ember.codegen.kernel_source import KernelSource, canonical_source, node_source
-from ember.schedule.plan import FusedGroup
-from ember.schedule.rules import OpClass, classify, constant_value
+from ember.codegen.kernel_writer import Scope
+from ember.codegen.lowering import POINTWISE_LOWERINGS, value_dtype
+from ember.schedule.op_support import kernel_dtype_unsupported
+from ember.schedule.plan import Dims, FusedGroup
+from ember.schedule.rules import OpClass
 
 aten = torch.ops.aten
 
@@ -59,8 +63,6 @@ INSTANCE_MARKER = "# ember-cpu-instance: "
 COLUMN_BLOCK = 512  # most points per unit of column reductions (stack accumulators: runtime STACK_BLOCK)
 POINTWISE_BLOCK = 8192  # most points per unit of pointwise groups (work granularity only)
 SCRATCH = 2048  # reduced extents up to this are persistent (runtime SCRATCH)
-ACC_BLOCK = 4096  # long float32 row sums: elements per float32 block (64 per lane) before float64
-COLUMN_ACC_BLOCK = 128  # float32 column sums: rows per float32 block before float64
 # Values worth a store and a load rather than computing again in a later loop over the row.
 _COSTLY = {aten.exp.default, aten.log.default, aten.erf.default, aten.tanh.default, aten.sigmoid.default,
            aten.sin.default, aten.cos.default}
@@ -87,35 +89,23 @@ def header() -> str:
             f"# cpu_support {_support_digest()}: kernels are renamed when their helpers change\n")
 
 
-class _Body:
-    """Lines and value cache of one loop body, or of a unit's top level (``xbody`` is where
-    values that walk no reduced dim are computed: the unit for rows, the body itself for columns)."""
+class CpuWriter(CpuReductions):
+    """One fused group -> one numba kernel and the data of this use of it."""
 
-    def __init__(self, xbody: _Body | None = None) -> None:
-        self.lines: list[str] = []
-        self.cache: dict = {}
-        self.xbody = xbody if xbody is not None else self
+    dialect = CPU
+    value_type = CpuValue
 
-
-class _CpuWriter:
     def __init__(self, group: FusedGroup) -> None:
-        self.g = group
-        self.S = group.shape
-        self.D = set(group.rdims)
+        super().__init__(group)
         self._check_supported()
         self.tensors = list(group.inputs) + list(group.outputs)
-        self.pointer = {n: f"in{i}" for i, n in enumerate(group.inputs)}
-        self.pointer.update({n: f"out{i}" for i, n in enumerate(group.outputs)})
-        self.accesses = collect_accesses(group, self.pointer)
-        self.loops_x, self.loops_r = loop_dims(self.S, self.D, self.accesses)
-        self.reductions = [n for n in group.nodes if classify(n).cls == OpClass.REDUCTION]
-        self.layout = choose_layout(self.loops_x, self.loops_r, self.accesses, self.D)
+        self.accesses = collect_accesses(group, self.tensor_names)
+        self.loops_x, self.loops_r = loop_dims(self.shape, self.reduced_dims, self.accesses)
+        self.layout = choose_layout(self.loops_x, self.loops_r, self.accesses, self.reduced_dims)
         self.static: list[int] = []  # argv after the pointers: sizes, strides, scalars
         self.prologue: list[str] = []  # parameter reads at the top of the kernel
-        self.counter = 0
-        self.level = reduction_levels(group)
         self.stack_arrays: list[str] = []
-        self.scalars: dict[tuple, Value] = {}
+        self.scalars: dict[tuple, CpuValue] = {}
         # Persistent rows (short reduced extent, as Triton's persistent reductions): costly values
         # computed in one loop over the row are kept in stack scratch for the later loops.
         rnumel = 1
@@ -125,22 +115,23 @@ class _CpuWriter:
         self.scratch: dict[fx.Node, str] = {}
         self.final_loop = False
 
-    # -- what the generator covers ----------------------------------------------------------
+    # -- what the generator covers ---------------------------------------------------------------
     def _check_supported(self) -> None:
-        for n in list(self.g.nodes) + list(self.g.inputs):
+        for n in list(self.group.nodes) + list(self.group.inputs):
             val = n.meta.get("val")
-            if isinstance(val, torch.Tensor) and val.dtype not in cpu_ops.SUPPORTED_DTYPES:
-                raise CpuUnsupported(f"{val.dtype} tensors stay on the ATen path (no exact CPU kernel for them)")
-        for n in self.g.nodes:
-            cls = classify(n).cls
-            if cls == OpClass.POINTWISE and n.target not in cpu_ops.CPU_POINTWISE_OPS:
+            why = kernel_dtype_unsupported("cpu", val.dtype) if isinstance(val, torch.Tensor) else ""
+            if why:
+                raise CpuUnsupported(why)
+        for n in self.group.nodes:
+            cls = self.group.classes[n]
+            if cls == OpClass.POINTWISE and n.target not in POINTWISE_LOWERINGS:
                 raise CpuUnsupported(f"no CPU lowering for {n.target}")
             if cls not in (OpClass.POINTWISE, OpClass.REDUCTION, OpClass.VIEW):
                 raise CpuUnsupported(f"{n.target} is not a fusable op")
 
-    # -- iteration space (cpu_iteration_space.py) -------------------------------------------
+    # -- iteration space (cpu_iteration_space.py) ------------------------------------------------
     def _size(self, loop: Loop) -> int:
-        return loop_size(self.S, loop)
+        return loop_size(self.shape, loop)
 
     @property
     def vector_loop(self) -> Loop | None:
@@ -148,34 +139,30 @@ class _CpuWriter:
             return self.loops_r[-1] if self.loops_r else None
         return self.loops_x[-1] if self.loops_x else None
 
-    # -- parameters -------------------------------------------------------------------------
+    # -- parameters ------------------------------------------------------------------------------
     def _param(self, name: str, value: int, read: str | None = None) -> str:
         slot = len(self.tensors) + len(self.static)
         self.static.append(int(value))
         self.prologue.append(f"{name} = {read.format(f'a[{slot}]') if read else f'a[{slot}]'}")
         return name
 
-    def _scalar(self, value: object, key: tuple) -> Value:
+    def _scalar(self, value: object, key: tuple) -> CpuValue:
         """A Python scalar of the graph: a kernel parameter (so the text does not depend on it),
         one per (node, argument) however many loops evaluate the node."""
         if isinstance(value, bool):
-            return Value("True" if value else "False", None, "bool")
+            return CpuValue("True" if value else "False", None, "bool")
         if key not in self.scalars:
             self.counter += 1
             if isinstance(value, float):
                 bits = int(np.array(value, dtype=np.float64).view(np.int64))
-                self.scalars[key] = Value(self._param(f"c{self.counter}", bits, "_i64_as_f64({})"), None, "float")
+                self.scalars[key] = CpuValue(self._param(f"c{self.counter}", bits, "_i64_as_f64({})"), None, "float")
             elif isinstance(value, int):
-                self.scalars[key] = Value(self._param(f"c{self.counter}", value), None, "int")
+                self.scalars[key] = CpuValue(self._param(f"c{self.counter}", value), None, "int")
             else:
                 raise CpuUnsupported(f"scalar argument {value!r}")
         return self.scalars[key]
 
-    def _tmp(self) -> str:
-        self.counter += 1
-        return f"t{self.counter}"
-
-    # -- index expressions --------------------------------------------------------------------
+    # -- index expressions -----------------------------------------------------------------------
     def _terms(self, acc: Access, loops: list[Loop], coord: dict[str, str]) -> list[str]:
         terms = []
         for loop in loops:
@@ -217,68 +204,6 @@ class _CpuWriter:
         parts = ([base] if base else []) + inner
         return " + ".join(parts) if parts else "0"
 
-    def _walks_r(self, dims: tuple) -> bool:
-        return any(d in self.D for d in dims if d is not None)
-
-    # -- values -------------------------------------------------------------------------------
-    def _load(self, node: fx.Node, dims: tuple, body: _Body) -> Value:
-        target = body if (self._walks_r(dims) or self.layout == "columns") else body.xbody
-        key = ("load", node, dims)
-        if key in target.cache:
-            return target.cache[key]
-        acc = next(a for a in self.accesses if a.node is node and a.dims == dims and not a.store)
-        dtype = node.meta["val"].dtype
-        var = self._tmp()
-        target.lines.append(f"{var} = {cpu_ops.load_expr(f'{acc.pointer}[{self._index(acc)}]', dtype)}")
-        target.cache[key] = Value(var, dtype)
-        return target.cache[key]
-
-    def value(self, node: fx.Node, body: _Body) -> Value:
-        dims = self.g.dims[node]
-        target = body if (self._walks_r(dims) or self.layout == "columns") else body.xbody
-        if node in target.cache:
-            return target.cache[node]
-        if node in self.scratch:  # computed in an earlier loop over this row
-            var = self._tmp()
-            target.lines.append(f"{var} = {self.scratch[node]}[{self._rlin()}]  # kept: {node_source(node)}")
-            target.cache[node] = Value(var, node.meta["val"].dtype)
-            return target.cache[node]
-        cls = classify(node).cls
-        if cls == OpClass.VIEW:
-            result = self.value(node.args[0], body)
-        elif cls == OpClass.REDUCTION:
-            result = self._reduced_value(node, target)
-        else:
-            ops = []
-            structural = cpu_ops.STRUCTURAL_ARGS.get(node.target, set())
-            for i, a in enumerate(node.args):
-                if isinstance(a, fx.Node):
-                    if a in self.g.dims:
-                        ops.append(self.value(a, body))
-                    elif a in self.g.input_dims[node]:
-                        ops.append(self._load(a, self.g.input_dims[node][a], body))
-                    else:
-                        ops.append(self._scalar(constant_value(a), (a,)))
-                elif a is None:
-                    ops.append(Value("None", None))
-                elif isinstance(a, (bool, int, float)) and i not in structural:
-                    ops.append(self._scalar(a, (node, i)))
-                else:
-                    ops.append(Value(repr(a), None))
-            var = self._tmp()
-            target.lines.append(f"{var} = {cpu_ops.lower_pointwise(node, ops)}  # {node_source(node)}")
-            result = Value(var, node.meta["val"].dtype)
-            dtype = value_dtype(node)
-            if (self.persistent and not self.final_loop and node.target in _COSTLY and self._walks_r(dims)
-                    and dtype in (torch.float32, torch.float64)):
-                self.counter += 1
-                sc = f"sc{self.counter}"
-                self.stack_arrays.append(f"{sc} = _scratch_{'f32' if dtype == torch.float32 else 'f64'}()")
-                target.lines.append(f"{sc}[{self._rlin()}] = {var}")
-                self.scratch[node] = sc
-        target.cache[node] = result
-        return result
-
     def _rlin(self) -> str:
         """The position in the row: the reduced loop coordinates as one linear index."""
         expr = self.loops_r[0].var
@@ -286,169 +211,78 @@ class _CpuWriter:
             expr = f"({expr} * {lp.size_param} + {lp.var})"
         return expr
 
-    # -- reductions -----------------------------------------------------------------------------
-    def _acc_dtype(self, node: fx.Node) -> tuple[torch.dtype, str]:
-        dtype = value_dtype(node)  # bfloat16 accumulates in float32 (or float64)
-        kind = {aten.amax.default: "max", aten.amin.default: "min"}.get(node.target, "sum")
-        if kind == "sum" and dtype == torch.float32 and not self.persistent:
-            # Long or column-wise float32 sums accumulate in float64; a persistent row (<= SCRATCH
-            # values, summed in vector lanes) stays within float32 rounding of ATen in float32.
-            return torch.float64, kind
-        return dtype, kind
+    # -- values (kernel_writer.KernelWriter) -----------------------------------------------------
+    def _home(self, dims: Dims, scope: Scope) -> Scope:
+        return scope if (self._walks_reduced(dims) or self.layout == "columns") else scope.x_scope
 
-    def _identity(self, node: fx.Node) -> str:
-        acc_dt, kind = self._acc_dtype(node)
-        if kind == "sum":
-            return typed(0, acc_dt)
-        if acc_dt.is_floating_point:
-            return f"{NP_DTYPE[acc_dt]}({'-' if kind == 'max' else ''}np.inf)"
-        info = torch.iinfo(acc_dt) if acc_dt != torch.bool else None
-        if info is None:
-            return "False" if kind == "max" else "True"
-        return typed(info.min if kind == "max" else info.max, acc_dt)
-
-    def _combine(self, node: fx.Node, acc: str, v: str) -> str:
-        acc_dt, kind = self._acc_dtype(node)
-        if kind == "sum":
-            return f"{acc} + {v}"
-        if acc_dt.is_floating_point:
-            return f"_f{kind}({acc}, {v})"
-        return f"({v} if {v} {'>' if kind == 'max' else '<'} {acc} else {acc})"
-
-    def _finish(self, node: fx.Node, acc: str) -> str:
-        dtype = value_dtype(node)
-        if node.target == aten.mean.dim:
-            if "rcount" not in self.unit.cache:
-                sizes = " * ".join(lp.size_param for lp in self.loops_r)
-                self.count_line = f"rcount = np.float64({sizes})"
-                self.unit.cache["rcount"] = True
-            return f"{NP_DTYPE[dtype]}({acc} / rcount)"
-        acc_dt, _ = self._acc_dtype(node)
-        return acc if acc_dt == dtype else f"{NP_DTYPE[dtype]}({acc})"
-
-    def _reduce_input(self, node: fx.Node, body: _Body, widen: bool = True) -> str:
-        """The reduced value in the reduction's dtype, or (``widen``) in its accumulator's."""
-        src = node.args[0]
-        dtype = value_dtype(node)
-        if src in self.g.dims:
-            op = self.value(src, body)
-        else:
-            op = self._load(src, self.g.input_dims[node][src], body)
-        acc_dt, _ = self._acc_dtype(node)
-        v = op.as_(dtype)
-        return v if (acc_dt == dtype or not widen) else f"{NP_DTYPE[acc_dt]}({v})"
-
-    def _reduced_value(self, node: fx.Node, target: _Body) -> Value:
-        var = self.unit.cache[("acc", node)]
+    def _load(self, node: fx.Node, dims: Dims, scope: Scope, home: Scope) -> CpuValue:
+        target = self._home(dims, scope)  # by the loaded tensor's own dims
+        key = ("load", node, dims)
+        if key in target.cache:
+            return target.cache[key]
+        acc = next(a for a in self.accesses if a.node is node and a.dims == dims and not a.store)
         dtype = node.meta["val"].dtype
-        if self.layout == "rows":
-            return Value(var, dtype)  # finished scalar, computed after its level's loop
-        out = self._tmp()
-        target.lines.append(f"{out} = {self._finish(node, f'{var}[xi - lo]')}  # {node_source(node)}")
-        return Value(out, dtype)
+        var = self._tmp()
+        target.lines.append(f"{var} = {load_expr(f'{acc.pointer}[{self._index(acc)}]', dtype)}")
+        target.cache[key] = CpuValue(var, dtype)
+        return target.cache[key]
 
-    # -- loops --------------------------------------------------------------------------------
-    def _nest(self, body: _Body, reduced: bool, vector: bool, blocked: tuple = ()) -> list[str]:
-        """``body`` inside the reduced loops (outermost first) and/or the vector loop. ``blocked``
-        = (block size, init lines, flush lines): the innermost reduced loop runs in blocks whose
-        float32 partial sums are zeroed before and added to the float64 totals after each block."""
-        lines = body.lines or ["pass"]
-        if vector:
-            lines = ["for xi in range(lo, hi):"] + _indent(lines)
-        loops = self.loops_r if reduced else []
-        for i in range(len(loops) - 1, -1, -1):
-            lp = loops[i]
-            if blocked and i == len(loops) - 1:
-                size, init, flush = blocked
-                start = f"{lp.var}b"
-                lines = (init + [f"for {lp.var} in range({start}, min({start} + {size}, {lp.size_param})):"]
-                         + _indent(lines) + flush)
-                lines = [f"for {start} in range(0, {lp.size_param}, {size}):"] + _indent(lines)
-            else:
-                lines = [f"for {lp.var} in range({lp.size_param}):"] + _indent(lines)
-        return lines
-
-    def _level(self, reductions: list[fx.Node]) -> None:
-        columns = self.layout == "columns"
-        body = _Body(None if columns else self.unit)
-        init: list[str] = []
-        flush: list[str] = []
-        for r in reductions:
-            acc_dt, kind = self._acc_dtype(r)
-            # A long float32 sum: float32 partial sums per block (full vector width, no
-            # conversions), float64 across blocks (exact over millions of elements).
-            block = kind == "sum" and acc_dt == torch.float64 and value_dtype(r) == torch.float32
-            v = self._reduce_input(r, body, widen=not block)
+    def _pointwise(self, node: fx.Node, scope: Scope, home: Scope) -> CpuValue:
+        if node in self.scratch:  # computed in an earlier loop over this row
+            var = self._tmp()
+            home.lines.append(f"{var} = {self.scratch[node]}[{self._rlin()}]  # kept: {node_source(node)}")
+            return CpuValue(var, node.meta["val"].dtype)
+        result = super()._pointwise(node, scope, home)
+        dtype = value_dtype(node)
+        if (self.persistent and not self.final_loop and node.target in _COSTLY
+                and self._walks_reduced(self.group.dims[node]) and dtype in (torch.float32, torch.float64)):
             self.counter += 1
-            acc = f"acc{self.counter}"
-            blk = f"{acc}b"
-            if columns:
-                self.stack_arrays.append(f"{acc} = _stack_{POINTER[acc_dt][3:]}()")
-                self.unit.lines += ["for xi in range(lo, hi):", f"    {acc}[xi - lo] = {self._identity(r)}"]
-                if block:
-                    self.stack_arrays.append(f"{blk} = _stack_f32()")
-                    init += ["for xi in range(lo, hi):", f"    {blk}[xi - lo] = np.float32(0.0)"]
-                    flush += ["for xi in range(lo, hi):",
-                              f"    {acc}[xi - lo] = {acc}[xi - lo] + np.float64({blk}[xi - lo])"]
-                    body.lines.append(f"{blk}[xi - lo] = {blk}[xi - lo] + {v}  # {node_source(r)}")
-                else:
-                    body.lines.append(f"{acc}[xi - lo] = {self._combine(r, f'{acc}[xi - lo]', v)}  # {node_source(r)}")
-            else:
-                self.unit.lines.append(f"{acc} = {self._identity(r)}")
-                if block:
-                    init.append(f"{blk} = np.float32(0.0)")
-                    flush.append(f"{acc} = {acc} + np.float64({blk})")
-                    body.lines.append(f"{blk} = {blk} + {v}  # {node_source(r)}")
-                else:
-                    body.lines.append(f"{acc} = {self._combine(r, acc, v)}  # {node_source(r)}")
-            self.unit.cache[("acc", r)] = acc
-        blocked = ((COLUMN_ACC_BLOCK if columns else ACC_BLOCK), init, flush) if init else ()
-        self.unit.lines += self._nest(body, reduced=True, vector=columns, blocked=blocked)
-        if not columns:
-            for r in reductions:
-                acc = self.unit.cache[("acc", r)]
-                var = self._tmp()
-                self.unit.lines.append(f"{var} = {self._finish(r, acc)}  # {node_source(r)}")
-                self.unit.cache[("acc", r)] = var
+            sc = f"sc{self.counter}"
+            self.stack_arrays.append(f"{sc} = _scratch_{'f32' if dtype == torch.float32 else 'f64'}()")
+            home.lines.append(f"{sc}[{self._rlin()}] = {result.expr}")
+            self.scratch[node] = sc
+        return result
 
-    def _store(self, node: fx.Node, body: _Body) -> None:
+    # -- stores ----------------------------------------------------------------------------------
+    def _store(self, node: fx.Node, body: Scope) -> None:
         acc = next(a for a in self.accesses if a.node is node and a.store)
         val = self.value(node, body)
-        expr = cpu_ops.store_expr(val, node.meta["val"].dtype)
-        covered = {d for d in self.g.dims[node] if d is not None}
-        walked = self.loops_x + (self.loops_r if self._walks_r(self.g.dims[node]) else [])
+        expr = store_expr(val, node.meta["val"].dtype)
+        dims = self.group.dims[node]
+        covered = {d for d in dims if d is not None}
+        walked = self.loops_x + (self.loops_r if self._walks_reduced(dims) else [])
         guards = []
         for lp in walked:
             if not covered.intersection(lp.members):  # a broadcast dim: store once
                 var = "xi" if (self.layout == "columns" and lp is self.loops_x[-1]) else lp.var
                 guards.append(f"{var} == 0")
-        target = body if (self._walks_r(self.g.dims[node]) or self.layout == "columns") else body.xbody
+        target = self._home(dims, body)
         line = f"{acc.pointer}[{self._index(acc)}] = {expr}"
         target.lines.append(f"if {' and '.join(guards)}:" if guards else line)
         if guards:
             target.lines.append("    " + line)
 
-    # -- the kernel ---------------------------------------------------------------------------
+    # -- the kernel ------------------------------------------------------------------------------
     def write(self) -> KernelSource:
-        self.unit = _Body()
+        self.unit = Scope()
         self.count_line = ""
         for lp in self.loops_x + self.loops_r:
             self._param(lp.size_param, self._size(lp))
         columns = self.layout == "columns"
         unit_head = self._unit_coordinates()
-        for lv in sorted({self.level[r] for r in self.reductions}):
+        for lv in self.levels():
             self._level([r for r in self.reductions if self.level[r] == lv])
-        x_outputs = [n for n in self.g.outputs if not self._walks_r(self.g.dims[n])]
-        full_outputs = [n for n in self.g.outputs if self._walks_r(self.g.dims[n])]
+        x_outputs = [n for n in self.group.outputs if not self._walks_reduced(self.group.dims[n])]
+        full_outputs = [n for n in self.group.outputs if self._walks_reduced(self.group.dims[n])]
         if x_outputs:
-            body = _Body(None if columns else self.unit)
+            body = Scope(None if columns else self.unit)
             for n in x_outputs:
                 self._store(n, body)
             if columns:
                 self.unit.lines += self._nest(body, reduced=False, vector=True)
         if full_outputs:
             self.final_loop = True
-            body = _Body(None if columns else self.unit)
+            body = Scope(None if columns else self.unit)
             for n in full_outputs:
                 self._store(n, body)
             self.unit.lines += self._nest(body, reduced=True, vector=columns)
@@ -499,15 +333,16 @@ class _CpuWriter:
         for lp in self.loops_x + self.loops_r:
             points *= self._size(lp)
         units = self.units()  # a reduction over an empty extent still stores its identity
-        params_ptr = [f"{self.pointer[n]} = {POINTER[n.meta['val'].dtype]}(a[{i}])" for i, n in enumerate(self.tensors)]
+        params_ptr = [f"{self.tensor_names[n]} = {POINTER[n.meta['val'].dtype]}(a[{i}])"
+                      for i, n in enumerate(self.tensors)]
         shape = (f"layout {self.layout}; kept loops {[lp.members for lp in self.loops_x]}, "
                  f"reduced loops {[lp.members for lp in self.loops_r]} of S")
         body = (["a = _p_i64(argv)"] + params_ptr + self.prologue + self.prologue_extra
                 + ([self.count_line] if self.count_line else []) + self.stack_arrays
-                + ["for u in range(unit_lo, unit_hi):"] + ["    " + line for line in unit_head + self.unit.lines])
+                + ["for u in range(unit_lo, unit_hi):"] + indent(unit_head + self.unit.lines))
         text = (f"@cfunc(KERNEL_SIGNATURE, cache=True, error_model=\"numpy\", fastmath={FASTMATH})\n"
                 f"def KERNEL_NAME(unit_lo, unit_hi, argv):\n    # {shape}\n"
-                + "\n".join("    " + line for line in body) + "\n")
+                + "\n".join(indent(body)) + "\n")
         canonical = canonical_source(text)
         head = header()
         digest = hashlib.sha256((head + canonical).encode()).hexdigest()[:16]
@@ -516,21 +351,17 @@ class _CpuWriter:
                     "tensors": len(self.tensors)}
         trailer = INSTANCE_MARKER + json.dumps(instance, separators=(",", ":")) + "\n"
         name = f"{kernel_name}_{hashlib.sha256(trailer.encode()).hexdigest()[:8]}"
-        ops = "\n".join(f"#   {node_source(n)}" for n in self.g.nodes)
-        sizes = f"# S={list(self.S)} reduced={sorted(self.D)} units={units}\n"
+        ops = "\n".join(f"#   {node_source(n)}" for n in self.group.nodes)
+        sizes = f"# S={list(self.shape)} reduced={sorted(self.reduced_dims)} units={units}\n"
         source = f"# source ops:\n{ops}\n{sizes}" + text.replace("KERNEL_NAME", kernel_name) + "\n" + trailer
-        return KernelSource(name, source, digest, self.tensors, len(self.g.inputs), units, {"units": units}, head,
+        return KernelSource(name, source, digest, self.tensors, len(self.group.inputs), units, {"units": units}, head,
                             canonical.replace("KERNEL_NAME", kernel_name) + "\n" + trailer, backend="cpu")
-
-
-def _indent(lines: list[str]) -> list[str]:
-    return ["    " + line for line in lines]
 
 
 def generate_cpu(group: FusedGroup) -> KernelSource:
     """The numba kernel for ``group``; raises CpuUnsupported (with the reason) for groups the
     generator does not cover, which then run op by op through ATen."""
-    return _CpuWriter(group).write()
+    return CpuWriter(group).write()
 
 
 def split_module(text: str) -> tuple[str, dict]:

@@ -16,6 +16,7 @@ import torch.fx as fx
 
 from ember.codegen.kernel_source import KernelSource
 from ember.codegen.memory_plan import START, SlotKey, plan_memory, reuse_storage
+from ember.graph_utils import get_attr
 from ember.runtime.frozen import FrozenValues
 from ember.schedule.plan import FusedGroup, KernelPlan, Step
 from ember.schedule.rules import constant_value
@@ -221,13 +222,6 @@ class _Writer:
 def _frozen_outputs(step: Step) -> list[fx.Node]:
     members = set(step.nodes)
     return [n for n in step.nodes if any(u not in members for u in n.users)]
-
-
-def get_attr(gm: fx.GraphModule, target: str) -> object:
-    obj: object = gm
-    for part in target.split("."):
-        obj = getattr(obj, part)
-    return obj
 
 
 def _qualname(target: object) -> str:

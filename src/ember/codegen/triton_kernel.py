@@ -1,15 +1,17 @@
 """A FusedGroup -> the source of ONE Triton kernel.
 
-Iteration space: the group's reference shape S, split into kept dims K (walked by
-``xindex``) and reduced dims D (walked by ``rindex``). Pointwise groups use 1-D tiles
-``[XBLOCK]``; reduction groups use 2-D tiles ``[XBLOCK, RBLOCK]``. A value that walks
-no D dim lives in the *x domain* (``[XBLOCK, 1]``), the others in the *full domain*.
+Iteration space: the group's reference shape S, split into kept dims (walked by ``xindex``)
+and reduced dims (walked by ``rindex``), each in memory order (codegen/triton_tiles.py).
+Pointwise groups use 1-D tiles ``[XBLOCK]``; reduction groups use 2-D tiles
+``[XBLOCK, RBLOCK]``. A value that walks no reduced dim lives in the *x domain*
+(``[XBLOCK, 1]``), the others in the *full domain*.
 
 Reductions are *persistent* when the reduced extent fits one block: every value is
-computed once, in registers. Otherwise the kernel runs one loop over D per reduction
-level (a reduction whose input needs another reduction's result is one level up), and a
-last loop computes and stores the full-domain outputs. Shapes and strides are baked in:
-the program checks the strides of tensors it did not allocate itself.
+computed once, in registers. Otherwise the kernel runs one loop over the reduced dims per
+reduction level (a reduction whose input needs another reduction's result is one level up),
+and a last loop computes and stores the full-domain outputs (codegen/triton_reductions.py).
+Shapes and strides are baked in: the program checks the strides of tensors it did not allocate
+itself. Pointwise ops are the shared lowerings of codegen/lowering.py in the Triton dialect.
 """
 
 from __future__ import annotations
@@ -20,10 +22,12 @@ import torch
 import torch.fx as fx
 
 from ember.codegen.kernel_source import KernelSource, canonical_source, launch_kernels, node_source
-from ember.codegen.triton_ops import POINTWISE_OPS, TL_DTYPE, Operand, compute_dtype, literal
+from ember.codegen.kernel_writer import Scope
+from ember.codegen.lowering import KernelValue, compute_dtype, value_dtype
+from ember.codegen.triton_dialect import TL_DTYPE, TRITON, TritonValue, literal
+from ember.codegen.triton_reductions import TritonReductions
 from ember.codegen.triton_tiles import Split, next_pow2, order_dims, plan_split
-from ember.schedule.plan import FusedGroup, reduction_dims, reduction_keepdim
-from ember.schedule.rules import OpClass, classify, constant_value
+from ember.schedule.plan import Dims, FusedGroup, reduction_keepdim
 
 aten = torch.ops.aten
 
@@ -53,7 +57,7 @@ def tuning() -> tuple:
             INTERPRET_SPLIT_TARGET_PROGRAMS)
 
 # Reductions go through the builtin tl.reduce with these combine functions (max/min propagate
-# NaN as torch does); float sums use tl.standard._sum_combine (see _KernelWriter._combine).
+# NaN as torch does); float sums use tl.standard._sum_combine (triton_reductions.combine_fn).
 _COMBINE = '''
 
 @triton.jit
@@ -105,55 +109,43 @@ def _round_to_fp16(x):
 ''' + _COMBINE
 
 
-_IDENTITY = {"sum": "0", "max": 'float("-inf")', "min": 'float("inf")'}
-_INT_IDENTITY = {"sum": "0", "max": "-9223372036854775808", "min": "9223372036854775807"}
+class TritonWriter(TritonReductions):
+    """One fused group -> one Triton kernel (or, for a split reduction's ``phase``, one of the
+    kernels that write and combine its partial results)."""
 
+    dialect = TRITON
+    value_type = TritonValue
 
-def _reduction_kind(node: fx.Node) -> str:
-    return {aten.amax.default: "max", aten.amin.default: "min"}.get(node.target, "sum")
-
-
-class _KernelWriter:
     def __init__(self, group: FusedGroup, interpret: bool, phase: tuple[str, int] | None = None) -> None:
-        self.g = group
+        super().__init__(group)
         self.interpret = interpret
-        self.S = group.shape
-        self.D = set(group.rdims)
+        shape, reduced = self.shape, self.reduced_dims
         # Walked in the memory order of the group's largest tensor (codegen/triton_tiles.py).
-        tiling = order_dims(group, [d for d in range(len(self.S)) if d not in self.D and self.S[d] != 1],
-                            [d for d in sorted(self.D) if self.S[d] != 1])
-        self.K, self.R, self.x_contiguous = tiling.K, tiling.R, tiling.x_contiguous
+        tiling = order_dims(group, [d for d in range(len(shape)) if d not in reduced and shape[d] != 1],
+                            [d for d in sorted(reduced) if shape[d] != 1])
+        self.kept_order, self.reduced_order, self.x_contiguous = tiling.kept, tiling.reduced, tiling.x_contiguous
         self.xnumel = 1
-        for d in self.K:
-            self.xnumel *= self.S[d]
+        for d in self.kept_order:
+            self.xnumel *= shape[d]
         self.rnumel = 1
-        for d in self.R:
-            self.rnumel *= self.S[d]
-        self.reduction = bool(self.R)
-        self.arg_names: dict[fx.Node, str] = {}
-        for i, n in enumerate(group.inputs):
-            self.arg_names[n] = f"in{i}"
-        for i, n in enumerate(group.outputs):
-            self.arg_names[n] = f"out{i}"
-        self.counter = 0
+        for d in self.reduced_order:
+            self.rnumel *= shape[d]
+        self.is_reduction = bool(self.reduced_order)
         rblock = next_pow2(self.rnumel)
         # A channel-contiguous tile needs many channels per row: persistent only for short rows.
-        self.persistent = (not self.reduction) or (rblock <= PERSISTENT_RBLOCK_MAX and not (
+        self.persistent = (not self.is_reduction) or (rblock <= PERSISTENT_RBLOCK_MAX and not (
             self.x_contiguous and not interpret and rblock > XCONTIG_PERSISTENT_RMAX))
-        self.level = self._levels()
-        self.reductions = [n for n in group.nodes if classify(n).cls == OpClass.REDUCTION]
         self.split = Split(1, self.rnumel, 1)
-        if self.reduction:
+        if self.is_reduction:
             self.xblock, self.rblock = self._blocks()
             # The workspace holds float32 partials: float32 reductions only.
-            if not self.persistent and all(compute_dtype(r.meta["val"].dtype) == torch.float32
-                                           for r in self.reductions):
+            if not self.persistent and all(value_dtype(r) == torch.float32 for r in self.reductions):
                 target = INTERPRET_SPLIT_TARGET_PROGRAMS if interpret else SPLIT_TARGET_PROGRAMS
                 self.split = plan_split(self.xnumel, self.rnumel, self.xblock, self.rblock, target)
         # None: the kernel that stores the outputs; ("part", L): level-L partials of each chunk;
         # ("comb", L): level-L results from the partials, once per x (the workspace's result rows).
         self.phase = phase
-        final_loops = any(self._full(self.g.dims[n]) for n in self.g.outputs)
+        final_loops = any(self._walks_reduced(group.dims[n]) for n in group.outputs)
         # Programs per x block: every chunk for partials and full-domain stores, else one.
         self.grid_split = self.split.split if ((phase is not None and phase[0] == "part") or final_loops) else 1
         if phase is not None and phase[0] == "comb":
@@ -162,29 +154,16 @@ class _KernelWriter:
             self.split = Split(self.split.split, self.split.chunk, sblock)
             self.xblock = max(1, min(next_pow2(self.xnumel), 4096 // sblock))
 
-    # -- domains and levels --------------------------------------------------------------
-    def _full(self, dims: tuple) -> bool:
-        return any(d in self.D for d in dims if d is not None)
-
-    def _levels(self) -> dict[fx.Node, int]:
-        level: dict[fx.Node, int] = {}
-        members = set(self.g.nodes)
-        for n in self.g.nodes:
-            deps = [level[a] for a in n.all_input_nodes if a in members]
-            base = max(deps, default=0)
-            level[n] = base + 1 if classify(n).cls == OpClass.REDUCTION else base
-        return level
-
-    # -- index expressions ---------------------------------------------------------------
+    # -- index expressions ---------------------------------------------------------------------
     def _coord(self, s: int) -> str:
-        return f"{'r' if s in self.D else 'x'}_{s}"
+        return f"{'r' if s in self.reduced_dims else 'x'}_{s}"
 
     def _coord_lines(self, dims: list[int], index: str, numel: int) -> list[str]:
         lines = []
         inner = 1
         for pos in range(len(dims) - 1, -1, -1):
             s = dims[pos]
-            size = self.S[s]
+            size = self.shape[s]
             expr = index if inner == 1 else f"({index} // {inner})"
             if inner * size < numel:
                 expr = f"{expr} % {size}"
@@ -192,140 +171,65 @@ class _KernelWriter:
             inner *= size
         return lines[::-1]
 
-    def _offset(self, node: fx.Node, dims: tuple) -> str:
+    def _offset(self, node: fx.Node, dims: Dims) -> str:
         strides = node.meta["val"].stride()
         terms = []
         for j, s in enumerate(dims):
-            if s is None or self.S[s] == 1:
+            if s is None or self.shape[s] == 1:
                 continue
             st = strides[j]
             terms.append(self._coord(s) if st == 1 else f"{self._coord(s)} * {st}")
-        full = self._full(dims)
         if not any(t.startswith("x_") for t in terms):
             terms.append("0 * xindex")  # keeps every load block-shaped
-        if self.reduction and full is False:
-            return " + ".join(terms)
         return " + ".join(terms)
 
     def _mask(self, full: bool) -> str:
         return "xmask & rmask" if full else "xmask"
 
-    def _shape(self, full: bool) -> str:
-        if not self.reduction:
+    def _block_shape(self, full: bool) -> str:
+        if not self.is_reduction:
             return "[XBLOCK]"
         return "[XBLOCK, RBLOCK]" if full else "[XBLOCK, 1]"
 
-    # -- values --------------------------------------------------------------------------
-    def _tmp(self) -> str:
-        self.counter += 1
-        return f"t{self.counter}"
+    # -- values (kernel_writer.KernelWriter) ---------------------------------------------------
+    def _home(self, dims: Dims, scope: Scope) -> Scope:
+        return scope if (self._walks_reduced(dims) or self.persistent) else scope.x_scope
 
-    def _load(self, node: fx.Node, dims: tuple, out: list[str], cache: dict) -> Operand:
+    def _load(self, node: fx.Node, dims: Dims, scope: Scope, home: Scope) -> TritonValue:
         key = ("load", node, dims)
-        if key in cache:
-            return cache[key]
-        full = self._full(dims)
+        if key in home.cache:
+            return home.cache[key]
         dtype = node.meta["val"].dtype
         var = self._tmp()
-        expr = f"tl.load({self.arg_names[node]} + ({self._offset(node, dims)}), {self._mask(full)}, other=0)"
+        expr = (f"tl.load({self.tensor_names[node]} + ({self._offset(node, dims)}), "
+                f"{self._mask(self._walks_reduced(dims))}, other=0)")
         if compute_dtype(dtype) != dtype:
             expr += ".to(tl.float32)"
-        out.append(f"{var} = {expr}")
-        cache[key] = Operand(var, compute_dtype(dtype))
-        return cache[key]
+        home.lines.append(f"{var} = {expr}")
+        home.cache[key] = TritonValue(var, dtype)
+        return home.cache[key]
 
-    def _constant(self, node: fx.Node) -> Operand:
-        return Operand(literal(constant_value(node)), None)
+    def _scalar(self, value: object, key: tuple) -> TritonValue:
+        return TritonValue(literal(value), None)
 
-    def value(self, node: fx.Node, scope: _Scope) -> Operand:
-        dims = self.g.dims[node]
-        full = self._full(dims)
-        target_scope = scope if (full or self.persistent) else scope.outer
-        cache, out = target_scope.cache, target_scope.lines
-        if node in cache:
-            return cache[node]
-        cls = classify(node).cls
-        if cls == OpClass.VIEW:
-            result = self.value(node.args[0], scope)
-        elif cls == OpClass.REDUCTION:
-            result = self._reduce_persistent(node, scope) if self.persistent else scope.outer.cache[node]
-        else:
-            ops = []
-            for a in node.args:
-                if isinstance(a, fx.Node):
-                    if a in self.g.dims:
-                        ops.append(self.value(a, scope))
-                    elif a in self.g.input_dims[node]:
-                        ops.append(self._load(a, self.g.input_dims[node][a], out, cache))
-                    else:
-                        ops.append(self._constant(a))
-                elif a is None:
-                    ops.append(Operand("None", None))
-                elif isinstance(a, (bool, int, float)):
-                    ops.append(Operand(literal(a), None))
-                else:
-                    ops.append(Operand(repr(a), None))
-            if ops and all(o.dtype is None for o in ops if o.expr != "None"):
-                first = next(i for i, o in enumerate(ops) if o.expr != "None")
-                dt = compute_dtype(node.meta["val"].dtype)
-                ops[first] = Operand(f"tl.full({self._shape(full)}, {ops[first].as_(dt)}, {TL_DTYPE[dt]})", dt)
-            expr = POINTWISE_OPS[node.target](node, ops)
-            var = self._tmp()
-            out.append(f"{var} = {expr}  # {node_source(node)}")
-            result = Operand(var, compute_dtype(node.meta["val"].dtype))
-        cache[node] = result
-        return result
+    def _operands(self, node: fx.Node, scope: Scope, home: Scope) -> list[KernelValue]:
+        ops = super()._operands(node, scope, home)
+        if ops and all(o.dtype is None for o in ops if o.expr != "None"):
+            # Only literals (a fill, a scalar): the first becomes a block so the result is one.
+            first = next(i for i, o in enumerate(ops) if o.expr != "None")
+            dt = value_dtype(node)
+            shape = self._block_shape(self._walks_reduced(self.group.dims[node]))
+            ops[first] = TritonValue(f"tl.full({shape}, {ops[first].as_(dt)}, {TL_DTYPE[dt]})", dt)
+        return ops
 
-    def _reduce_input(self, node: fx.Node, scope: _Scope) -> tuple[str, torch.dtype]:
-        src = node.args[0]
-        out_dtype = compute_dtype(node.meta["val"].dtype)
-        if src in self.g.dims:
-            op = self.value(src, scope)
-        else:
-            op = self._load(src, self.g.input_dims[node][src], scope.lines, scope.cache)
-        return op.as_(out_dtype), out_dtype
-
-    def _finish(self, node: fx.Node, reduced: str) -> str:
-        if node.target == aten.mean.dim:
-            src_shape = node.args[0].meta["val"].shape
-            count = 1
-            for d in reduction_dims(node):
-                count *= src_shape[d]
-            return f"({reduced} * {literal(1.0 / count)})"
-        return reduced
-
-    def _identity(self, node: fx.Node, dtype: torch.dtype) -> str:
-        kind = _reduction_kind(node)
-        if dtype.is_floating_point:
-            return _IDENTITY[kind]
-        if kind == "sum" or dtype not in (torch.int32, torch.int16, torch.int8, torch.uint8):
-            return _INT_IDENTITY[kind]
-        info = torch.iinfo(dtype)  # narrower integers: the identity must fit the type
-        return str(info.min if kind == "max" else info.max)
-
-    @staticmethod
-    def _combine(kind: str, dtype: torch.dtype) -> str:
-        # Float sums use Triton's own combine function: the interpreter recognises it and sums
-        # with numpy (pairwise, exact to fp32 rounding) instead of a sequential element loop,
-        # which is both slow and loses digits on large tiles; on the GPU it is the same a + b.
-        return "tl.standard._sum_combine" if kind == "sum" and dtype.is_floating_point else f"_{kind}"
-
-    def _reduce_persistent(self, node: fx.Node, scope: _Scope) -> Operand:
-        inp, dtype = self._reduce_input(node, scope)
-        kind = _reduction_kind(node)
-        var = self._tmp()
-        masked = f"tl.where(xmask & rmask, {inp}, {self._identity(node, dtype)})"
-        scope.lines.append(f"{var} = {self._finish(node, f'tl.reduce({masked}, 1, {self._combine(kind, dtype)})[:, None]')}  # {node_source(node)}")
-        return Operand(var, dtype)
-
-    # -- stores ----------------------------------------------------------------------------
-    def _store(self, node: fx.Node, scope: _Scope) -> None:
-        dims = self.g.dims[node]
-        full = self._full(dims)
+    # -- stores --------------------------------------------------------------------------------
+    def _store(self, node: fx.Node, scope: Scope) -> None:
+        dims = self.group.dims[node]
+        full = self._walks_reduced(dims)
         op = self.value(node, scope)
         dtype = node.meta["val"].dtype
         covered = {d for d in dims if d is not None}
-        walked = self.K + (self.R if full else [])
+        walked = self.kept_order + (self.reduced_order if full else [])
         mask = self._mask(full)
         for s in walked:
             if s not in covered:
@@ -334,19 +238,18 @@ class _KernelWriter:
             mask += " & (sid == 0)"  # a split kernel's x-domain values: one chunk stores them
         val = op.as_(compute_dtype(dtype))
         if op.dtype is None:
-            val = f"tl.full({self._shape(full)}, {val}, {TL_DTYPE[compute_dtype(dtype)]})"
+            val = f"tl.full({self._block_shape(full)}, {val}, {TL_DTYPE[compute_dtype(dtype)]})"
         if dtype == torch.bfloat16:
             val = f"_round_to_bf16({val}).to(tl.bfloat16)"
         elif dtype != compute_dtype(dtype):
             val = f"({val}).to({TL_DTYPE[dtype]})"
-        target = scope if (full or self.persistent) else scope.outer
-        target.lines.append(f"tl.store({self.arg_names[node]} + ({self._offset(node, dims)}), {val}, {mask})")
+        self._home(dims, scope).lines.append(
+            f"tl.store({self.tensor_names[node]} + ({self._offset(node, dims)}), {val}, {mask})")
 
-    # -- the kernel ------------------------------------------------------------------------
+    # -- the kernel ----------------------------------------------------------------------------
     def write(self) -> KernelSource:
         body: list[str] = []
-        if self.reduction:
-            xblock, rblock = self.xblock, self.rblock
+        if self.is_reduction:
             if self.grid_split > 1:
                 body.append("pid = tl.program_id(0)")
                 body.append(f"sid = pid % {self.grid_split}")
@@ -355,43 +258,48 @@ class _KernelWriter:
             else:
                 body.append("xindex = tl.program_id(0) * XBLOCK + tl.arange(0, XBLOCK)[:, None]")
             body.append(f"xmask = xindex < {self.xnumel}")
-            body += self._coord_lines(self.K, "xindex", self.xnumel)
+            body += self._coord_lines(self.kept_order, "xindex", self.xnumel)
             body.append("rbase = tl.arange(0, RBLOCK)[None, :]")
             body += self._reduction_body()
-            meta = {"XBLOCK": xblock, "RBLOCK": rblock}
+            meta = {"XBLOCK": self.xblock, "RBLOCK": self.rblock}
         else:
             xblock = min(next_pow2(self.xnumel), POINTWISE_XBLOCK if not self.interpret else INTERPRET_TILE_ELEMENTS)
             body.append("xindex = tl.program_id(0) * XBLOCK + tl.arange(0, XBLOCK)")
             body.append(f"xmask = xindex < {self.xnumel}")
-            body += self._coord_lines(self.K, "xindex", self.xnumel)
-            scope = _Scope(None)
-            for n in self.g.outputs:
+            body += self._coord_lines(self.kept_order, "xindex", self.xnumel)
+            scope = Scope()
+            for n in self.group.outputs:
                 self._store(n, scope)
             body += scope.lines
             meta = {"XBLOCK": xblock}
+        return self._assemble(body, meta)
+
+    def _assemble(self, body: list[str], meta: dict[str, int]) -> KernelSource:
+        """The kernel's source, name and launch data around its ``body`` lines."""
         tiles = meta["XBLOCK"] * meta.get("RBLOCK", 1)
         meta["num_warps"] = 8 if tiles >= 4096 else 4 if tiles >= 512 else 2 if tiles >= 128 else 1
-        grid = -(-self.xnumel // meta["XBLOCK"]) * (self.grid_split if self.reduction else 1)
-        args = list(self.g.inputs) + list(self.g.outputs)
-        params = ", ".join(self.arg_names[a] for a in args) + (", ws" if self.split.split > 1 else "")
-        consts = "XBLOCK: tl.constexpr" + (", RBLOCK: tl.constexpr" if self.reduction else "")
-        ops = "\n".join(f"#   {node_source(n)}" for n in self.g.nodes)
+        grid = -(-self.xnumel // meta["XBLOCK"]) * (self.grid_split if self.is_reduction else 1)
+        args = list(self.group.inputs) + list(self.group.outputs)
+        params = ", ".join(self.tensor_names[a] for a in args) + (", ws" if self.split.split > 1 else "")
+        consts = "XBLOCK: tl.constexpr" + (", RBLOCK: tl.constexpr" if self.is_reduction else "")
+        ops = "\n".join(f"#   {node_source(n)}" for n in self.group.nodes)
         split = "" if self.split.split == 1 else (
             f" split={self.split.split}x{self.split.chunk} "
             + ("stores outputs" if self.phase is None else f"{self.phase[0]} of level {self.phase[1]}"))
         text = (f"@triton.jit\ndef KERNEL_NAME({params}, {consts}):\n"
-                f"    # S={list(self.S)} reduced={sorted(self.D)} x={self.xnumel} r={self.rnumel}{split}\n"
-                f"    # x order {self.K} r order {self.R}{' channel-contiguous' if self.x_contiguous else ''}\n"
+                f"    # S={list(self.shape)} reduced={sorted(self.reduced_dims)} x={self.xnumel} r={self.rnumel}{split}\n"
+                f"    # x order {self.kept_order} r order {self.reduced_order}"
+                f"{' channel-contiguous' if self.x_contiguous else ''}\n"
                 + "\n".join("    " + line for line in body) + "\n")
         # Node names differ between graphs (and between blocks of one model); the kernel's identity
         # must not, so hash and compile the text with each line's node annotation reduced to its op.
         canonical = canonical_source(text)
         digest = hashlib.sha256((canonical + repr(meta) + str(self.interpret)).encode()).hexdigest()[:16]
-        kind = "pw" if not self.reduction else "red" if self.phase is None else f"{self.phase[0]}{self.phase[1]}"
+        kind = "pw" if not self.is_reduction else "red" if self.phase is None else f"{self.phase[0]}{self.phase[1]}"
         name = f"ember_{kind}_{digest}"
         source = f"# source ops:\n{ops}\n" + text.replace("KERNEL_NAME", name)
         header = HEADER_INTERPRET if self.interpret else HEADER_GPU
-        return KernelSource(name, source, digest, args, len(self.g.inputs), grid, meta, header,
+        return KernelSource(name, source, digest, args, len(self.group.inputs), grid, meta, header,
                             canonical.replace("KERNEL_NAME", name))
 
     def _blocks(self) -> tuple[int, int]:
@@ -410,138 +318,15 @@ class _KernelWriter:
             return xblock, max(1, XCONTIG_TILE // xblock)
         return 1, LOOP_RBLOCK
 
-    def _reduction_body(self) -> list[str]:
-        root = _Scope(None)
-        if self.persistent:
-            root.lines.append("rindex = rbase")
-            root.lines.append(f"rmask = rindex < {self.rnumel}")
-            root.lines += self._coord_lines(self.R, "rindex", self.rnumel)
-            for n in self.g.outputs:
-                self._store(n, root)
-            return root.lines
-        reductions = self.reductions
-        for lv in self.levels():
-            at_level = [r for r in reductions if self.level[r] == lv]
-            if self.split.split == 1:
-                self._loop(root, at_level)
-            elif self.phase == ("part", lv):
-                self._loop(root, at_level, partial=True)
-                return root.lines  # a partial kernel stops after its level
-            elif self.phase == ("comb", lv):
-                self._combine_partials(root, at_level)
-                return root.lines
-            else:
-                self._load_results(root, at_level)
-        full_outputs = [n for n in self.g.outputs if self._full(self.g.dims[n])]
-        for n in self.g.outputs:
-            if not self._full(self.g.dims[n]):
-                self._store(n, root)
-        if full_outputs:
-            self._loop(root, [], full_outputs)
-        return root.lines
-
-    def levels(self) -> list[int]:
-        return sorted({self.level[r] for r in self.reductions})
-
-    def _ws_offset(self, r: fx.Node, chunk: str) -> str:
-        j = self.reductions.index(r)
-        return f"{j * self.split.split * self.xnumel} + {chunk} * {self.xnumel} + xindex"
-
-    def _result_offset(self, r: fx.Node) -> str:
-        j = self.reductions.index(r)
-        return f"{len(self.reductions) * self.split.split * self.xnumel + j * self.xnumel} + xindex"
-
-    def _load_results(self, root: _Scope, reductions: list[fx.Node]) -> None:
-        """Reductions of a split group, as the combining kernels stored them."""
-        for r in reductions:
-            dtype = compute_dtype(r.meta["val"].dtype)
-            var = self._tmp()
-            root.lines.append(f"{var} = {self._finish(r, f'tl.load(ws + ({self._result_offset(r)}), xmask)')}"
-                              f"  # {node_source(r)}")
-            root.cache[r] = Operand(var, dtype)
-
-    def _combine_partials(self, root: _Scope, reductions: list[fx.Node]) -> None:
-        """Each reduction's result from the chunks' partials, stored once per x in the workspace
-        (one small kernel, instead of every program of the next kernels combining them again)."""
-        sblock = self.split.sblock
-        for r in reductions:
-            dtype = compute_dtype(r.meta["val"].dtype)
-            kind, ident = _reduction_kind(r), self._identity(r, dtype)
-            acc, part = self._tmp(), self._tmp()
-            root.lines.append(f"{acc} = tl.full([XBLOCK, {sblock}], {ident}, {TL_DTYPE[dtype]})")
-            root.lines.append(f"for s0 in range(0, {self.split.split}, {sblock}):")
-            root.lines.append(f"    sidx = s0 + tl.arange(0, {sblock})[None, :]")
-            root.lines.append(f"    {part} = tl.load(ws + ({self._ws_offset(r, 'sidx')}), xmask & (sidx < "
-                              f"{self.split.split}), other={ident})")
-            root.lines.append(f"    {self._accumulate(acc, part, kind)}")
-            var = self._tmp()
-            root.lines.append(f"{var} = tl.reduce({acc}, 1, {self._combine(kind, dtype)})[:, None]  # {node_source(r)}")
-            root.lines.append(f"tl.store(ws + ({self._result_offset(r)}), {var}, xmask)")
-
-    @staticmethod
-    def _accumulate(acc: str, value: str, kind: str) -> str:
-        if kind == "sum":
-            return f"{acc} = {acc} + {value}"
-        cmp = ">" if kind == "max" else "<"
-        return f"{acc} = tl.where(({value} {cmp} {acc}) | ({value} != {value}), {value}, {acc})"
-
-    def _loop(self, root: _Scope, reductions: list[fx.Node], stores: list[fx.Node] = (),
-              partial: bool = False) -> None:
-        inner = _Scope(root)
-        inner.lines.append("rindex = roffset + rbase")
-        inner.lines.append(f"rmask = rindex < {self.rnumel}")
-        inner.lines += self._coord_lines(self.R, "rindex", self.rnumel)
-        pre: list[str] = []
-        accs = []
-        for r in reductions:
-            inp, dtype = self._reduce_input(r, inner)
-            kind = _reduction_kind(r)
-            acc = self._tmp()
-            ident = self._identity(r, dtype)
-            pre.append(f"{acc} = tl.full([XBLOCK, RBLOCK], {ident}, {TL_DTYPE[dtype]})")
-            masked = f"tl.where(xmask & rmask, {inp}, {ident})"
-            if kind != "sum":
-                masked_var = self._tmp()
-                inner.lines.append(f"{masked_var} = {masked}")
-                masked = masked_var
-            inner.lines.append(self._accumulate(acc, masked, kind))
-            accs.append((r, acc, kind, dtype))
-        for n in stores:
-            self._store(n, inner)
-        root.lines += pre
-        if self.split.split > 1:  # this program's chunk of D
-            root.lines.append(f"for roffset in range(rstart, rstart + {self.split.chunk}, RBLOCK):")
-        else:
-            root.lines.append(f"for roffset in range(0, {self.rnumel}, RBLOCK):")
-        root.lines += ["    " + line for line in inner.lines]
-        for r, acc, kind, dtype in accs:
-            var = self._tmp()
-            reduced = f"tl.reduce({acc}, 1, {self._combine(kind, dtype)})[:, None]"
-            if partial:  # the chunk's partial result, combined by the next kernels
-                root.lines.append(f"{var} = {reduced}  # partial {node_source(r)}")
-                root.lines.append(f"tl.store(ws + ({self._ws_offset(r, 'sid')}), {var}, xmask)")
-                continue
-            root.lines.append(f"{var} = {self._finish(r, reduced)}  # {node_source(r)}")
-            root.cache[r] = Operand(var, dtype)
-
-
-class _Scope:
-    """Lines and value cache of one loop body (or of the kernel's top level)."""
-
-    def __init__(self, outer: _Scope | None) -> None:
-        self.lines: list[str] = []
-        self.cache: dict = {}
-        self.outer = outer if outer is not None else self
-
 
 def generate_triton(group: FusedGroup, interpret: bool = False) -> KernelSource:
     """The Triton kernel for ``group`` (with its partial-result kernels when the reduction is split)."""
-    writer = _KernelWriter(group, interpret)
+    writer = TritonWriter(group, interpret)
     ks = writer.write()
     if writer.split.split > 1:
         # Partials of every chunk, then one result row per reduction.
         ks.workspace = len(writer.reductions) * (writer.split.split + 1) * writer.xnumel
-        ks.pre = [_KernelWriter(group, interpret, phase=(step, lv)).write()
+        ks.pre = [TritonWriter(group, interpret, phase=(step, lv)).write()
                   for lv in writer.levels() for step in ("part", "comb")]
         for k in ks.pre:
             k.workspace = ks.workspace

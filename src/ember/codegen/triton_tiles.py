@@ -38,8 +38,8 @@ def _cdiv(a: int, b: int) -> int:
 
 @dataclass
 class Tiling:
-    K: list[int]  # kept dims of S, outermost first (the last varies fastest in xindex)
-    R: list[int]  # reduced dims of S, outermost first
+    kept: list[int]  # kept dims of S, outermost first (the last varies fastest in xindex)
+    reduced: list[int]  # reduced dims of S, outermost first
     x_contiguous: bool  # the reference tensor's stride-1 dim is a kept dim
 
 
@@ -77,19 +77,19 @@ def _stored_elements(t: torch.Tensor) -> int:
     return n
 
 
-def order_dims(group: FusedGroup, K: list[int], R: list[int]) -> Tiling:
-    """K and R in the reference tensor's memory order (see the module docstring)."""
-    ref = _reference(group, set(K) | set(R))
+def order_dims(group: FusedGroup, kept: list[int], reduced: list[int]) -> Tiling:
+    """The kept and the reduced dims in the reference tensor's memory order (see the module docstring)."""
+    ref = _reference(group, set(kept) | set(reduced))
     if ref is None:
-        return Tiling(list(K), list(R), False)
+        return Tiling(list(kept), list(reduced), False)
     node, dims = ref
     strides = node.meta["val"].stride()
     stride_of = {s: strides[j] for j, s in enumerate(dims) if s is not None}
     # Larger stride first; equal strides keep S order. Stable sort of the logical order.
     key = lambda s: -stride_of.get(s, 0)  # noqa: E731
-    k_sorted, r_sorted = sorted(K, key=key), sorted(R, key=key)
+    k_sorted, r_sorted = sorted(kept, key=key), sorted(reduced, key=key)
     inner = min(stride_of, key=lambda s: (stride_of[s], -s)) if stride_of else None
-    x_contiguous = bool(R) and inner in K and stride_of.get(inner) == 1
+    x_contiguous = bool(reduced) and inner in kept and stride_of.get(inner) == 1
     return Tiling(k_sorted, r_sorted, x_contiguous)
 
 

@@ -32,7 +32,7 @@ from typing import Any
 import torch
 from torch import fx
 
-from ember.codegen.program import get_attr
+from ember.graph_utils import get_attr
 from ember.report.records import GraphRecord
 
 SCHEMA = 1

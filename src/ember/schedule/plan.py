@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.fx as fx
 
+from ember.graph_utils import op_name
 from ember.schedule.rules import OpClass, classify
 
 aten = torch.ops.aten
@@ -53,6 +54,9 @@ class FusedGroup(Step):
     input_dims: dict[fx.Node, dict[fx.Node, Dims]] = field(default_factory=dict)
     inputs: list[fx.Node] = field(default_factory=list)
     outputs: list[fx.Node] = field(default_factory=list)
+    # Each member's class as the plan decided it (POINTWISE, REDUCTION or VIEW): code generators
+    # read it here instead of classifying again.
+    classes: dict[fx.Node, OpClass] = field(default_factory=dict)
 
     @property
     def is_reduction(self) -> bool:
@@ -85,7 +89,7 @@ class KernelPlan:
         """The plan as text: one line per step."""
         lines = []
         for s in self.steps:
-            ops = ", ".join(_op_name(n) for n in s.nodes)
+            ops = ", ".join(op_name(n) for n in s.nodes)
             if isinstance(s, FusedGroup):
                 kind = "fused-reduction" if s.is_reduction else "fused-pointwise"
                 lines.append(f"{s.index:4d} {kind:16s} S={list(s.shape)} D={list(s.rdims)} "
@@ -94,12 +98,6 @@ class KernelPlan:
                 extra = f"  ({s.reason})" if s.reason else ""
                 lines.append(f"{s.index:4d} {s.kind:16s} {ops}{extra}")
         return "\n".join(lines)
-
-
-def _op_name(node: fx.Node) -> str:
-    target = node.target
-    name = getattr(target, "__name__", str(target))
-    return name.replace(".default", "")
 
 
 def _shape(node: fx.Node) -> tuple[int, ...]:
@@ -288,6 +286,7 @@ class _Partitioner:
         group.nodes.append(node)
         group.dims[node] = dims
         group.input_dims[node] = in_dims
+        group.classes[node] = cls
         self.step_of[node] = group
         return None
 
@@ -312,6 +311,7 @@ class _Partitioner:
             group.dims[node] = dims
             group.input_dims[node] = {a: self._aligned(len(shape), a, dims) for a in node.all_input_nodes
                                       if a not in self.constants}
+        group.classes[node] = cls
         self.steps.append(group)
         self.step_of[node] = group
         return group
@@ -471,6 +471,7 @@ class _Partitioner:
         for n in order:
             del group.dims[n]
             group.input_dims.pop(n, None)
+            del group.classes[n]
             step = Step(-1, "view", [n], "a view of the kernel's output, read only after it")
             self.step_of[n] = step
             steps.append(step)

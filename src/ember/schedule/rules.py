@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import torch
 import torch.fx as fx
 
-from ember.codegen.triton_ops import POINTWISE_OPS, pointwise_supported
+from ember.schedule.op_support import FUSABLE_DTYPES, POINTWISE_OPS, pointwise_supported
 
 aten = torch.ops.aten
 prims = torch.ops.prims
@@ -75,12 +75,6 @@ RANDOM_OPS = {
 # Activations the CPU inference decomposition keeps whole (capture/decompositions.py).
 KEPT_WHOLE_ON_CPU = {aten.gelu.default, aten.hardswish.default, aten.hardsigmoid.default, aten.silu.default}
 
-_FUSABLE_DTYPES = {
-    torch.float32, torch.float16, torch.bfloat16, torch.float64, torch.int64, torch.int32,
-    torch.int16, torch.int8, torch.uint8, torch.bool,
-}
-
-
 @dataclass(frozen=True)
 class Classification:
     cls: OpClass
@@ -92,7 +86,7 @@ def node_value(node: fx.Node) -> object:
 
 
 def _tensor_ok(value: object) -> bool:
-    return (isinstance(value, torch.Tensor) and value.dtype in _FUSABLE_DTYPES
+    return (isinstance(value, torch.Tensor) and value.dtype in FUSABLE_DTYPES
             and not value.is_sparse and value.layout == torch.strided)
 
 

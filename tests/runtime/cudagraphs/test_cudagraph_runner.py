@@ -111,7 +111,7 @@ def test_a_pooled_buffer_where_an_input_lies_is_moved_out_of_the_pool() -> None:
 
 
 def test_a_written_input_keeps_a_buffer_of_its_own_even_when_marked_read_only_elsewhere() -> None:
-    # Only what capture_rules.read_only_inputs names goes into the pool: the written statistic
+    # Only what rules.read_only_inputs names goes into the pool: the written statistic
     # keeps a held buffer, copied back after each replay.
     runner = CudaGraphRunner(lambda args: _bn_stats([args[1], args[0]]), "test", backend=FakeGraphs(),
                              read_only=frozenset({1}))

@@ -17,6 +17,7 @@ from collections.abc import Sequence
 import torch
 from torch import fx
 
+from ember.graph_utils import get_attr
 from ember.targets import BY_NAME
 
 aten = torch.ops.aten
@@ -101,7 +102,7 @@ def _graph_blocker(gm: fx.GraphModule) -> str | None:
         if node.op == "placeholder":
             root[node] = node
         elif node.op == "get_attr":
-            val = node.meta.get("val", _attr(gm, str(node.target)))
+            val = node.meta.get("val", get_attr(gm, str(node.target), None))
             # 0-dim CPU constants are read as scalars when a kernel launches: fixed, so fine.
             if isinstance(val, torch.Tensor) and val.device.type != "cuda" and val.dim() > 0:
                 return f"constant {node.target} is a tensor on {val.device}"
@@ -119,13 +120,6 @@ def _graph_blocker(gm: fx.GraphModule) -> str | None:
                 if isinstance(v, torch.Tensor) and v.device.type != "cuda":
                     return f"{node.name} ({node.target}) produces a tensor on {v.device}"
     return None
-
-
-def _attr(gm: fx.GraphModule, target: str) -> object:
-    obj: object = gm
-    for part in target.split("."):
-        obj = getattr(obj, part, None)
-    return obj
 
 
 def _sync_reason(node: fx.Node) -> str | None:
