@@ -75,6 +75,10 @@ class Options:
             raise ValueError(f"ember: unknown device {self.device!r}; choose one of {', '.join(DEVICES)}")
         if self.target not in TARGETS:
             raise ValueError(f"ember: unknown target {self.target!r}; choose one of {', '.join(TARGETS)}")
+        if isinstance(self.max_recompiles, bool) or not isinstance(self.max_recompiles, int) \
+                or self.max_recompiles < 0:
+            raise ValueError(f"ember: max_recompiles must be an integer >= 0 (static shape specialisations per "
+                             f"frame), got {self.max_recompiles!r}")
 
     @classmethod
     def from_env(cls, **overrides: object) -> Options:

@@ -32,6 +32,7 @@ from ember.passes.freeze import static_input_indices
 from ember.passes.layout import layout_summary, report_output_strides
 from ember.report.records import GraphRecord
 from ember.runtime.artifacts import ProgramStore, caching_enabled, graph_key, restore_record, stored_program
+from ember.runtime.cache_folder import usable_options
 from ember.runtime.capture_rules import cudagraph_blocker, read_only_inputs
 from ember.runtime.cudagraph import CudaGraphRunner
 from ember.runtime.kernels import compile_cpu_kernels, kernel_file, load_kernel
@@ -172,6 +173,8 @@ def _compile(gm: fx.GraphModule, example_inputs: list, options: Options, record:
     level = config.debug_level()
     slug = debug_folder(record.title)
     stage = record.stage_seconds
+    # An unusable cache folder: kernels go to a temporary folder, no program cache (warned once).
+    options, cache_problem = usable_options(options)
     if _symbolic(gm):
         raise NotImplementedError("graph has symbolic shapes; Ember compiles static shapes")
     target = _resolve_target(gm, options)
@@ -180,11 +183,12 @@ def _compile(gm: fx.GraphModule, example_inputs: list, options: Options, record:
     # Decided on the captured graph, before the passes rewrite it in place.
     blocker = cudagraph_blocker(gm, example_inputs, record.kind, target, options.cudagraphs)
     read_only = read_only_inputs(gm) if blocker is None else frozenset()
-    store = ProgramStore(options.cache_root()) if caching_enabled(options.cache) else None
+    store = ProgramStore(options.cache_root()) if caching_enabled(options.cache) and not cache_problem else None
     # The layout option changes the program: part of the key.
     key_target = target if options.channels_last else f"{target}+nchw"
     key = graph_key(gm, example_inputs, key_target, record.kind) if store is not None else None
-    record.cache = "off" if store is None else "not cacheable (large constant tensor)" if key is None else "miss"
+    record.cache = (f"off: {cache_problem}" if cache_problem and caching_enabled(options.cache) else "off"
+                    if store is None else "not cacheable (large constant tensor)" if key is None else "miss")
     # With a debug folder or DEBUG set the user wants every stage: compile, do not look up.
     if store is not None and key is not None and not options.debug_dir and level == 0:
         start = time.perf_counter()
@@ -290,7 +294,7 @@ def _compile(gm: fx.GraphModule, example_inputs: list, options: Options, record:
     if store is not None and key is not None:
         kept = [(ks.name, ks.module_source()) for ks in unique]
         saved = store.save(key, stored_program(program.text, kept, consts, program.attrs, record), record.title)
-        record.cache = "stored" if saved else "not cacheable (constants cannot be stored)"
+        record.cache = "stored" if saved else f"not stored: {store.error}"
     return _finish(record, run, program.text, blocker, read_only, reference, options, pending)
 
 

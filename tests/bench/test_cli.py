@@ -260,3 +260,21 @@ def test_launch_compiles_counts_what_the_listener_hears_and_restores_it() -> Non
         assert knobs.compilation.listener is not None and knobs.compilation.listener.__name__ == "<lambda>"
     finally:
         knobs.compilation.listener = None
+
+
+@pytest.mark.parametrize("argv, option", [
+    (["bench", "--device", "tpu"], "--device"),
+    (["explain", "resnet18", "--device", "tpu"], "--device"),
+    (["bench", "--batch", "abc"], "--batch"),
+    (["bench", "--batch", "4,x"], "--batch"),
+    (["explain", "resnet18", "--batch", "abc"], "--batch"),
+    (["bench", "--iters", "many"], "--iters"),
+])
+def test_bad_values_are_one_line_errors(argv: list[str], option: str, capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as info:
+        main(argv)
+    assert info.value.code == 2
+    captured = capsys.readouterr()
+    lines = captured.err.strip().splitlines()
+    assert len(lines) == 1 and f"argument {option}" in lines[0] and lines[0].startswith("ember "), captured.err
+    assert "Traceback" not in captured.err and "invalid literal" not in captured.err and not captured.out

@@ -108,6 +108,7 @@ class EmberBackend:
     """A ``torch.compile`` backend with its options and a log of everything it compiled."""
 
     _ids = itertools.count()
+    __name__ = "ember"  # what Dynamo's errors call the backend (backend='ember', not '?')
 
     def __init__(self, options: Options | None = None) -> None:
         self.options = options or Options.from_env()
@@ -204,13 +205,30 @@ class EmberBackend:
 _PARTITION = functools.partial(min_cut_rematerialization_partition, compiler="inductor")
 
 
+try:  # Dynamo re-raises a backend's ShortenTraceback as is, not wrapped in BackendCompilerFailed
+    from torch._dynamo.exc import ShortenTraceback as _PassThrough
+except ImportError:  # pragma: no cover - older torch: the error arrives wrapped
+    _PassThrough = Exception  # type: ignore[misc,assignment]
+
+
+class EmberDeviceError(_PassThrough, ValueError):  # type: ignore[misc]
+    """An input on another device than ``ember.compile(device=...)`` asked for. It reaches the
+    caller with this message, not as Dynamo's "backend='?' raised" wrapper."""
+
+    def __init__(self, message: str) -> None:
+        if _PassThrough is Exception:
+            super().__init__(message)
+        else:
+            super().__init__(message, first_useful_frame=None)
+
+
 def check_device(example_inputs: list, device: str) -> None:
     """``device="cpu"|"cuda"``: every input tensor must be there (an error naming the first that is not)."""
     if device == "auto":
         return
     for i, x in enumerate(example_inputs):
         if isinstance(x, torch.Tensor) and x.device.type != device:
-            raise ValueError(f"ember.compile(device={device!r}): graph input {i} ({list(x.shape)}) is on "
+            raise EmberDeviceError(f"ember.compile(device={device!r}): graph input {i} ({list(x.shape)}) is on "
                              f"{x.device}; move the model and its inputs to {device} or use device='auto'")
 
 
