@@ -38,6 +38,16 @@ def debug_level() -> int:
     return _env_int("DEBUG", 0)
 
 
+def quiet_profiler_logs() -> None:
+    """The torch profiler's tracing library (Kineto) prints ``USDT: ... profiler_start/stop`` at
+    every start and stop and, on a CUDA build without a GPU, ``ERROR: ... gpuGetDeviceCount
+    failed``, straight to stderr. Ember's CPU memory measurement (bench/memory.py) uses the
+    profiler; its level 6 (above Kineto's highest) silences it. Kineto reads the variable once,
+    when the process first starts the profiler; a value the user set (``KINETO_LOG_LEVEL=0``
+    to see everything) is kept."""
+    os.environ.setdefault("KINETO_LOG_LEVEL", "6")
+
+
 def default_cache_dir() -> Path:
     base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
     return Path(base) / "ember"

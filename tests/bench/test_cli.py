@@ -278,3 +278,22 @@ def test_bad_values_are_one_line_errors(argv: list[str], option: str, capsys: py
     lines = captured.err.strip().splitlines()
     assert len(lines) == 1 and f"argument {option}" in lines[0] and lines[0].startswith("ember "), captured.err
     assert "Traceback" not in captured.err and "invalid literal" not in captured.err and not captured.out
+
+
+def test_cpu_bench_output_has_no_profiler_noise(tmp_path: Path) -> None:
+    # The CPU memory column uses the torch profiler, whose tracing library printed
+    # "USDT: ... profiler_start" and "ERROR: ... gpuGetDeviceCount failed" on a machine without a GPU.
+    import os
+    import subprocess
+
+    env = {k: v for k, v in os.environ.items() if k != "KINETO_LOG_LEVEL"}
+    env["PYTHONPATH"] = os.pathsep.join([str(Path(ember.__file__).parents[1]), env.get("PYTHONPATH", "")])
+    env["CUDA_VISIBLE_DEVICES"] = ""
+    run = subprocess.run([sys.executable, "-m", "ember", "bench", "tiny_transformer", "--backend", "eager",
+                          "--small", "--batch", "2", "--iters", "2", "--warmup", "1", "--no-progress"],
+                         capture_output=True, text=True, env=env, cwd=tmp_path, timeout=600)
+    output = run.stdout + run.stderr
+    assert run.returncode == 0, output
+    assert "tiny_transformer" in run.stdout and ("MiB" in run.stdout or "KiB" in run.stdout), output
+    for noise in ("USDT", "profiler_start", "gpuGetDeviceCount", "ERROR"):
+        assert noise not in output, output
