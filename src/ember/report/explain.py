@@ -29,6 +29,7 @@ from torch.utils._pytree import tree_leaves
 
 from ember.capture.backend import EmberBackend
 from ember.config import Options
+from ember.report.graph_breaks import collect_graph_breaks
 from ember.report.html import Section, Table, render_html
 from ember.report.records import STAGES, CompileLog, GraphRecord  # noqa: F401 - STAGES re-exported
 from ember.schedule.rules import CONSTANT_OPS, VIEW_OPS
@@ -79,6 +80,7 @@ class ExplainReport:
     first_run_note: str
     dynamo_graphs: int
     graph_breaks: Counter = field(default_factory=Counter)  # Dynamo's full reason -> count
+    break_locations: dict[str, list[str]] = field(default_factory=dict)  # reason -> ["file:line: source"]
     recompiles: list[str] = field(default_factory=list)
     # For a model from ember.compile: its own compiles so far (explain compiles afresh, once).
     model_compiles: list[str] = field(default_factory=list)  # compile ids, e.g. "0/3"
@@ -164,7 +166,8 @@ class ExplainReport:
             "first_run_s": self.first_run_s, "first_run_note": self.first_run_note,
             "dynamo_graphs": self.dynamo_graphs, "aten_graphs": len(self.graphs),
             "graph_breaks": {"count": sum(self.graph_breaks.values()),
-                             "reasons": [{"reason": r, "count": n} for r, n in self.graph_breaks.items()]},
+                             "reasons": [{"reason": r, "count": n, "where": self.break_locations.get(r, [])}
+                                         for r, n in self.graph_breaks.items()]},
             "recompiles": list(self.recompiles),
             "capture_rewrites": dict(+self.log.rewrites),
             "model_history": {"compiles": list(self.model_compiles), "recompiles": list(self.model_recompiles),
@@ -219,8 +222,11 @@ class ExplainReport:
             + (f" ({', '.join(f'{n} {k}' for k, n in sorted(kinds.items()))})" if kinds else ""),
             f"Graph breaks: {sum(self.graph_breaks.values())}",
         ]
-        lines += [f"  {n}x {short_reason(r)}" for r, n in self.graph_breaks.most_common()]
-        lines.append(f"Recompiles: {len(self.recompiles)}")
+        for r, n in self.graph_breaks.most_common():
+            lines.append(f"  {n}x {short_reason(r, 240)}")
+            lines += [f"     at {place}" for place in self.break_locations.get(r, [])]
+        lines.append(f"Recompiles in this run: {len(self.recompiles)}"
+                     + (" (explain compiles the model afresh, once)" if self.model_compiles else ""))
         lines += [f"  {r}" for r in self.recompiles]
         rewrites = +self.log.rewrites
         if rewrites:
@@ -229,7 +235,7 @@ class ExplainReport:
             static = len(self.model_compiles) - len(self.model_dynamic)
             lines.append(f"The compiled model so far: {len(self.model_compiles)} Dynamo graph(s), {static} with static "
                          f"shapes, {len(self.model_dynamic)} with dynamic shapes (run through ATen as captured); "
-                         f"{len(self.model_recompiles)} recompile(s)")
+                         f"{len(self.model_recompiles)} recompile(s)" + (":" if self.model_recompiles else ""))
             lines += [f"  {r}" for r in self.model_recompiles]
         hint = ""
         if not self.kernels and any(g.placement.get("fused-aten") for g in self.graphs):
@@ -347,6 +353,8 @@ class _TimedBackend:
     """Times each Dynamo graph's first call: the fallback when the records have no first-run times
     (GraphRecord.first_call_s, filled by the compiled program)."""
 
+    __name__ = "ember"  # what Dynamo's errors call the backend
+
     def __init__(self, backend: EmberBackend) -> None:
         self.backend = backend
         self.first_calls: list[float] = []
@@ -441,16 +449,13 @@ def explain_with(model: Callable, args: tuple | list = (), kwargs: dict[str, Any
                  **options: Any) -> ExplainReport:
     """Compile ``model`` with Ember ``options``, call ``model(*args, **kwargs)`` once (and backward
     when the output requires grad) and return the report."""
-    from torch._dynamo.utils import counters
-
     history = getattr(getattr(model, "_ember_backend", None), "log", None)
     model, inherited = _unwrap(model)
     backend = EmberBackend(Options.from_env(**{**inherited, **options}))
     timed = _TimedBackend(backend)
     compiled = torch.compile(model, backend=timed, dynamic=False, **_compile_kwargs())
-    breaks_before = Counter(counters["graph_break"])
     backward_s, training = 0.0, False
-    with _preserve_state(model):
+    with _preserve_state(model), collect_graph_breaks() as breaks:
         start = time.perf_counter()
         out = compiled(*args, **(kwargs or {}))
         forward_s = time.perf_counter() - start
@@ -465,8 +470,6 @@ def explain_with(model: Callable, args: tuple | list = (), kwargs: dict[str, Any
             torch.autograd.grad(loss, leaves, allow_unused=True)
             backward_s = time.perf_counter() - start
         del out
-    breaks = Counter(counters["graph_break"])
-    breaks.subtract(breaks_before)
     log = backend.log
     measured = [g.first_call_s for g in log.graphs if g.first_call_s is not None]
     if measured:
@@ -477,9 +480,10 @@ def explain_with(model: Callable, args: tuple | list = (), kwargs: dict[str, Any
     return ExplainReport(
         log=log, target=backend.options.target, training=training, total_s=forward_s + backward_s,
         forward_s=forward_s, backward_s=backward_s, first_run_s=first_run, first_run_note=note,
-        dynamo_graphs=len(log.frames), graph_breaks=+breaks, recompiles=_own_recompiles(log),
+        dynamo_graphs=len(log.frames), graph_breaks=+breaks.counts,
+        break_locations=breaks.where, recompiles=_own_recompiles(log),
         model_compiles=[cid for cid, _ in history.frames] if history else [],
-        model_recompiles=list(history.recompiles) if history else [],
+        model_recompiles=_own_recompiles(history) if history else [],
         model_dynamic=list(history.dynamic) if history else [])
 
 
