@@ -86,6 +86,7 @@ class ExplainReport:
     model_compiles: list[str] = field(default_factory=list)  # compile ids, e.g. "0/3"
     model_recompiles: list[str] = field(default_factory=list)  # what changed, per recompile
     model_dynamic: list[str] = field(default_factory=list)  # compile ids of dynamic-shape graphs
+    model_gave_up: list[str] = field(default_factory=list)  # frames Dynamo stopped compiling (run eagerly)
 
     # -- numbers -------------------------------------------------------------------------------
     @property
@@ -140,6 +141,8 @@ class ExplainReport:
     def problems(self) -> list[str]:
         out = [f"{g.title}: Ember could not compile this graph; it ran through ATen as captured. {g.error}"
                for g in self.graphs if g.error]
+        out += [f"Dynamo gave up compiling a frame of the compiled model; it runs eagerly from now on (correct "
+                f"results, no Ember code): {note}" for note in self.model_gave_up]
         if not self.graphs:
             out.append("Dynamo compiled no graph: the model ran eagerly (nothing to trace, the frame was "
                        "skipped, or Dynamo's recompile limit was hit).")
@@ -171,7 +174,8 @@ class ExplainReport:
             "recompiles": list(self.recompiles),
             "capture_rewrites": dict(+self.log.rewrites),
             "model_history": {"compiles": list(self.model_compiles), "recompiles": list(self.model_recompiles),
-                              "dynamic_shape_graphs": list(self.model_dynamic)},
+                              "dynamic_shape_graphs": list(self.model_dynamic),
+                              "frames_run_eagerly": list(self.model_gave_up)},
             "kernels": self.kernels, "unique_kernels": self.unique_kernels,
             "layout_conversions": self.layout_conversions(),
             "coverage": self.coverage(), "problems": self.problems(), "graphs": graphs,
@@ -484,7 +488,8 @@ def explain_with(model: Callable, args: tuple | list = (), kwargs: dict[str, Any
         break_locations=breaks.where, recompiles=_own_recompiles(log),
         model_compiles=[cid for cid, _ in history.frames] if history else [],
         model_recompiles=_own_recompiles(history) if history else [],
-        model_dynamic=list(history.dynamic) if history else [])
+        model_dynamic=list(history.dynamic) if history else [],
+        model_gave_up=list(history.gave_up) if history else [])
 
 
 def explain(model: Callable, *args: Any, **kwargs: Any) -> ExplainReport:
