@@ -15,7 +15,7 @@ each is a context manager, and everything is restored afterwards.
   back inside ``compile_graph`` as before, so the eager compile raises nothing new.
 - ``gc_paused``: a compile allocates millions of Python objects, which trigger full garbage
   collections, and each full collection walks every object of the process (torch, Triton, the
-  model and the compile's own graphs). On a 2-core CPU (``benchmarks/cpu_gc_during_compile.py``,
+  model and the compile's own graphs). On a 2-core CPU (``benchmarks/scripts/cpu_gc_during_compile.py``,
   result in ``benchmarks/cpu_gc_during_compile_2026-11-24.json``) 4 full collections took 1.08 s
   of ResNet-50's 5.43 s first call; with the collector paused while AOTAutograd and Ember compile,
   one remains (0.19 s, outside the block), the first call takes 4.91 s and peak resident memory
