@@ -1,5 +1,5 @@
-"""Merge several ``ember bench --json`` files (one device session split into calls of at
-most ten minutes) into one result file, a speedup plot and a markdown table.
+"""Merge several ``ember bench --json`` files (one suite measured in several runs, e.g. two
+halves) into one result file, a speedup plot and a markdown table.
 
     python benchmarks/scripts/collect.py RUN1.json RUN2.json ... --json OUT.json --plot OUT.png --md OUT.md
 """

@@ -43,11 +43,11 @@ GRAPH_SAFE_RANDOM = {
     # Memory-efficient attention is left out: its backward is a seeded op this list does not
     # hold, so its forward would be captured (device seeds) and its backward not, and the
     # uncaptured backward then crashed on the H100 reading those seeds (segmentation fault,
-    # BERT with dropout: benchmarks/h100_2026-11-23_session4/call5/bert_graphs.log).
+    # BERT training with dropout, torch 2.11, 2026-11-23).
     "_scaled_dot_product_flash_attention", "_flash_attention_forward",
     # cuDNN attention (what torch 2.11 picks for BERT on the H100): its forward, captured and
     # replayed 8 steps, gave eager's losses within 1.5e-3 with dropout 0.1 (eager's masks;
-    # benchmarks/h100_train_cudagraph_run2.json). Its backward draws nothing new: it rebuilds the
+    # benchmarks/results/h100/2026-11-23_training_cuda_graphs_check/h100_train_cudagraph_run2.json). Its backward draws nothing new: it rebuilds the
     # forward's mask from the seed and offset tensors the forward wrote on the device.
     "_scaled_dot_product_cudnn_attention", "_scaled_dot_product_cudnn_attention_backward",
 }
