@@ -11,7 +11,7 @@ import argparse
 import json
 import sys
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, NoReturn
 
 GPU_DEFAULT_MODELS = ["resnet50", "bert"]
 CPU_DEFAULT_MODELS = ["resnet18", "tiny_transformer"]
@@ -30,6 +30,8 @@ def _split(values: Sequence[str] | None) -> list[str]:
 
 
 def _positive_int(text: str) -> int:
+    if not text.strip().isdigit():
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}")
     value = int(text)
     if value < 1:
         raise argparse.ArgumentTypeError(f"expected a positive integer, got {text}")
@@ -37,14 +39,39 @@ def _positive_int(text: str) -> int:
 
 
 def _nonneg_int(text: str) -> int:
+    if not text.strip().isdigit():
+        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {text!r}")
     value = int(text)
     if value < 0:
         raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {text}")
     return value
 
 
+def _device(text: str) -> str:
+    """``auto``, ``cpu``, ``cuda`` or ``cuda:N``; anything else is a one-line usage error."""
+    kind, _, index = text.partition(":")
+    if text in ("auto", "cpu", "cuda") or (kind == "cuda" and index.isdigit()):
+        return text
+    raise argparse.ArgumentTypeError(f"unknown device {text!r}; choose auto, cpu, cuda or cuda:N")
+
+
+def _batch_sizes(text: str) -> str:
+    """A batch size or comma list of them, checked here so a bad value names the option."""
+    for item in filter(None, (s.strip() for s in text.split(","))):
+        if not item.isdigit() or int(item) < 1:
+            raise argparse.ArgumentTypeError(f"expected positive integers (e.g. 8 or 8,16), got {text!r}")
+    return text
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse with a one-line error (argparse prints the whole usage block first)."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+
 def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="ember", description="Ember: compile PyTorch models and see what ran where.")
+    parser = _Parser(prog="ember", description="Ember: compile PyTorch models and see what ran where.")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
 
     b = sub.add_parser("bench", help="benchmark eager vs torch.compile vs ember on the model suite",
@@ -57,8 +84,8 @@ def _parser() -> argparse.ArgumentParser:
                    help=f"repeatable or comma list (default {','.join(DEFAULT_BACKENDS)})")
     b.add_argument("--precision", default="auto", choices=["auto", "bf16", "fp32"],
                    help="bf16 autocast or fp32 (auto: bf16 on GPU, fp32 on CPU)")
-    b.add_argument("--device", default="auto", help="auto|cuda|cpu (auto: cuda if available)")
-    b.add_argument("--batch", action="append", metavar="N",
+    b.add_argument("--device", default="auto", type=_device, help="auto|cuda|cpu (auto: cuda if available)")
+    b.add_argument("--batch", action="append", metavar="N", type=_batch_sizes,
                    help="batch size(s), repeatable or comma list (default: the model's batch for the mode)")
     b.add_argument("--warmup", type=_nonneg_int, default=None, help="warm-up steps (default 10 on GPU, 3 on CPU)")
     b.add_argument("--iters", type=_positive_int, default=None, help="timed steps (default 30)")
@@ -75,7 +102,7 @@ def _parser() -> argparse.ArgumentParser:
     x.add_argument("--mode", default="infer", choices=["train", "infer"])
     x.add_argument("--small", action="store_true", help="small inputs (64x64 images, seq 32)")
     x.add_argument("--batch", type=_positive_int, default=None, help="batch size (default: the model's)")
-    x.add_argument("--device", default="auto", help="auto|cuda|cpu")
+    x.add_argument("--device", default="auto", type=_device, help="auto|cuda|cpu")
     x.add_argument("--html", metavar="PATH", help="also write the report as HTML")
 
     c = sub.add_parser("cache", help="show or clear Ember's compile cache")

@@ -49,6 +49,16 @@ def explain_steps() -> int:
     return max(0, _env_int("EMBER_EXPLAIN_STEPS", 3))
 
 
+def quiet_profiler_logs() -> None:
+    """The torch profiler's tracing library (Kineto) prints ``USDT: ... profiler_start/stop`` at
+    every start and stop and, on a CUDA build without a GPU, ``ERROR: ... gpuGetDeviceCount
+    failed``, straight to stderr. Ember's CPU memory measurement (bench/memory.py) uses the
+    profiler; its level 6 (above Kineto's highest) silences it. Kineto reads the variable once,
+    when the process first starts the profiler; a value the user set (``KINETO_LOG_LEVEL=0``
+    to see everything) is kept."""
+    os.environ.setdefault("KINETO_LOG_LEVEL", "6")
+
+
 def default_cache_dir() -> Path:
     base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
     return Path(base) / "ember"
@@ -86,6 +96,10 @@ class Options:
             raise ValueError(f"ember: unknown device {self.device!r}; choose one of {', '.join(DEVICES)}")
         if self.target not in TARGETS:
             raise ValueError(f"ember: unknown target {self.target!r}; choose one of {', '.join(TARGETS)}")
+        if isinstance(self.max_recompiles, bool) or not isinstance(self.max_recompiles, int) \
+                or self.max_recompiles < 0:
+            raise ValueError(f"ember: max_recompiles must be an integer >= 0 (static shape specialisations per "
+                             f"frame), got {self.max_recompiles!r}")
 
     @classmethod
     def from_env(cls, **overrides: object) -> Options:

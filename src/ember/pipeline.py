@@ -36,6 +36,7 @@ from ember.passes.freeze import static_input_indices
 from ember.passes.layout import layout_summary, report_output_strides
 from ember.report.records import GraphRecord
 from ember.runtime.artifacts import ProgramStore, caching_enabled, graph_key, restore_record, stored_program
+from ember.runtime.cache_folder import usable_options
 from ember.runtime.cudagraphs.rules import cudagraph_blocker, read_only_inputs
 from ember.runtime.cudagraphs.runner import CudaGraphRunner
 from ember.runtime.kernels import kernel_file
@@ -62,6 +63,7 @@ class GraphJob:
     target: Target
     slug: str  # its folder under the debug dir
     level: int  # DEBUG level
+    cache_problem: str = ""  # why the cache folder cannot be used ("" when it can)
 
     def dump(self, name: str, text: str) -> None:
         if self.options.debug_dir:
@@ -85,7 +87,10 @@ def compile_graph(gm: fx.GraphModule, example_inputs: list, options: Options, re
         if target is None:
             target = resolve_target(options.target, [n.meta.get("val") for n in gm.graph.nodes
                                                      if n.op == "placeholder"])
-        job = GraphJob(gm, example_inputs, options, record, target, debug_folder(record.title), config.debug_level())
+        # An unusable cache folder: kernels go to a temporary folder, no program cache (warned once).
+        options, cache_problem = usable_options(options)
+        job = GraphJob(gm, example_inputs, options, record, target, debug_folder(record.title), config.debug_level(),
+                       cache_problem)
         return boxed(_compile(job, reference))
     except Exception as err:  # noqa: BLE001 - never fail where eager works
         if config.strict():
@@ -230,11 +235,13 @@ def _replay_stage(job: GraphJob, run: Callable[[list], object], blocker: str | N
 # -- the compiled-program cache ------------------------------------------------------------------
 
 def _cache_key(job: GraphJob) -> tuple[ProgramStore | None, str | None]:
-    store = ProgramStore(job.options.cache_root()) if caching_enabled(job.options.cache) else None
+    caching = caching_enabled(job.options.cache)
+    store = ProgramStore(job.options.cache_root()) if caching and not job.cache_problem else None
     # The layout option changes the program: part of the key.
     key_target = job.target.name if job.options.channels_last else f"{job.target.name}+nchw"
     key = graph_key(job.gm, job.example_inputs, key_target, job.record.kind) if store is not None else None
-    job.record.cache = "off" if store is None else "not cacheable (large constant tensor)" if key is None else "miss"
+    job.record.cache = (f"off: {job.cache_problem}" if job.cache_problem and caching else "off"
+                        if store is None else "not cacheable (large constant tensor)" if key is None else "miss")
     return store, key
 
 
@@ -260,7 +267,7 @@ def _save(job: GraphJob, store: ProgramStore, key: str, program: LinkedProgram, 
     consts = program.source.namespace["_consts"]
     saved = store.save(key, stored_program(program.source.text, kept, consts, program.source.attrs, job.record),
                        job.record.title)
-    job.record.cache = "stored" if saved else "not cacheable (constants cannot be stored)"
+    job.record.cache = "stored" if saved else f"not stored: {store.error}"
 
 
 # -- helpers -------------------------------------------------------------------------------------

@@ -260,3 +260,40 @@ def test_launch_compiles_counts_what_the_listener_hears_and_restores_it() -> Non
         assert knobs.compilation.listener is not None and knobs.compilation.listener.__name__ == "<lambda>"
     finally:
         knobs.compilation.listener = None
+
+
+@pytest.mark.parametrize("argv, option", [
+    (["bench", "--device", "tpu"], "--device"),
+    (["explain", "resnet18", "--device", "tpu"], "--device"),
+    (["bench", "--batch", "abc"], "--batch"),
+    (["bench", "--batch", "4,x"], "--batch"),
+    (["explain", "resnet18", "--batch", "abc"], "--batch"),
+    (["bench", "--iters", "many"], "--iters"),
+])
+def test_bad_values_are_one_line_errors(argv: list[str], option: str, capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as info:
+        main(argv)
+    assert info.value.code == 2
+    captured = capsys.readouterr()
+    lines = captured.err.strip().splitlines()
+    assert len(lines) == 1 and f"argument {option}" in lines[0] and lines[0].startswith("ember "), captured.err
+    assert "Traceback" not in captured.err and "invalid literal" not in captured.err and not captured.out
+
+
+def test_cpu_bench_output_has_no_profiler_noise(tmp_path: Path) -> None:
+    # The CPU memory column uses the torch profiler, whose tracing library printed
+    # "USDT: ... profiler_start" and "ERROR: ... gpuGetDeviceCount failed" on a machine without a GPU.
+    import os
+    import subprocess
+
+    env = {k: v for k, v in os.environ.items() if k != "KINETO_LOG_LEVEL"}
+    env["PYTHONPATH"] = os.pathsep.join([str(Path(ember.__file__).parents[1]), env.get("PYTHONPATH", "")])
+    env["CUDA_VISIBLE_DEVICES"] = ""
+    run = subprocess.run([sys.executable, "-m", "ember", "bench", "tiny_transformer", "--backend", "eager",
+                          "--small", "--batch", "2", "--iters", "2", "--warmup", "1", "--no-progress"],
+                         capture_output=True, text=True, env=env, cwd=tmp_path, timeout=600)
+    output = run.stdout + run.stderr
+    assert run.returncode == 0, output
+    assert "tiny_transformer" in run.stdout and ("MiB" in run.stdout or "KiB" in run.stdout), output
+    for noise in ("USDT", "profiler_start", "gpuGetDeviceCount", "ERROR"):
+        assert noise not in output, output

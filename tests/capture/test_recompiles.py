@@ -5,6 +5,9 @@ say what changed at each recompile and when the switch to a dynamic-shape graph 
 
 from __future__ import annotations
 
+import warnings
+
+import pytest
 import torch
 from core_helpers import assert_close, assert_compiled_cleanly, check_against_eager, log_of
 
@@ -28,6 +31,16 @@ class BrokenNet(SmallNet):
         y = self.ln(self.fc(x)).relu()
         torch._dynamo.graph_break()
         return (y * 2.0).softmax(-1) + x[..., :6].sin()
+
+
+class BranchNet(SmallNet):
+    """A branch on a tensor's value: the code after it runs in resume frames of its own."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.fc(x)
+        if y.sum() > 0:
+            y = y * 2.0
+        return self.ln(y).softmax(-1) + x[..., :6].sin()
 
 
 def _frames(log) -> list[str]:
@@ -103,4 +116,56 @@ def test_explain_lists_every_recompile_and_the_switch() -> None:
     for line in log.recompiles:
         assert " ".join(line.split()) in " ".join(text.split()), line  # rich may wrap long lines
     history = report.as_dict()["model_history"]
-    assert history == {"compiles": ["0/0", "0/1", "0/2"], "recompiles": log.recompiles, "dynamic_shape_graphs": ["0/2"]}
+    assert history == {"compiles": ["0/0", "0/1", "0/2"], "recompiles": log.recompiles, "dynamic_shape_graphs": ["0/2"],
+                       "frames_run_eagerly": []}
+
+
+def test_eighteen_batch_sizes_after_a_graph_break_share_one_dynamic_graph_per_frame() -> None:
+    model = BranchNet().eval()
+    compiled = ember.compile(model, target="aten")  # default budget: 8 static specialisations per frame
+    sizes = list(range(1, 19))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # Dynamo giving up on a frame would warn
+        with torch.no_grad():
+            for b in sizes + sizes[::-1]:  # the second pass compiles nothing new
+                x = torch.randn(b, 8)
+                assert_close(compiled(x), model(x), f"batch {b}")
+    log = log_of(compiled)
+    assert_compiled_cleanly(log)
+    assert not log.gave_up
+    per_frame: dict[str, list[str]] = {}
+    for cid, _ in log.frames:
+        per_frame.setdefault(cid.partition("/")[0], []).append(cid)
+    assert len(per_frame) >= 2, log.frames  # the frame before the branch and at least one after it
+    for cids in per_frame.values():
+        dynamic = [c for c in cids if c in log.dynamic]
+        assert len(dynamic) <= 1 and len(cids) <= 9, (cids, log.recompiles)
+    first_pass = len(log.frames)
+    with torch.no_grad():
+        for b in (25, 40, 3):
+            compiled(torch.randn(b, 8))
+    assert len(log.frames) == first_pass, log.recompiles[first_pass - len(per_frame):]
+
+
+MODE = {"name": "a"}
+
+
+def by_mode(x: torch.Tensor) -> torch.Tensor:
+    # Dynamo guards on the string's value: each new one compiles again, no dynamic shape helps.
+    return (x * 2.0).softmax(-1) if MODE["name"].startswith("a") else x.exp()
+
+
+def test_dynamo_giving_up_is_warned_once_and_explained() -> None:
+    compiled = ember.compile(by_mode, target="aten", max_recompiles=1)
+    x = torch.randn(3, 7)
+    with pytest.warns(RuntimeWarning, match="runs it eagerly") as warned:
+        for name in ("a", "ab", "abc", "b", "bc", "abcd", "bcd", "abcde", "c"):
+            MODE["name"] = name
+            assert_close(compiled(x), by_mode(x), f"mode {name}")  # past the limit: eager, still correct
+    assert sum("eagerly" in str(w.message) for w in warned) == 1
+    log = log_of(compiled)
+    assert len(log.gave_up) == 1 and "by_mode" in log.gave_up[0], log.gave_up
+    report = ember.explain(compiled, x)
+    text = " ".join(str(report).split())
+    assert "Dynamo gave up compiling a frame of the compiled model; it runs eagerly" in text and "by_mode" in text
+    assert report.as_dict()["model_history"]["frames_run_eagerly"] == log.gave_up

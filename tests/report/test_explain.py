@@ -49,6 +49,22 @@ def with_break(x: torch.Tensor) -> torch.Tensor:
     return (y * 2).exp()
 
 
+class Branchy(nn.Module):
+    """A branch on a tensor's value: Dynamo ends the graph there (a break torch 2.14 does not count
+    in counters["graph_break"])."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Linear(8, 8)
+        self.b = nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.a(x)
+        if h.sum() > 0:  # the break
+            h = h * 2
+        return self.b(h)
+
+
 def _coverage_ok(report: ExplainReport) -> dict[str, float]:
     cov = report.coverage()
     assert set(cov) == {"generated", "fused-aten", "library", "fallback"}
@@ -131,6 +147,38 @@ def test_graph_break_is_counted_with_reason() -> None:
     text = str(report)
     assert "Graph breaks: 1" in text and "torch._dynamo.graph_break()" in text
     assert report.as_dict()["graph_breaks"]["count"] == 1
+
+
+def test_data_dependent_branch_is_a_located_graph_break() -> None:
+    import inspect
+
+    source, first = inspect.getsourcelines(Branchy.forward)
+    line = first + next(i for i, text in enumerate(source) if "if h.sum() > 0" in text)
+    with torch.no_grad():
+        report = explain(Branchy(), torch.randn(4, 8))
+    assert report.dynamo_graphs >= 2 and report.graph_breaks.total() == 1, report.graph_breaks
+    (reason,) = report.graph_breaks
+    assert "tensor's value" in reason
+    (place,) = report.break_locations[reason]
+    assert f"test_explain.py:{line}: " in place, place
+    assert place.endswith("if h.sum() > 0:  # the break")
+    text = str(report)
+    assert "Graph breaks: 1" in text and f"test_explain.py:{line}: if h.sum() > 0:" in text, text
+    data = report.as_dict()["graph_breaks"]
+    assert data["count"] == 1 and data["reasons"][0]["where"] == [place]
+
+
+def test_recompile_counts_match_their_lists() -> None:
+    compiled = ember.compile(Head(), target="aten", max_recompiles=4)
+    with torch.no_grad():
+        for b in (2, 3, 4):
+            compiled(torch.randn(b, 16))
+    report = ember.explain(compiled, torch.randn(5, 16))
+    text = " ".join(str(report).split())  # rich wraps long lines
+    # explain's own compile has no recompiles; the model's own history lists its two, after its count.
+    assert "Recompiles in this run: 0 (explain compiles the model afresh, once)" in text, text
+    assert re.search(r"; 2 recompile\(s\): frame \d+ compile \d+: ", text), text
+    assert len(re.findall(r"frame \d+ compile \d+: ", text)) == 2, text
 
 
 def test_compiled_object_reuses_its_options() -> None:

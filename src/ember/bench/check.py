@@ -1,6 +1,6 @@
 """One training step and one inference call of a seed model: Ember vs eager vs a float64 reference.
 
-Shared by the CI tests (CPU, small inputs) and by ``benchmarks/gpu_correctness.py`` (H100).
+Shared by the CI tests (CPU, small inputs) and by ``benchmarks/scripts/gpu_correctness.py`` (H100).
 """
 
 from __future__ import annotations

@@ -78,7 +78,10 @@ def register_backend(name: str, factory: BackendFactory) -> None:
 def resolve_device(device: str = "auto") -> torch.device:
     if device == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    dev = torch.device(device)
+    try:
+        dev = torch.device(device)
+    except RuntimeError as err:  # torch's message for "tpu" and the like
+        raise ValueError(f"unknown device {device!r}; choose auto, cpu or cuda ({err})") from None
     if dev.type == "cuda" and not torch.cuda.is_available():
         raise ValueError("device 'cuda' requested but torch.cuda.is_available() is False")
     return dev

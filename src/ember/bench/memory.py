@@ -19,6 +19,10 @@ from typing import Any
 import torch
 from torch.profiler import ProfilerActivity, profile
 
+from ember.config import quiet_profiler_logs
+
+quiet_profiler_logs()  # before this process first starts the profiler: no USDT/ERROR lines on stderr
+
 
 @dataclass(frozen=True)
 class MemoryPeak:

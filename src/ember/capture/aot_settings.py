@@ -3,8 +3,8 @@ each is a context manager, and everything is restored afterwards.
 
 - ``aot_graph_text_off``: AOTAutograd renders the joint, forward and backward graphs as text on
   every compile, for its logs and for Inductor's cache, whether or not a log will show them
-  (``print_readable`` of three graphs: 1.23 s of ResNet-50's training compile under cProfile on the
-  H100, ``benchmarks/h100_2026-11-23_session6/call1/cprofile/resnet50.pstats``).
+  (``print_readable`` of three graphs: 1.23 s of ResNet-50's training compile under cProfile on an
+  H100, torch 2.11, 2026-11-23).
   Ember uses neither, so the two logging steps see an ``AOTConfig`` with ``enable_log=False``
   unless a log that shows the graphs is on (``TORCH_LOGS=aot_graphs``, ``aot_joint_graph``, or a
   structured trace through ``TORCH_TRACE``).
@@ -16,8 +16,8 @@ each is a context manager, and everything is restored afterwards.
 - ``rng_ops_kept``: random ops stay ATen ops, whose CUDA kernels are graph-safe (see there).
 - ``gc_paused``: a compile allocates millions of Python objects, which trigger full garbage
   collections, and each full collection walks every object of the process (torch, Triton, the
-  model and the compile's own graphs). On a 2-core CPU (``benchmarks/cpu_gc_during_compile.py``,
-  result in ``benchmarks/cpu_gc_during_compile_2026-11-24.json``) 4 full collections took 1.08 s
+  model and the compile's own graphs). On a 2-core CPU (``benchmarks/scripts/cpu_gc_during_compile.py``,
+  result in ``benchmarks/results/cpu/2026-11-24_gc_during_compile/cpu_gc_during_compile_2026-11-24.json``) 4 full collections took 1.08 s
   of ResNet-50's 5.43 s first call; with the collector paused while AOTAutograd and Ember compile,
   one remains (0.19 s, outside the block), the first call takes 4.91 s and peak resident memory
   grows by 31 MiB (1,124 -> 1,155 MiB). Freezing the objects that existed (``gc.freeze``) was

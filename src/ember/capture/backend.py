@@ -21,6 +21,8 @@ import contextlib
 import functools
 import inspect
 import itertools
+import logging
+import warnings
 from collections import Counter
 from collections.abc import Callable, Iterator
 
@@ -89,10 +91,35 @@ def _compile_id() -> str:
     return compat.current_compile_id() or "?"
 
 
+# The EmberBackend whose model call is in progress (shape_policy), to whom a recompile-limit
+# message of Dynamo belongs.
+_CALLING: list[EmberBackend] = []
+
+
+class _RecompileLimitWatch(logging.Filter):
+    """Dynamo logs "torch._dynamo hit config.recompile_limit" and from then on runs the frame
+    eagerly. Ember notes it in the model's log, and warns once per model and function."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if _CALLING and str(record.msg).startswith("torch._dynamo hit config."):
+            args = record.args if isinstance(record.args, tuple) else ()
+            if len(args) >= 4:
+                limit, value, function, reason = (str(a) for a in args[:4])
+                note = f"{function}: Dynamo hit {limit} ({value}); last reason: {reason.strip()}"
+            else:
+                note = record.getMessage().splitlines()[0]
+            _CALLING[-1].dynamo_gave_up(note)
+        return True
+
+
+logging.getLogger("torch._dynamo.convert_frame").addFilter(_RecompileLimitWatch())
+
+
 class EmberBackend:
     """A ``torch.compile`` backend with its options and a log of everything it compiled."""
 
     _ids = itertools.count()
+    __name__ = "ember"  # what Dynamo's errors call the backend (backend='ember', not '?')
 
     def __init__(self, options: Options | None = None) -> None:
         self.options = options or Options.from_env()
@@ -124,11 +151,24 @@ class EmberBackend:
         old = {name: getattr(cfg, name) for name in new}
         for name, value in new.items():
             setattr(cfg, name, value)
+        _CALLING.append(self)
         try:
             yield
         finally:
+            _CALLING.pop()
             for name, value in old.items():
                 setattr(cfg, name, value)
+
+    def dynamo_gave_up(self, note: str) -> None:
+        """Dynamo stopped compiling a frame of this model: it runs eagerly (correct, not compiled)."""
+        function = note.split(": Dynamo hit")[0]
+        if any(n.split(": Dynamo hit")[0] == function for n in self.log.gave_up):
+            return
+        self.log.gave_up.append(note)
+        warnings.warn(f"ember: Dynamo stopped compiling a frame of this model and runs it eagerly from now on "
+                      f"(correct results, no Ember code): {note}. A frame compiles at most max_recompiles="
+                      f"{self.options.max_recompiles} static graphs plus {DYNAMIC_RECOMPILES} more; "
+                      f"ember.explain(model, ...) lists every recompile.", RuntimeWarning, stacklevel=2)
 
     def __call__(self, gm: fx.GraphModule, example_inputs: list) -> Callable:
         check_device(example_inputs, self.options.device)
@@ -195,13 +235,30 @@ class EmberBackend:
 _PARTITION = functools.partial(min_cut_rematerialization_partition, compiler="inductor")
 
 
+try:  # Dynamo re-raises a backend's ShortenTraceback as is, not wrapped in BackendCompilerFailed
+    from torch._dynamo.exc import ShortenTraceback as _PassThrough
+except ImportError:  # pragma: no cover - older torch: the error arrives wrapped
+    _PassThrough = Exception  # type: ignore[misc,assignment]
+
+
+class EmberDeviceError(_PassThrough, ValueError):  # type: ignore[misc]
+    """An input on another device than ``ember.compile(device=...)`` asked for. It reaches the
+    caller with this message, not as Dynamo's "backend='?' raised" wrapper."""
+
+    def __init__(self, message: str) -> None:
+        if _PassThrough is Exception:
+            super().__init__(message)
+        else:
+            super().__init__(message, first_useful_frame=None)
+
+
 def check_device(example_inputs: list, device: str) -> None:
     """``device="cpu"|"cuda"``: every input tensor must be there (an error naming the first that is not)."""
     if device == "auto":
         return
     for i, x in enumerate(example_inputs):
         if isinstance(x, torch.Tensor) and x.device.type != device:
-            raise ValueError(f"ember.compile(device={device!r}): graph input {i} ({list(x.shape)}) is on "
+            raise EmberDeviceError(f"ember.compile(device={device!r}): graph input {i} ({list(x.shape)}) is on "
                              f"{x.device}; move the model and its inputs to {device} or use device='auto'")
 
 

@@ -33,7 +33,7 @@ aten = torch.ops.aten
 
 # Block-size rules; tests lower these to exercise the looped path on small shapes.
 PERSISTENT_RBLOCK_MAX = 2048
-# Measured on the H100 (benchmarks/kernel_bench.py, 2026-11-23): batch-norm statistics over
+# Measured on the H100 (benchmarks/scripts/kernel_bench.py, 2026-11-23): batch-norm statistics over
 # N*H*W per channel run 4.3x faster with 16384 than with 1024 (fewer, longer-lived loads).
 LOOP_RBLOCK = 16384
 TILE_ELEMENTS = 2048

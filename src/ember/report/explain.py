@@ -30,6 +30,7 @@ from torch.utils._pytree import tree_leaves
 from ember import config
 from ember.capture.backend import EmberBackend, optimize
 from ember.config import Options
+from ember.report.graph_breaks import collect_graph_breaks
 from ember.report.host_time import HostTimes, host_time_section, measure_steps
 from ember.report.html import Section, Table, render_html
 from ember.report.records import STAGES, CompileLog, GraphRecord  # noqa: F401 - STAGES re-exported
@@ -81,6 +82,7 @@ class ExplainReport:
     first_run_note: str
     dynamo_graphs: int
     graph_breaks: Counter = field(default_factory=Counter)  # Dynamo's full reason -> count
+    break_locations: dict[str, list[str]] = field(default_factory=dict)  # reason -> ["file:line: source"]
     recompiles: list[str] = field(default_factory=list)
     # For a model from ember.compile: its own compiles so far (explain compiles afresh, once).
     model_compiles: list[str] = field(default_factory=list)  # compile ids, e.g. "0/3"
@@ -88,6 +90,7 @@ class ExplainReport:
     model_dynamic: list[str] = field(default_factory=list)  # compile ids of dynamic-shape graphs
     host: HostTimes | None = None  # steady-state steps after the first call (report/host_time.py)
     host_note: str = "not measured (steps=0)"  # why ``host`` is None
+    model_gave_up: list[str] = field(default_factory=list)  # frames Dynamo stopped compiling (run eagerly)
 
     # -- numbers -------------------------------------------------------------------------------
     @property
@@ -142,6 +145,8 @@ class ExplainReport:
     def problems(self) -> list[str]:
         out = [f"{g.title}: Ember could not compile this graph; it ran through ATen as captured. {g.error}"
                for g in self.graphs if g.error]
+        out += [f"Dynamo gave up compiling a frame of the compiled model; it runs eagerly from now on (correct "
+                f"results, no Ember code): {note}" for note in self.model_gave_up]
         if not self.graphs:
             out.append("Dynamo compiled no graph: the model ran eagerly (nothing to trace, the frame was "
                        "skipped, or Dynamo's recompile limit was hit).")
@@ -168,11 +173,13 @@ class ExplainReport:
             "first_run_s": self.first_run_s, "first_run_note": self.first_run_note,
             "dynamo_graphs": self.dynamo_graphs, "aten_graphs": len(self.graphs),
             "graph_breaks": {"count": sum(self.graph_breaks.values()),
-                             "reasons": [{"reason": r, "count": n} for r, n in self.graph_breaks.items()]},
+                             "reasons": [{"reason": r, "count": n, "where": self.break_locations.get(r, [])}
+                                         for r, n in self.graph_breaks.items()]},
             "recompiles": list(self.recompiles),
             "capture_rewrites": dict(+self.log.rewrites),
             "model_history": {"compiles": list(self.model_compiles), "recompiles": list(self.model_recompiles),
-                              "dynamic_shape_graphs": list(self.model_dynamic)},
+                              "dynamic_shape_graphs": list(self.model_dynamic),
+                              "frames_run_eagerly": list(self.model_gave_up)},
             "kernels": self.kernels, "unique_kernels": self.unique_kernels,
             "layout_conversions": self.layout_conversions(),
             "coverage": self.coverage(), "problems": self.problems(), "graphs": graphs,
@@ -229,8 +236,11 @@ class ExplainReport:
             + (f" ({', '.join(f'{n} {k}' for k, n in sorted(kinds.items()))})" if kinds else ""),
             f"Graph breaks: {sum(self.graph_breaks.values())}",
         ]
-        lines += [f"  {n}x {short_reason(r)}" for r, n in self.graph_breaks.most_common()]
-        lines.append(f"Recompiles: {len(self.recompiles)}")
+        for r, n in self.graph_breaks.most_common():
+            lines.append(f"  {n}x {short_reason(r, 240)}")
+            lines += [f"     at {place}" for place in self.break_locations.get(r, [])]
+        lines.append(f"Recompiles in this run: {len(self.recompiles)}"
+                     + (" (explain compiles the model afresh, once)" if self.model_compiles else ""))
         lines += [f"  {r}" for r in self.recompiles]
         rewrites = +self.log.rewrites
         if rewrites:
@@ -239,7 +249,7 @@ class ExplainReport:
             static = len(self.model_compiles) - len(self.model_dynamic)
             lines.append(f"The compiled model so far: {len(self.model_compiles)} Dynamo graph(s), {static} with static "
                          f"shapes, {len(self.model_dynamic)} with dynamic shapes (run through ATen as captured); "
-                         f"{len(self.model_recompiles)} recompile(s)")
+                         f"{len(self.model_recompiles)} recompile(s)" + (":" if self.model_recompiles else ""))
             lines += [f"  {r}" for r in self.model_recompiles]
         hint = ""
         if not self.kernels and any(g.placement.get("fused-aten") for g in self.graphs):
@@ -357,6 +367,8 @@ class _TimedBackend:
     """Times each Dynamo graph's first call: the fallback when the records have no first-run times
     (GraphRecord.first_call_s, filled by the compiled program)."""
 
+    __name__ = "ember"  # what Dynamo's errors call the backend
+
     def __init__(self, backend: EmberBackend) -> None:
         self.backend = backend
         self.first_calls: list[float] = []
@@ -470,28 +482,24 @@ def explain_with(model: Callable, args: tuple | list = (), kwargs: dict[str, Any
     """Compile ``model`` with Ember ``options``, call ``model(*args, **kwargs)`` once (and backward
     when the output requires grad), then ``steps`` more timed steps after two warm-up steps
     (``EMBER_EXPLAIN_STEPS``, default 3; 0: none) for the host time per step, and return the report."""
-    from torch._dynamo.utils import counters
-
     history = getattr(getattr(model, "_ember_backend", None), "log", None)
     model, inherited = _unwrap(model)
     backend = EmberBackend(Options.from_env(**{**inherited, **options}))
     timed = _TimedBackend(backend)
     compiled = optimize(model, timed, isolate_recompiles=True)
-    breaks_before = Counter(counters["graph_break"])
     kwargs = kwargs or {}
     steps = config.explain_steps() if steps is None else steps
     host, host_note = None, "not measured (steps=0)"
     inputs = [t for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
     versions = [t._version for t in inputs]
     with _preserve_state(model):
-        forward_s, backward_s, training = _run_once(compiled, args, kwargs)
-        breaks = Counter(counters["graph_break"])
+        with collect_graph_breaks() as breaks:
+            forward_s, backward_s, training = _run_once(compiled, args, kwargs)
         if steps > 0 and versions != [t._version for t in inputs]:
             host_note = "not measured: the model writes its inputs, and more steps would change the caller's tensors"
         elif steps > 0:  # report/host_time.py
             host = measure_steps(lambda: _run_once(compiled, args, kwargs), lambda: list(backend.programs),
                                  steps, synchronize=_device_sync(args, kwargs))
-    breaks.subtract(breaks_before)
     log = backend.log
     measured = [g.first_call_s for g in log.graphs if g.first_call_s is not None]
     if measured:
@@ -502,10 +510,12 @@ def explain_with(model: Callable, args: tuple | list = (), kwargs: dict[str, Any
     return ExplainReport(
         log=log, target=backend.options.target, training=training, total_s=forward_s + backward_s,
         forward_s=forward_s, backward_s=backward_s, first_run_s=first_run, first_run_note=note,
-        dynamo_graphs=len(log.frames), graph_breaks=+breaks, recompiles=_own_recompiles(log),
+        dynamo_graphs=len(log.frames), graph_breaks=+breaks.counts,
+        break_locations=breaks.where, recompiles=_own_recompiles(log),
         model_compiles=[cid for cid, _ in history.frames] if history else [],
-        model_recompiles=list(history.recompiles) if history else [],
-        model_dynamic=list(history.dynamic) if history else [], host=host, host_note=host_note)
+        model_recompiles=_own_recompiles(history) if history else [],
+        model_dynamic=list(history.dynamic) if history else [],
+        model_gave_up=list(history.gave_up) if history else [], host=host, host_note=host_note)
 
 
 def explain(model: Callable, *args: Any, **kwargs: Any) -> ExplainReport:

@@ -50,6 +50,8 @@ class CompileLog:
     recompiles: list[str] = field(default_factory=list)  # one line per recompile: id and reason
     dynamic: list[str] = field(default_factory=list)  # compile ids of dynamic-shape Dynamo graphs
     rewrites: Counter = field(default_factory=Counter)  # Dynamo-graph rewrites before AOTAutograd -> count
+    # Frames Dynamo stopped compiling (its recompile limit): they run eagerly from then on.
+    gave_up: list[str] = field(default_factory=list)
 
     def stage_totals(self) -> dict[str, float]:
         """Ember's compile time per stage, summed over all graphs."""

@@ -152,6 +152,7 @@ class ProgramStore:
 
     def __init__(self, folder: str | os.PathLike[str]) -> None:
         self.path = Path(folder) / "programs.sqlite"
+        self.error = ""  # why the last open or save failed, for explain's cache line
 
     def _connect(self) -> sqlite3.Connection:
         self.path.parent.mkdir(parents=True, exist_ok=True)
@@ -171,9 +172,11 @@ class ProgramStore:
                 for suffix in ("-wal", "-shm"):
                     Path(str(self.path) + suffix).unlink(missing_ok=True)
                 return self._connect()
-            except (OSError, sqlite3.Error):
+            except (OSError, sqlite3.Error) as err:
+                self.error = f"cannot open {self.path}: {type(err).__name__}: {err}"
                 return None
-        except OSError:
+        except OSError as err:
+            self.error = f"cannot open {self.path}: {type(err).__name__}: {err.strerror or err}"
             return None
 
     def load(self, key: str) -> StoredProgram | None:
@@ -202,7 +205,8 @@ class ProgramStore:
         try:
             payload = _encode(program)
             _decode(payload)  # what cannot be read back is not stored
-        except Exception:  # noqa: BLE001 - an uncacheable program is still a compiled program
+        except Exception as err:  # noqa: BLE001 - an uncacheable program is still a compiled program
+            self.error = f"its constants cannot be stored ({type(err).__name__}: {err})"
             return False
         conn = self._open()
         if conn is None:
@@ -212,7 +216,8 @@ class ProgramStore:
                 conn.execute("INSERT OR REPLACE INTO programs VALUES (?, ?, ?, ?, ?)",
                              (key, payload, hashlib.sha256(payload).hexdigest(), title, time.time()))
             return True
-        except sqlite3.Error:
+        except sqlite3.Error as err:
+            self.error = f"cannot write {self.path}: {type(err).__name__}: {err}"
             return False
         finally:
             conn.close()

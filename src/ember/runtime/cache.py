@@ -18,6 +18,7 @@ from typing import Any
 from ember.config import Options
 from ember.runtime import kernels
 from ember.runtime.artifacts import ProgramStore
+from ember.runtime.cache_folder import folder_problem
 
 
 def cache_dir(path: str | os.PathLike[str] | None = None) -> Path:
@@ -38,18 +39,34 @@ def cache_info(path: str | os.PathLike[str] | None = None) -> dict[str, Any]:
     n_triton, triton_bytes = _usage(triton_dir)
     store = ProgramStore(root)
     db_bytes = store.path.stat().st_size if store.path.exists() else 0
-    return {"path": str(root), "compiled programs": store.count(), "program database bytes": db_bytes,
+    damaged = _damaged_databases(root)
+    return {"path": str(root), "usable": (folder_problem(str(root)) or "yes") if root.exists() else "yes (not created yet)",
+            "compiled programs": store.count(), "program database bytes": db_bytes,
+            "damaged databases moved aside": len(damaged),
+            "damaged database bytes": sum(p.stat().st_size for p in damaged),
             "kernel modules": n_kernels, "kernel module bytes": kernel_bytes,
             "triton cache": str(triton_dir), "triton cache files": n_triton, "triton cache bytes": triton_bytes}
 
 
+def _damaged_databases(root: Path) -> list[Path]:
+    """Program databases found damaged and moved aside (``programs.corrupt-<pid>-<time>``,
+    runtime/artifacts.py)."""
+    return [p for p in root.glob("programs.corrupt-*") if p.is_file()] if root.is_dir() else []
+
+
 def clear_cache(path: str | os.PathLike[str] | None = None) -> str:
-    """Delete Ember's compiled programs and kernel modules; returns what was removed."""
+    """Delete Ember's compiled programs, kernel modules and damaged databases; returns what was removed."""
     root = cache_dir(path)
+    if root.exists() and not root.is_dir():
+        return f"nothing removed: {root} is a file, not a cache folder"
     n, size = _usage(root / "kernels")
     store = ProgramStore(root)
     programs = store.count()
     store.clear()
+    damaged = _damaged_databases(root)
+    for p in damaged:
+        p.unlink(missing_ok=True)
     shutil.rmtree(root / "kernels", ignore_errors=True)
     kernels.forget_loaded()
-    return f"removed {programs} compiled programs and {n} kernel files ({size} bytes) from {root}"
+    return (f"removed {programs} compiled programs, {len(damaged)} damaged program databases and {n} kernel "
+            f"files ({size} bytes) from {root}")

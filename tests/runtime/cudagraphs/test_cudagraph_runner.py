@@ -2,7 +2,7 @@
 
 CI has no GPU. ``CudaGraphRunner`` is checked with ``FakeGraphs`` (cudagraph_fakes.py), a CPU
 stand-in with the memory semantics of CUDA graphs that matter here. Capture itself runs in
-benchmarks/gpu_cudagraph_check.py on the device.
+benchmarks/scripts/gpu_cudagraph_check.py on the device.
 """
 
 from __future__ import annotations
@@ -344,7 +344,7 @@ def test_ember_training_with_graphs_matches_training_without(monkeypatch, accumu
 
 
 
-# -- benchmarks/gpu_cudagraph_check.py, on CPU ---------------------------------------------------
+# -- benchmarks/scripts/gpu_cudagraph_check.py, on CPU ---------------------------------------------------
 
 
 @functools.cache
@@ -353,7 +353,7 @@ def _check_module():
     import sys
     from pathlib import Path
 
-    path = Path(__file__).resolve().parents[3] / "benchmarks" / "gpu_cudagraph_check.py"
+    path = Path(__file__).resolve().parents[3] / "benchmarks" / "scripts" / "gpu_cudagraph_check.py"
     spec = importlib.util.spec_from_file_location("gpu_cudagraph_check", path)
     module = importlib.util.module_from_spec(spec)
     sys.modules[spec.name] = module  # its dataclasses look their module up

@@ -54,7 +54,7 @@ GRAPH_SAFE_RANDOM = {
     "_efficient_attention_forward",
     # cuDNN attention (what torch 2.11 picks for BERT on the H100): its forward, captured and
     # replayed 8 steps, gave eager's losses within 1.5e-3 with dropout 0.1 (eager's masks;
-    # benchmarks/h100_train_cudagraph_run2.json). Its backward draws nothing new: it rebuilds the
+    # benchmarks/results/h100/2026-11-23_training_cuda_graphs_check/h100_train_cudagraph_run2.json). Its backward draws nothing new: it rebuilds the
     # forward's mask from the seed and offset tensors the forward wrote on the device.
     "_scaled_dot_product_cudnn_attention", "_scaled_dot_product_cudnn_attention_backward",
 }
