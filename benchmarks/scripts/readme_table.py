@@ -28,8 +28,8 @@ INDUCTOR_PREFIX = "inductor"
 ENV_FALLBACK = {"device_name": "device", "torch": "torch", "triton": "triton", "python": "python",
                 "cuda": "torch_cuda", "gpu_driver": "cuda_driver", "git_commit": "git_commit", "date": "date"}
 TIMER_TEXT = {
-    "sync_each_step": "device synchronised after every step, host wall-clock time per step (PyTorch's "
-    "benchmark protocol)",
+    "sync_each_step": "device synchronised after every step, host wall-clock time per step: PyTorch's "
+    "benchmark protocol",
     "cuda_events": "CUDA events around each step while the host runs ahead",
 }
 
