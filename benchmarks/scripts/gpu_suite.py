@@ -122,7 +122,10 @@ def summary(out: Path, stems: list[str]) -> None:
         for (model, mode, batch), by in groups.items():
             cells = []
             for name, r in by.items():
-                cell = f"{r['ms_median']:.2f}" if r.get("ms_median") else f"ERR({str(r.get('error'))[:40]})"
+                if r.get("ms_median"):
+                    cell = f"{r['ms_median']:.2f}"
+                else:
+                    cell = f"ERR({str(r['error'])[:40]})" if r.get("error") else "unfinished"
                 if r.get("host_ms_median"):
                     cell += f" h{r['host_ms_median']:.2f}"
                 if r.get("compile_s") is not None:
