@@ -29,7 +29,7 @@ def main() -> int:
     Path(args.json).write_text(json.dumps({"runs": runs, "notes": data.get("notes"), "results": results},
                                           indent=1, default=str))
     if args.plot:
-        report.plot_speedups(results, args.plot, title=f"speedup vs eager, {runs[0]['env'].get('device')}")
+        report.plot(results, args.plot)  # Ember against every peer (speedup vs eager without Ember rows)
     table = report.markdown_table(results)
     if args.md:
         Path(args.md).write_text(table)

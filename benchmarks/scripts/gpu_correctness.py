@@ -1,8 +1,10 @@
-"""Seed-suite correctness on the GPU: one bf16-autocast training step and one inference call
-per model, Ember vs eager, both measured against fp32 eager.
+"""Seed-suite (or zoo) correctness on the GPU: one bf16-autocast training step and one inference
+call per model, Ember vs eager, both measured against fp32 eager.
 
 Run on the device (from the repo root):
     PYTHONPATH=src python benchmarks/scripts/gpu_correctness.py --json benchmarks/gpu_correctness.json
+    PYTHONPATH=src python benchmarks/scripts/gpu_correctness.py zoo --json zoo_correctness.json   # the zoo suite
+Model arguments may be suite names (seed, zoo). Dropout is off for the comparison.
 
 Prints a table (worst relative error of outputs, loss, every parameter gradient and buffer) and
 writes the full per-tensor errors as JSON. A model passes when Ember's error is at most
@@ -22,7 +24,7 @@ import torch
 
 import ember
 from ember.bench.check import acceptable, run_seed_step
-from ember.bench.models import SEED_SUITE
+from ember.bench.models import SEED_SUITE, expand_names
 from ember.bench.report import git_commit
 
 SEED_MODELS = SEED_SUITE
@@ -31,11 +33,12 @@ FLOOR = {"train": 3e-2, "infer": 2e-2}  # bf16 has 8 mantissa bits: 2^-8 = 3.9e-
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("models", nargs="*", default=SEED_MODELS)
+    parser.add_argument("models", nargs="*", default=SEED_MODELS, help="models or suite names (seed, zoo)")
     parser.add_argument("--batch", type=int, default=4)
     parser.add_argument("--small", action="store_true", help="small inputs (64x64 images, seq 32)")
     parser.add_argument("--json", default=None)
     args = parser.parse_args()
+    args.models = expand_names(args.models)
     if not torch.cuda.is_available():
         print("no CUDA device", file=sys.stderr)
         return 2

@@ -3,7 +3,7 @@ family and the bool / narrow-integer / float reductions (persistent and looped),
 (target="triton") vs eager on CUDA tensors, exact for integers and bools.
 
 Run on the device (from the repo root), about a minute, under 1 GiB of GPU memory:
-    PYTHONPATH=src python benchmarks/gpu_lowering_check.py
+    PYTHONPATH=src python benchmarks/scripts/gpu_lowering_check.py
 Prints one row per case and exits 1 if any case differs from eager. ``--interpret`` runs the same
 cases on CPU through Triton's interpreter (a few minutes on a small machine).
 """

@@ -15,7 +15,6 @@ from typing import Any, NoReturn
 
 GPU_DEFAULT_MODELS = ["resnet50", "bert"]
 CPU_DEFAULT_MODELS = ["resnet18", "tiny_transformer"]
-DEFAULT_BACKENDS = ["eager", "inductor", "ember"]
 
 
 def _split(values: Sequence[str] | None) -> list[str]:
@@ -75,13 +74,18 @@ def _parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
 
     b = sub.add_parser("bench", help="benchmark eager vs torch.compile vs ember on the model suite",
-                       description="Benchmark models in one process: eager, Inductor and Ember. "
+                       description="Benchmark models in one process: eager, Inductor (default mode, and with "
+                       "CUDA graphs on a GPU) and Ember, each step timed with the device synchronised after it. "
                        "Without MODELS: resnet50 and bert on GPU, resnet18 and tiny_transformer on CPU.")
-    b.add_argument("models", nargs="*", metavar="MODEL", help="registry models (see --list)")
-    b.add_argument("--list", action="store_true", help="list the registry models and exit")
+    b.add_argument("models", nargs="*", metavar="MODEL",
+                   help="registry models or suite names (seed, zoo, quick; see --list)")
+    b.add_argument("--list", action="store_true", help="list the suites, models and backends and exit")
+    b.add_argument("--suite", action="append", metavar="NAME", help="add a suite's models (seed|zoo|quick), repeatable")
     b.add_argument("--mode", action="append", metavar="MODE", help="train|infer, repeatable or comma list (default train)")
     b.add_argument("--backend", action="append", metavar="NAME",
-                   help=f"repeatable or comma list (default {','.join(DEFAULT_BACKENDS)})")
+                   help="repeatable or comma list (default eager,inductor,ember; on a GPU "
+                   "eager,inductor,inductor-cudagraphs,ember); opt-in: inductor-max-autotune, "
+                   "inductor-cudagraphs-compiled-optimizer")
     b.add_argument("--precision", default="auto", choices=["auto", "bf16", "fp32"],
                    help="bf16 autocast or fp32 (auto: bf16 on GPU, fp32 on CPU)")
     b.add_argument("--device", default="auto", type=_device, help="auto|cuda|cpu (auto: cuda if available)")
@@ -90,7 +94,8 @@ def _parser() -> argparse.ArgumentParser:
     b.add_argument("--warmup", type=_nonneg_int, default=None, help="warm-up steps (default 10 on GPU, 3 on CPU)")
     b.add_argument("--iters", type=_positive_int, default=None, help="timed steps (default 30)")
     b.add_argument("--json", metavar="PATH", help="write results (with environment) as JSON")
-    b.add_argument("--plot", metavar="PATH", help="write a PNG bar chart of speedup vs eager")
+    b.add_argument("--plot", metavar="PATH",
+                   help="write a PNG bar chart of Ember's speedup against every peer (vs eager without Ember)")
     b.add_argument("--small", action="store_true", help="small inputs (64x64 images, seq 32), for quick checks")
     b.add_argument("--no-progress", action="store_true", help="no progress display")
 
@@ -120,11 +125,16 @@ def _err(msg: str) -> None:
 
 
 def _cmd_bench(args: argparse.Namespace) -> int:
-    from ember.bench import harness, models, report
+    from ember.bench import backends, harness, models, report
 
     if args.list:
+        for suite, members in models.SUITES.items():
+            print(f"suite {suite}: {' '.join(members)}")
         for name, case in models.CASES.items():
             print(f"{name:18s} train bs{case.batch_train:<4d} infer bs{case.batch_infer:<4d} {case.description}")
+        for name in harness.BACKENDS:
+            opt_in = " (opt-in)" if getattr(harness.BACKENDS[name], "opt_in", False) else ""
+            print(f"backend {name}: {backends.peer_mode(name)}{opt_in}")
         return 0
     try:
         device = harness.resolve_device(args.device)
@@ -136,26 +146,30 @@ def _cmd_bench(args: argparse.Namespace) -> int:
     if batches and min(batches) < 1:
         _err("batch sizes must be positive")
         return 2
-    names = list(args.models) or (GPU_DEFAULT_MODELS if device.type == "cuda" else CPU_DEFAULT_MODELS)
+    asked = list(args.models) + _split(args.suite)
+    names = models.expand_names(asked or (GPU_DEFAULT_MODELS if device.type == "cuda" else CPU_DEFAULT_MODELS))
     modes = _split(args.mode) or ["train"]
-    backends = _split(args.backend) or DEFAULT_BACKENDS
-    problems = [f"unknown model {n!r}" for n in names if n not in models.CASES]
+    backend_names = _split(args.backend) or backends.default_backends(device)
+    problems = [f"unknown suite {s!r}" for s in _split(args.suite) if s not in models.SUITES]
+    problems += [f"unknown model {n!r}" for n in names if n not in models.CASES and n not in _split(args.suite)]
     problems += [f"unknown mode {m!r} (train|infer)" for m in modes if m not in harness.MODES]
-    problems += [f"unknown backend {b!r}" for b in backends if b not in harness.BACKENDS]
+    problems += [f"unknown backend {b!r}" for b in backend_names if b not in harness.BACKENDS]
     if problems:
         _err("; ".join(problems))
-        _err(f"models: {', '.join(models.CASES)}; backends: {', '.join(harness.BACKENDS)}")
+        _err(f"suites: {', '.join(models.SUITES)}; models: {', '.join(models.CASES)}; "
+             f"backends: {', '.join(harness.BACKENDS)}")
         return 2
 
     iters = args.iters if args.iters is not None else 30  # >= 30 unless asked otherwise
     config: dict[str, Any] = {
         "argv": sys.argv[1:] if args.argv is None else list(args.argv),
-        "models": names, "modes": modes, "backends": backends, "precision": precision,
+        "models": names, "modes": modes, "backends": backend_names, "precision": precision,
         "device": str(device), "batch": batches, "warmup": args.warmup, "iters": iters, "small": args.small,
     }
     env = report.env_info()
     print(f"ember bench on {env['device']} | torch {env['torch']} | {precision} | "
-          f"models {', '.join(names)} | modes {', '.join(modes)} | backends {', '.join(backends)}",
+          f"models {', '.join(names)} | modes {', '.join(modes)} | backends {', '.join(backend_names)} | "
+          f"timer sync_each_step",
           flush=True)
 
     def save(rows: list[dict[str, Any]]) -> None:
@@ -164,7 +178,7 @@ def _cmd_bench(args: argparse.Namespace) -> int:
             report.write_json(args.json, rows, env=env, config=config)
 
     results = harness.run_benchmark(
-        names, modes=modes, backends=backends, precision=precision, device=device, batch=batches,
+        names, modes=modes, backends=backend_names, precision=precision, device=device, batch=batches,
         warmup=args.warmup, iters=iters, progress=not args.no_progress, small=args.small, on_result=save,
     )
     report.print_table(results)
@@ -172,7 +186,7 @@ def _cmd_bench(args: argparse.Namespace) -> int:
         save(results)
         print(f"results written to {args.json}")
     if args.plot:
-        report.plot_speedups(results, args.plot)
+        report.plot(results, args.plot)
         print(f"plot written to {args.plot}")
     # A failing backend is a result, not a crash; only a run where nothing worked fails.
     return 0 if any(not r.get("error") for r in results) else 1

@@ -21,12 +21,19 @@ def _rel(a: torch.Tensor, ref: torch.Tensor) -> float:
 
 def _no_dropout(model: nn.Module) -> nn.Module:
     # Dropout draws different random numbers under any compiler; gradients are compared without it.
+    # Besides nn.Dropout modules, models keep dropout rates as float attributes read at run time
+    # (T5 and BART attention ``self.dropout``, nn.LSTM's ``dropout``, timm's ``drop_prob``) and in
+    # their config (transformers).
     for m in model.modules():
         if isinstance(m, nn.Dropout):
             m.p = 0.0
-    for name in ("hidden_dropout_prob", "attention_probs_dropout_prob"):
-        if hasattr(getattr(model, "config", None), name):
-            setattr(model.config, name, 0.0)
+        for name, value in list(vars(m).items()):
+            if "drop" in name and isinstance(value, float):
+                setattr(m, name, 0.0)
+    config = getattr(model, "config", None)
+    for name, value in list(vars(config).items()) if config is not None else []:
+        if "drop" in name and isinstance(value, float):
+            setattr(config, name, 0.0)
     return model
 
 

@@ -1,15 +1,19 @@
-"""Benchmark harness: eager vs ``torch.compile`` (Inductor) vs Ember in one process.
+"""Benchmark harness: eager vs ``torch.compile`` (Inductor, in its modes) vs Ember in one process.
 
 Method (BENCHMARKS.md): every backend gets a fresh deep copy of one built model (identical
 initial weights) and the same rotating input batches. The first call is timed as the
-compile time, then warm-up steps, then timed steps (CUDA events on GPU, perf_counter on
-CPU). A failure in one backend is recorded in its row and the run goes on.
+compile time, then warm-up steps, then timed steps: synchronised after every step (the
+headline, ``timing.time_sync_each_step``), then the same number pipelined between CUDA events
+(a second column). A failure in one backend is recorded in its row and the run goes on.
+Backends, and the hook through which a backend supplies its own training step, are in
+``backends.py``.
 """
 
 from __future__ import annotations
 
 import contextlib
 import copy
+import datetime as _dt
 import gc
 import math
 import statistics
@@ -22,13 +26,24 @@ from typing import Any
 import torch
 from torch import nn
 
-from ember.bench import launch_compiles
+from ember.bench import launch_compiles, timing
+from ember.bench.backends import (
+    BACKENDS,
+    BackendUnavailable,
+    default_backends,
+    default_train_step,
+    peer_mode,
+    register_backend,
+    train_step_factory,
+)
 from ember.bench.memory import measure_cpu_peak
 from ember.bench.models import BenchCase, get_case, make_batches, primary_tensor
+from ember.bench.report import row_provenance
 
 __all__ = [
     "BACKENDS",
     "BackendUnavailable",
+    "default_backends",
     "register_backend",
     "resolve_device",
     "resolve_precision",
@@ -37,42 +52,6 @@ __all__ = [
 
 MODES = ("train", "infer")
 PRECISIONS = ("bf16", "fp32")
-
-# A backend factory takes the model (already on its device, in train or eval mode) and
-# returns a callable with the model's signature.
-BackendFactory = Callable[[nn.Module], Callable[..., Any]]
-
-
-class BackendUnavailable(RuntimeError):
-    """The backend cannot be used in this environment (e.g. ember.compile missing)."""
-
-
-def _eager(model: nn.Module) -> Callable[..., Any]:
-    return model
-
-
-def _inductor(model: nn.Module) -> Callable[..., Any]:
-    return torch.compile(model)
-
-
-def _ember(model: nn.Module) -> Callable[..., Any]:
-    # Imported here: the compiler core may not be importable (or written) yet, and that
-    # must only fail this backend's rows.
-    try:
-        import ember
-
-        compile_fn = ember.compile
-    except (ImportError, AttributeError) as err:
-        raise BackendUnavailable(f"ember.compile is not available: {err}") from err
-    return compile_fn(model)
-
-
-BACKENDS: dict[str, BackendFactory] = {"eager": _eager, "inductor": _inductor, "ember": _ember}
-
-
-def register_backend(name: str, factory: BackendFactory) -> None:
-    """Add (or replace) a backend; tests use this to plug in fakes."""
-    BACKENDS[name] = factory
 
 
 def resolve_device(device: str = "auto") -> torch.device:
@@ -182,31 +161,47 @@ def _free(device: torch.device) -> None:
         torch.cuda.empty_cache()
 
 
+def _autocast(precision: str, device: torch.device) -> Callable[[], contextlib.AbstractContextManager[Any]]:
+    def autocast() -> contextlib.AbstractContextManager[Any]:
+        return torch.autocast(device.type, dtype=torch.bfloat16, enabled=precision == "bf16")
+
+    return autocast
+
+
 def _make_step(
     case: BenchCase, fn: Callable[..., Any], mode: str, precision: str, device: torch.device,
     optimizer: torch.optim.Optimizer | None,
 ) -> Callable[[tuple[torch.Tensor, ...], torch.Tensor], Any]:
-    def autocast() -> contextlib.AbstractContextManager[Any]:
-        return torch.autocast(device.type, dtype=torch.bfloat16, enabled=precision == "bf16")
-
+    """The default step around a compiled model ``fn`` (device scripts build steps with it)."""
+    autocast = _autocast(precision, device)
     if mode == "train":
         assert optimizer is not None
-
-        def train_step(inputs: tuple[torch.Tensor, ...], target: torch.Tensor) -> Any:
-            with autocast():
-                loss = case.loss(fn(*inputs), target)
-            loss.backward()
-            optimizer.step()
-            optimizer.zero_grad(set_to_none=True)
-            return loss.detach()
-
-        return train_step
+        return default_train_step(fn, optimizer, case.loss, autocast)
 
     def infer_step(inputs: tuple[torch.Tensor, ...], target: torch.Tensor) -> Any:
         with torch.no_grad(), autocast():
             return fn(*inputs)
 
     return infer_step
+
+
+def _backend_step(
+    case: BenchCase, name: str, model: nn.Module, mode: str, precision: str, device: torch.device,
+    optimizer: torch.optim.Optimizer | None,
+) -> tuple[Callable[[tuple[torch.Tensor, ...], torch.Tensor], Any], Callable[..., Any] | None]:
+    """The callable the harness times, and the compiled model (for the compile split): in
+    training the backend's own step if it has one, else the default step around its model."""
+    if mode == "train":
+        own_step = train_step_factory(name)
+        if own_step is not None:
+            assert optimizer is not None
+            return own_step(model, optimizer, case.loss, _autocast(precision, device)), None
+    fn = BACKENDS[name](model)
+    return _make_step(case, fn, mode, precision, device, optimizer), fn
+
+
+def _median(values: list[float] | None) -> float | None:
+    return statistics.median(values) if values else None
 
 
 def _compile_split(fn: Callable[..., Any], total_s: float) -> dict[str, Any] | None:
@@ -226,7 +221,7 @@ def _compile_split(fn: Callable[..., Any], total_s: float) -> dict[str, Any] | N
 
 
 def _measure(
-    case: BenchCase, base: nn.Module, factory: BackendFactory, batches: list, mode: str, precision: str,
+    case: BenchCase, base: nn.Module, name: str, batches: list, mode: str, precision: str,
     device: torch.device, warmup: int, iters: int, row: dict[str, Any], progress: _Progress, label: str,
 ) -> torch.Tensor | None:
     """Fill ``row`` with the measurements; returns the first output (CPU float) for checks."""
@@ -239,8 +234,7 @@ def _measure(
     model.train(mode == "train")
     optimizer = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9) if mode == "train" else None
     progress.phase(label, "compiling")
-    fn = factory(model)
-    step = _make_step(case, fn, mode, precision, device, optimizer)
+    step, fn = _backend_step(case, name, model, mode, precision, device, optimizer)
 
     # First call: compilation (and, for train, the lazily compiled backward) plus one step.
     torch.manual_seed(0)
@@ -252,7 +246,8 @@ def _measure(
     row["compile_s"] = time.perf_counter() - t0
     if launched.get("hit") or launched.get("miss"):
         row["launch_compiles"] = launched
-    split = _compile_split(fn, row["compile_s"])
+    # A backend with its own training step may hang Ember's log on the step itself.
+    split = _compile_split(fn if fn is not None else step, row["compile_s"])
     if split:
         row["compile_split"] = split
     first_out = primary_tensor(first).detach().float().cpu()
@@ -271,27 +266,19 @@ def _measure(
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
     progress.phase(label, "timing", total=iters)
-    times_ms: list[float] = []
+    times_ms, host_ms = timing.time_sync_each_step(step, batches, iters, device, progress.advance)
+    row["timer"] = timing.SYNC_EACH_STEP
+    row["host_ms_median"] = _median(host_ms)
     if device.type == "cuda":
-        events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(iters)]
-        for i, (start, end) in enumerate(events):
-            start.record()
-            step(*batches[i % len(batches)])
-            end.record()
-            progress.advance()
-        torch.cuda.synchronize(device)
-        times_ms = [start.elapsed_time(end) for start, end in events]
-        row["timer"] = "cuda_events"
         row["peak_mem_bytes"] = torch.cuda.max_memory_allocated(device)
         row["peak_mem_source"] = "cuda_max_memory_allocated"
         row["peak_reserved_bytes"] = torch.cuda.max_memory_reserved(device)
+        progress.phase(label, "timing pipelined", total=iters)
+        pipelined = timing.time_pipelined(step, batches, iters, device, progress.advance)
+        row["pipelined_timer"] = timing.PIPELINED
+        row["pipelined_ms_median"] = _median(pipelined)
+        row["pipelined_ms_min"] = min(pipelined) if pipelined else None
     else:
-        for i in range(iters):
-            t = time.perf_counter()
-            step(*batches[i % len(batches)])
-            times_ms.append((time.perf_counter() - t) * 1e3)
-            progress.advance()
-        row["timer"] = "perf_counter"
         # Max RSS only grows and counts everything the process holds: it read 0 B for rows below an
         # earlier row's high-water mark. One more step under the profiler gives the tensor bytes
         # that step allocated at its peak, on top of weights, optimizer state and inputs.
@@ -306,12 +293,23 @@ def _measure(
     return first_out
 
 
+def _is_ember(backend: str) -> bool:
+    return backend == "ember" or backend.startswith("ember-")
+
+
 def _fill_comparisons(group: list[dict[str, Any]], outputs: dict[str, torch.Tensor]) -> None:
-    """Speedup over the eager row of the same model/mode/batch, and the largest output
-    difference from eager in inference (a fast but wrong backend must show up)."""
+    """Speedup over the eager row of the same model/mode/batch; for Ember rows, the speedup over
+    every other backend measured (``vs_peers``: peer median / Ember median); and the largest
+    output difference from eager in inference (a fast but wrong backend must show up)."""
     eager = next((r for r in group if r["backend"] == "eager" and not r.get("error")), None)
+    measured = [r for r in group if not r.get("error") and r.get("ms_median")]
     for row in group:
-        if row.get("error") or eager is None:
+        if row.get("error"):
+            continue
+        if _is_ember(row["backend"]) and row.get("ms_median"):
+            row["vs_peers"] = {p["backend"]: p["ms_median"] / row["ms_median"] for p in measured
+                               if not _is_ember(p["backend"])}
+        if eager is None:
             continue
         row["speedup_vs_eager"] = eager["ms_median"] / row["ms_median"] if row["ms_median"] else None
         ref, out = outputs.get("eager"), outputs.get(row["backend"])
@@ -322,12 +320,14 @@ def _fill_comparisons(group: list[dict[str, Any]], outputs: dict[str, torch.Tens
 
 
 def _new_row(case: str, mode: str, backend: str, precision: str, batch: int | None, device: torch.device,
-             small: bool, warmup: int, iters: int) -> dict[str, Any]:
+             small: bool, warmup: int, iters: int, provenance: dict[str, Any]) -> dict[str, Any]:
     return {
-        "model": case, "mode": mode, "backend": backend, "precision": precision, "batch": batch,
-        "device": str(device), "small": small, "warmup": warmup, "iters": iters,
-        "ms_median": None, "ms_min": None, "ms_max": None, "samples_per_s": None, "compile_s": None,
-        "peak_mem_bytes": None, "peak_mem_source": None, "peak_reserved_bytes": None, "speedup_vs_eager": None, "error": None,
+        "model": case, "mode": mode, "backend": backend, "peer_mode": peer_mode(backend), "precision": precision,
+        "batch": batch, "device": str(device), "small": small, "warmup": warmup, "iters": iters,
+        "timer": timing.SYNC_EACH_STEP, "ms_median": None, "ms_min": None, "ms_max": None, "host_ms_median": None,
+        "pipelined_ms_median": None, "pipelined_ms_min": None, "samples_per_s": None, "compile_s": None,
+        "peak_mem_bytes": None, "peak_mem_source": None, "peak_reserved_bytes": None, "speedup_vs_eager": None,
+        "error": None, **provenance, "date": _dt.datetime.now(_dt.UTC).isoformat(timespec="seconds"),
     }
 
 
@@ -355,7 +355,7 @@ def _tf32(device: torch.device) -> Iterator[None]:
 def run_benchmark(
     cases: Sequence[str | BenchCase],
     modes: Sequence[str] = ("train",),
-    backends: Sequence[str] = ("eager", "inductor", "ember"),
+    backends: Sequence[str] | None = None,
     precision: str = "auto",
     device: str | torch.device = "auto",
     batch: int | Sequence[int] | None = None,
@@ -368,8 +368,8 @@ def run_benchmark(
 ) -> list[dict[str, Any]]:
     """Measure every case x mode x batch x backend; returns one dict per measurement.
 
-    ``batch`` None uses each case's default for the mode; ``warmup`` None means 10 steps on
-    GPU and 3 on CPU. ``on_result`` is called with all rows so far after each row (the CLI
+    ``backends`` None means ``default_backends(device)``; ``batch`` None uses each case's
+    default for the mode; ``warmup`` None means 10 steps on GPU and 3 on CPU. ``on_result`` is called with all rows so far after each row (the CLI
     uses it to keep the JSON file current during long runs).
     """
     dev = device if isinstance(device, torch.device) else resolve_device(device)
@@ -381,12 +381,14 @@ def run_benchmark(
     for mode in modes:
         if mode not in MODES:
             raise ValueError(f"mode must be one of {', '.join(MODES)}; got {mode!r}")
+    backends = list(backends) if backends is not None else default_backends(dev)
     unknown = [b for b in backends if b not in BACKENDS]
     if unknown:
         raise ValueError(f"unknown backend(s) {', '.join(unknown)}; known: {', '.join(BACKENDS)}")
     resolved = [c if isinstance(c, BenchCase) else get_case(c) for c in cases]
     batch_list = [batch] if isinstance(batch, int) else list(batch) if batch else None
 
+    provenance = row_provenance(dev)
     results: list[dict[str, Any]] = []
     with _Progress(progress) as prog, _tf32(dev):
         for case in resolved:
@@ -405,15 +407,15 @@ def run_benchmark(
                     if base is not None:
                         batches = make_batches(case, bs, dev, small=small, count=n_batches)
                     for name in backends:
-                        row = _new_row(case.name, mode, name, prec, bs, dev, small, warmup, iters)
+                        row = _new_row(case.name, mode, name, prec, bs, dev, small, warmup, iters, provenance)
                         label = f"{case.name} {mode} bs{bs} [{name}]"
                         if build_error is not None:
                             _record_error(row, build_error)
                         else:
                             assert base is not None
                             try:
-                                out = _measure(case, base, BACKENDS[name], batches, mode, prec, dev,
-                                               warmup, iters, row, prog, label)
+                                out = _measure(case, base, name, batches, mode, prec, dev, warmup, iters, row,
+                                               prog, label)
                                 if out is not None:
                                     outputs[name] = out
                             except Exception as err:

@@ -20,6 +20,8 @@ __all__ = [
     "CASES",
     "BenchCase",
     "MissingDependencyError",
+    "SUITES",
+    "expand_names",
     "get_case",
     "list_cases",
     "make_batches",
@@ -241,10 +243,29 @@ _CASE_LIST = [
     ),
 ]
 
-CASES: dict[str, BenchCase] = {case.name: case for case in _CASE_LIST}
-# The eight models of BENCHMARKS.md's seed suite (the rest of CASES are quick cases).
+# Imported here, after the helpers it uses are defined: zoo.py builds on this module.
+from ember.bench.zoo import ZOO_CASES, ZOO_SUITE  # noqa: E402
+
+CASES: dict[str, BenchCase] = {case.name: case for case in _CASE_LIST + ZOO_CASES}
+# The eight models of BENCHMARKS.md's seed suite (the rest of CASES are quick cases and the zoo).
 SEED_SUITE = ["resnet50", "vgg16", "mobilenet_v3", "densenet121", "resnet50v2", "bert", "cyclegan",
               "style_transfer"]
+# Named groups of models: ``ember bench zoo`` or ``--suite zoo``.
+SUITES: dict[str, list[str]] = {
+    "seed": SEED_SUITE,
+    "zoo": ZOO_SUITE,
+    "quick": ["resnet18", "tiny_transformer"],
+}
+
+
+def expand_names(names: list[str]) -> list[str]:
+    """Model names with every suite name replaced by its models, in order, without repeats."""
+    out: list[str] = []
+    for name in names:
+        for model in SUITES.get(name, [name]):
+            if model not in out:
+                out.append(model)
+    return out
 
 
 def list_cases() -> list[str]:

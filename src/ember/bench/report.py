@@ -13,11 +13,19 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-__all__ = ["env_info", "plot_speedups", "print_env", "print_table", "write_json"]
+__all__ = ["env_info", "plot", "plot_ember_vs_peers", "plot_speedups", "print_env", "print_table", "row_provenance", "write_json"]
 
 # What the less obvious fields mean, stored in every result file so it explains itself.
 NOTES = {
-    "ms_median": "median wall time of one step (ms); train = forward + loss + backward + SGD step",
+    "ms_median": "median wall time of one step (ms), timer sync_each_step: the device is synchronised after "
+    "every step and the host's wall clock taken per step (PyTorch's benchmark protocol); train = forward + "
+    "loss + backward + SGD step",
+    "host_ms_median": "median host time inside the step call (from calling the step until the Python call "
+    "returns, before the synchronisation); close to ms_median means the step is bound by the host",
+    "pipelined_ms_median": "CUDA only: median ms between CUDA events recorded around each step while the host "
+    "runs ahead (synchronised once after all steps); hides host work, a second column, never the headline",
+    "peer_mode": "how the backend compiles (torch.compile mode, or Ember's defaults)",
+    "vs_peers": "Ember rows: each other backend's ms_median / this ms_median, same model, mode, batch and run",
     "compile_s": "wall time of the first call (s), including compilation; cold or warm disk cache "
     "as the process found it",
     "compile_split": "Ember rows: compile_s split into Ember's stages (summed over graphs), the compiled "
@@ -96,6 +104,32 @@ def git_commit() -> dict[str, Any]:
     return {"git_commit": commit, "git_dirty": bool(status)}
 
 
+def short_commit() -> str:
+    """The short hash of the source tree's commit (``EMBER_GIT_COMMIT`` when set), else "unknown"."""
+    if os.environ.get("EMBER_GIT_COMMIT"):
+        return os.environ["EMBER_GIT_COMMIT"]
+    return _run(["git", "rev-parse", "--short", "HEAD"], cwd=str(Path(__file__).resolve().parent)) or "unknown"
+
+
+def _gpu_driver() -> str | None:
+    smi = _run(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"])
+    return smi.splitlines()[0].strip() if smi else None
+
+
+def row_provenance(device: Any) -> dict[str, Any]:
+    """What every result row carries about how it was made (the date is added per row)."""
+    import torch
+
+    dev = torch.device(device)
+    if dev.type == "cuda":
+        name, driver = torch.cuda.get_device_name(dev), _gpu_driver()
+    else:
+        name, driver = f"CPU: {_cpu_name()}", None
+    return {"device_name": name, "torch": torch.__version__,
+            "triton": _version("triton") or _version("pytorch-triton"), "python": sys.version.split()[0],
+            "cuda": torch.version.cuda, "gpu_driver": driver, "git_commit": short_commit()}
+
+
 def env_info() -> dict[str, Any]:
     """Device, driver and versions to store with every result (BENCHMARKS.md asks for GPU
     name, driver, torch/triton versions, date and git commit)."""
@@ -123,8 +157,7 @@ def env_info() -> dict[str, Any]:
         info["gpu_count"] = torch.cuda.device_count()
         info["gpu_memory_bytes"] = props.total_memory
         info["compute_capability"] = f"{props.major}.{props.minor}"
-        smi = _run(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"])
-        info["cuda_driver"] = smi.splitlines()[0].strip() if smi else None
+        info["cuda_driver"] = _gpu_driver()
         if info["cuda_driver"] is None:
             from ember import compat
             # torch reports the driver's CUDA API version (e.g. 13000), not the driver build.
@@ -184,7 +217,8 @@ def print_table(results: Sequence[dict[str, Any]], file: Any = None, title: str 
     table = Table(title=title or "ember bench", header_style="bold")
     for col, justify in [
         ("model", "left"), ("mode", "left"), ("batch", "right"), ("backend", "left"), ("prec", "left"),
-        ("ms median", "right"), ("ms min", "right"), ("samples/s", "right"), ("compile s", "right"),
+        ("ms median", "right"), ("ms min", "right"), ("host ms", "right"), ("pipelined ms", "right"),
+        ("samples/s", "right"), ("compile s", "right"),
         ("peak mem", "right"), ("peak rsv", "right"), ("vs eager", "right"), ("error", "left"),
     ]:
         table.add_column(col, justify=justify)  # type: ignore[arg-type]
@@ -196,7 +230,8 @@ def print_table(results: Sequence[dict[str, Any]], file: Any = None, title: str 
         err = r.get("error") or ""
         table.add_row(
             str(r["model"]), str(r["mode"]), str(r["batch"]), str(r["backend"]), str(r["precision"]),
-            _fmt(r.get("ms_median"), ".2f"), _fmt(r.get("ms_min"), ".2f"), _fmt(r.get("samples_per_s"), ".1f"),
+            _fmt(r.get("ms_median"), ".2f"), _fmt(r.get("ms_min"), ".2f"), _fmt(r.get("host_ms_median"), ".2f"),
+            _fmt(r.get("pipelined_ms_median"), ".2f"), _fmt(r.get("samples_per_s"), ".1f"),
             _fmt(r.get("compile_s"), ".1f"), _fmt_bytes(r.get("peak_mem_bytes")),
             _fmt_bytes(r.get("peak_reserved_bytes")), sp,
             Text(err[:120] + ("..." if len(err) > 120 else ""), style="red"),
@@ -287,3 +322,70 @@ def plot_speedups(results: Sequence[dict[str, Any]], path: str | os.PathLike[str
     fig.savefig(out, dpi=120, format="png")
     plt.close(fig)
     return out
+
+
+def _is_ember(backend: str) -> bool:
+    return backend == "ember" or backend.startswith("ember-")
+
+
+def plot_ember_vs_peers(results: Sequence[dict[str, Any]], path: str | os.PathLike[str],
+                        title: str | None = None) -> Path:
+    """PNG bar chart: per model/mode/batch, Ember's speedup against every other backend (peer
+    median / Ember median, same run); above the dashed line Ember is faster. Groups without an
+    Ember result are drawn with an "n/a" mark, never as a short bar."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    groups: list[tuple[str, str, Any]] = []
+    for r in results:
+        key = (r["model"], r["mode"], r["batch"])
+        if key not in groups:
+            groups.append(key)
+    embers = list(dict.fromkeys(r["backend"] for r in results if _is_ember(r["backend"])))
+    peers = list(dict.fromkeys(r["backend"] for r in results if not _is_ember(r["backend"])))
+    pairs = [(e, p) for e in embers for p in peers]  # (ember backend, peer)
+    lookup = {(r["model"], r["mode"], r["batch"], r["backend"]): r for r in results}
+
+    def ms(key: tuple[str, str, Any], backend: str) -> float | None:
+        row = lookup.get((*key, backend))
+        return row.get("ms_median") if row and not row.get("error") else None
+
+    n = max(len(pairs), 1)
+    width = 0.8 / n
+    fig, ax = plt.subplots(figsize=(max(6.0, 0.45 * len(groups) * n + 3), 4.8))
+    for i, (ember, peer) in enumerate(pairs):
+        xs, ys, missing = [], [], []
+        for g, key in enumerate(groups):
+            x = g - 0.4 + width * (i + 0.5)
+            e, p = ms(key, ember), ms(key, peer)
+            if e and p:
+                xs.append(x)
+                ys.append(p / e)
+            else:
+                missing.append(x)
+        label = f"vs {peer}" if len(embers) == 1 else f"{ember} vs {peer}"
+        bars = ax.bar(xs, ys, width=width, label=label)
+        ax.bar_label(bars, fmt="%.2f", fontsize=6)
+        for x in missing:
+            ax.text(x, 0.02, "n/a", rotation=90, ha="center", va="bottom", fontsize=6, color="red")
+    ax.axhline(1.0, color="black", linewidth=0.8, linestyle="--")
+    ax.set_xticks(range(len(groups)))
+    ax.set_xticklabels([f"{m}\n{mode} bs{b}" for m, mode, b in groups], fontsize=7)
+    ax.set_ylabel("Ember speedup (peer ms / Ember ms)")
+    ax.set_title(title or "ember bench: Ember against every peer")
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    out = Path(path)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(out, dpi=120, format="png")
+    plt.close(fig)
+    return out
+
+
+def plot(results: Sequence[dict[str, Any]], path: str | os.PathLike[str], title: str | None = None) -> Path:
+    """Ember against every peer when the results have Ember rows, else speedup vs eager."""
+    if any(_is_ember(r["backend"]) and not r.get("error") for r in results):
+        return plot_ember_vs_peers(results, path, title)
+    return plot_speedups(results, path, title)
