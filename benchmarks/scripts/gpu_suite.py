@@ -96,6 +96,8 @@ def parts(jobs: list[Job], factor: float, budget: float) -> list[list[Job]]:
 
 def run_job(job: Job, backends: str, out: Path, plan: str, timeout: float, extra: list[str]) -> dict:
     stem = f"{plan}_{job.name}"
+    if job.mode == "train" and "ember" in backends.split(",") and "ember-whole-step" not in backends:
+        backends += ",ember-whole-step"  # Ember's whole-step program: training rows only
     cmd = [sys.executable, "-m", "ember.cli", "bench", *job.args(), "--backend", backends, "--no-progress",
            "--json", str(out / f"{stem}.json"), *extra]
     env = {**os.environ, "PYTHONPATH": str(ROOT / "src") + os.pathsep + os.environ.get("PYTHONPATH", "")}

@@ -56,6 +56,7 @@ class Backend:
     mode: str
     train_step: TrainStepFactory | None = None
     opt_in: bool = False
+    train_only: bool = False  # no inference rows (they would repeat another backend's)
 
     def __call__(self, model: nn.Module) -> Callable[..., Any]:
         return self.compile(model)
@@ -142,6 +143,28 @@ def _ember(model: nn.Module) -> Callable[..., Any]:
     return compile_fn(model)
 
 
+def _ember_whole_step(model: nn.Module, optimizer: torch.optim.Optimizer, loss_fn: LossFn,
+                      autocast: Autocast) -> TrainStep:
+    """Ember's whole-step program: forward and loss compiled by Ember, backward, the optimizer's
+    update and zero_grad replayed as one CUDA graph where safe (``ember.compile_step``)."""
+    try:
+        import ember
+    except ImportError as err:
+        raise BackendUnavailable(f"ember is not available: {err}") from err
+
+    def train_fn(*batch: torch.Tensor) -> torch.Tensor:
+        with autocast():
+            return loss_fn(model(*batch[:-1]), batch[-1])
+
+    whole = ember.compile_step(train_fn, optimizer, model=model)
+
+    def step(inputs: tuple[torch.Tensor, ...], target: torch.Tensor) -> torch.Tensor:
+        return whole(*inputs, target)
+
+    step.explain = whole.explain  # type: ignore[attr-defined]
+    return step
+
+
 BACKENDS: dict[str, BackendFactory] = {
     "eager": Backend(_eager, "eager"),
     "inductor": Backend(_inductor, "torch.compile default"),
@@ -151,6 +174,8 @@ BACKENDS: dict[str, BackendFactory] = {
         _inductor_cudagraphs, "torch.compile mode=reduce-overhead + optimizer step compiled (fullgraph=False)",
         train_step=_compiled_optimizer_step, opt_in=True),
     "ember": Backend(_ember, "ember.compile defaults"),
+    "ember-whole-step": Backend(_ember, "ember.compile_step: forward, backward and optimizer as one program",
+                                train_step=_ember_whole_step, train_only=True),
 }
 
 
@@ -164,6 +189,11 @@ def peer_mode(name: str) -> str:
     return getattr(BACKENDS[name], "mode", name)
 
 
+def train_only(name: str) -> bool:
+    """Whether backend ``name`` has no inference rows."""
+    return bool(getattr(BACKENDS[name], "train_only", False))
+
+
 def train_step_factory(name: str) -> TrainStepFactory | None:
     """The backend's own training step, or None for the default step around its model."""
     return getattr(BACKENDS[name], "train_step", None)
@@ -172,6 +202,6 @@ def train_step_factory(name: str) -> TrainStepFactory | None:
 def default_backends(device: torch.device) -> list[str]:
     """eager, inductor and ember; on a GPU also Inductor with CUDA graphs (Ember replays CUDA
     graphs too, so that is the peer to beat). Opt-in backends only on request."""
-    names = ["eager", "inductor", "inductor-cudagraphs", "ember"] if device.type == "cuda" else [
+    names = ["eager", "inductor", "inductor-cudagraphs", "ember", "ember-whole-step"] if device.type == "cuda" else [
         "eager", "inductor", "ember"]
     return [n for n in names if n in BACKENDS]

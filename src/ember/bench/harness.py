@@ -34,6 +34,7 @@ from ember.bench.backends import (
     default_train_step,
     peer_mode,
     register_backend,
+    train_only,
     train_step_factory,
 )
 from ember.bench.memory import measure_cpu_peak
@@ -407,6 +408,8 @@ def run_benchmark(
                     if base is not None:
                         batches = make_batches(case, bs, dev, small=small, count=n_batches)
                     for name in backends:
+                        if mode != "train" and train_only(name):
+                            continue
                         row = _new_row(case.name, mode, name, prec, bs, dev, small, warmup, iters, provenance)
                         label = f"{case.name} {mode} bs{bs} [{name}]"
                         if build_error is not None:

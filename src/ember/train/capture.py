@@ -187,7 +187,9 @@ class CudaWholeStep:
                 loss = self.step.run_eager(batch, first, last)
             finally:
                 torch.cuda.set_sync_debug_mode(previous)
-        syncs = [str(w.message).splitlines()[0] for w in seen if "synchroniz" in str(w.message)]
+        # torch's note that the debug mode is a prototype (once per process) is no sync of the step.
+        syncs = [str(w.message).splitlines()[0] for w in seen
+                 if "synchroniz" in str(w.message) and "prototype feature" not in str(w.message)]
         for w in seen:  # hand the other warnings on
             if "synchroniz" not in str(w.message):
                 warnings.warn_explicit(w.message, w.category, w.filename, w.lineno)
@@ -216,7 +218,8 @@ class CudaWholeStep:
                 return f"GradScaler on {step.scaler._device}"
         adam = isinstance(opt, (torch.optim.Adam, torch.optim.AdamW))
         for group in opt.param_groups:
-            if adam and not group.get("fused") and not group.get("capturable"):
+            # Fused Adam too: torch refuses to capture step() of any Adam whose capturable is False.
+            if adam and not group.get("capturable"):
                 group["capturable"] = True
                 self._changed("capturable=True (Adam/AdamW keep step counts and bias corrections on the device)")
             if (adam or group.get("fused")) and not (isinstance(group["lr"], torch.Tensor)
