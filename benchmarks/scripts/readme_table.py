@@ -68,39 +68,60 @@ def _distinct(rows: Iterable[dict[str, Any]], field: str) -> str:
 
 
 def headline(rows: Sequence[dict[str, Any]], ember: str = "ember") -> str:
-    """The markdown: table, geometric mean, and how it was measured."""
+    """The markdown: table, geometric means, and how it was measured. ``ember`` is one Ember backend
+    or a comma list (``ember,ember-whole-step``): a column and a ratio for each."""
+    embers = [e for e in ember.split(",") if e]
     table: dict[tuple[Any, ...], dict[str, dict[str, Any]]] = {}
     for row in rows:
         key = (row["model"], row["mode"], row["batch"], row.get("precision"))
         table.setdefault(key, {})[row["backend"]] = row
-    lines = ["| model | mode | batch | precision | eager ms | best Inductor ms | best Inductor mode | Ember ms "
-             "| Ember vs best Inductor | Ember vs eager | compile s best Inductor / Ember |",
-             "|---|---|---|---|---|---|---|---|---|---|---|"]
-    ratios: list[float] = []
+    names = ([f"{e} ms" for e in embers] + [f"{e} vs best Inductor" for e in embers]
+             + [f"{e} vs eager" for e in embers])
+    lines = ["| model | mode | batch | precision | eager ms | best Inductor ms | best Inductor mode | "
+             + " | ".join(names) + " | compile s best Inductor / " + " / ".join(embers) + " |",
+             "|---|---|---|---|---|---|---|" + "---|" * (len(names) + 1)]
+    ratios: dict[str, list[float]] = {e: [] for e in embers}
+    best_of: list[float] = []
     used: list[dict[str, Any]] = []
     for (model, mode, batch, precision), by_backend in table.items():
-        if ember not in by_backend:
+        present = [e for e in embers if e in by_backend]
+        if not present:
             continue
-        e_row = by_backend[ember]
         inductors = {b: r for b, r in by_backend.items() if b.startswith(INDUCTOR_PREFIX) and _ms(r) is not None}
         best_name = min(inductors, key=lambda b: _ms(inductors[b]) or math.inf) if inductors else None
         best = inductors.get(best_name) if best_name else None
-        e_ms, b_ms, eager_ms = _ms(e_row), _ms(best), _ms(by_backend.get("eager"))
-        vs_best = b_ms / e_ms if e_ms and b_ms else None
-        vs_eager = eager_ms / e_ms if e_ms and eager_ms else None
-        if vs_best is not None:
-            ratios.append(vs_best)
-        used += [r for r in (e_row, best, by_backend.get("eager")) if r is not None]
-        ember_cell = _fmt(e_ms) if e_row.get("error") is None else f"error: {str(e_row['error'])[:60]}"
-        compile_cell = f"{_fmt(best.get('compile_s') if best else None, '.1f')} / {_fmt(e_row.get('compile_s'), '.1f')}"
+        b_ms, eager_ms = _ms(best), _ms(by_backend.get("eager"))
+        ms_cells, ratio_cells, eager_cells, compile_cells, row_ratios = [], [], [], [], []
+        for e in embers:
+            e_row = by_backend.get(e)
+            e_ms = _ms(e_row)
+            vs_best = b_ms / e_ms if e_ms and b_ms else None
+            if vs_best is not None:
+                ratios[e].append(vs_best)
+                row_ratios.append(vs_best)
+            if e_row is not None:
+                used.append(e_row)
+            ms_cells.append("-" if e_row is None else _fmt(e_ms) if e_row.get("error") is None
+                            else f"error: {str(e_row['error'])[:60]}")
+            ratio_cells.append(_fmt(vs_best, ".2f", "x"))
+            eager_cells.append(_fmt(eager_ms / e_ms if e_ms and eager_ms else None, ".2f", "x"))
+            compile_cells.append(_fmt(e_row.get("compile_s") if e_row else None, ".1f"))
+        if row_ratios:
+            best_of.append(max(row_ratios))
+        used += [r for r in (best, by_backend.get("eager")) if r is not None]
         lines.append(f"| {model} | {mode} | {batch} | {precision or '-'} | {_fmt(eager_ms)} | {_fmt(b_ms)} "
-                     f"| {best_name or '-'} | {ember_cell} | {_fmt(vs_best, '.2f', 'x')} | {_fmt(vs_eager, '.2f', 'x')} "
-                     f"| {compile_cell} |")
+                     f"| {best_name or '-'} | " + " | ".join(ms_cells + ratio_cells + eager_cells)
+                     + f" | {_fmt(best.get('compile_s') if best else None, '.1f')} / {' / '.join(compile_cells)} |")
     out = "\n".join(lines) + "\n\n"
-    if ratios:
-        geo = math.exp(sum(math.log(r) for r in ratios) / len(ratios))
-        out += (f"Geometric mean of Ember against the best Inductor mode: {geo:.2f}x over {len(ratios)} rows "
-                f"(above 1: Ember faster).\n\n")
+    for e in embers:
+        if ratios[e]:
+            geo = math.exp(sum(math.log(r) for r in ratios[e]) / len(ratios[e]))
+            out += (f"Geometric mean of {e} against the best Inductor mode: {geo:.3f}x over {len(ratios[e])} rows "
+                    f"(above 1: Ember faster).\n")
+    if len(embers) > 1 and best_of:
+        geo = math.exp(sum(math.log(r) for r in best_of) / len(best_of))
+        out += f"Geometric mean of the faster Ember variant of each row: {geo:.3f}x over {len(best_of)} rows.\n"
+    out += "\n"
     timers = sorted({str(r.get("timer")) for r in used if r.get("timer")})
     timer_text = "; ".join(f"`{t}` ({TIMER_TEXT.get(t, 'see the result files')})" for t in timers) or "unknown"
     iters = _distinct(used, "iters")
@@ -125,7 +146,7 @@ def replace_between_markers(text: str, block: str) -> str:
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("files", nargs="+", help="ember bench --json files (or benchmarks/collect.py output)")
-    parser.add_argument("--ember", default="ember", help="the Ember backend to compare (default ember)")
+    parser.add_argument("--ember", default="ember", help="the Ember backend(s) to compare, a comma list (default ember)")
     parser.add_argument("--readme", help="replace the block between the headline markers in this file")
     args = parser.parse_args(argv)
     block = headline(load_rows(args.files), ember=args.ember)

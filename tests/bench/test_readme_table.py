@@ -38,7 +38,7 @@ def test_ember_against_the_best_inductor_mode_of_each_row(readme_table) -> None:
     assert rows[("gpt2", "train")][7].startswith("error: NotImplementedError") and rows[("gpt2", "train")][8] == "-"
     assert ("vgg16", "train") not in rows and len(rows) == 3
     geo = math.sqrt(1.25 * 0.5)
-    assert f"Geometric mean of Ember against the best Inductor mode: {geo:.2f}x over 2 rows" in text
+    assert f"Geometric mean of ember against the best Inductor mode: {geo:.3f}x over 2 rows" in text
     how = lines[-1]
     assert how.startswith("Measured: timer `sync_each_step` (device synchronised after every step")
     # Rows without provenance take it from the file's env (commit shortened); rows with it keep theirs.
