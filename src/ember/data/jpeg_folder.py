@@ -7,9 +7,22 @@ per item with ``torchvision.io.decode_jpeg`` on the CPU, as an ImageFolder pipel
 
 from __future__ import annotations
 
+import contextlib
+import warnings
+from collections.abc import Iterator
 from pathlib import Path
 
 import torch
+
+
+@contextlib.contextmanager
+def _quiet() -> Iterator[None]:
+    """torchvision >= 0.29 warns on every codec call that they move to TorchCodec; they still work,
+    and the GPU machine's torchvision 0.26 is the version this benchmark targets."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="The image decoding and encoding capabilities of TorchVision",
+                                category=DeprecationWarning)
+        yield
 
 
 def make_jpeg_folder(folder: str | Path, count: int, size: int, quality: int = 90, seed: int = 0) -> list[Path]:
@@ -25,7 +38,8 @@ def make_jpeg_folder(folder: str | Path, count: int, size: int, quality: int = 9
         image = torch.nn.functional.interpolate(low, size=(size, size), mode="bilinear", align_corners=False)[0]
         image = (image + torch.randn(image.shape, generator=gen) * 8).clamp(0, 255).to(torch.uint8)
         path = folder / f"{i:06d}.jpg"
-        write_file(str(path), encode_jpeg(image, quality=quality))
+        with _quiet():
+            write_file(str(path), encode_jpeg(image, quality=quality))
         paths.append(path)
     return paths
 
@@ -45,7 +59,8 @@ class JpegFolder(torch.utils.data.Dataset):
     def __getitem__(self, index: int) -> tuple[torch.Tensor, int]:
         from torchvision.io import decode_jpeg, read_file
 
-        image = decode_jpeg(read_file(self.paths[index]))
+        with _quiet():
+            image = decode_jpeg(read_file(self.paths[index]))
         if self.size is not None and tuple(image.shape[1:]) != (self.size, self.size):
             image = torch.nn.functional.interpolate(image[None].float(), size=(self.size, self.size), mode="bilinear",
                                                     antialias=True, align_corners=False)[0]
