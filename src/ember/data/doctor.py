@@ -8,8 +8,8 @@
 
 Per step it measures the time spent in the loader's ``next()`` (waiting for data) and the time
 from receiving the batch to asking for the next one (compute). On a CUDA device it synchronises
-before and after each ``next()`` (``sync=False`` turns that off), so asynchronous kernels count as
-the step's and a prefetcher's pending copy as waiting; BENCHMARKS.md times steps the same way.
+the loop's current stream before and after each ``next()`` (``sync=False`` turns that off), so
+asynchronous kernels count as the step's and a prefetcher's pending copy as waiting; BENCHMARKS.md times steps the same way.
 The first step of each pass (worker start-up, a first batch) is reported apart, not averaged in.
 ``StepTimer`` does the same for a loop written by hand (``with timer.waiting(): ...``).
 
@@ -206,7 +206,9 @@ class StepTimer:
 
     def _now(self) -> float:
         if self.sync:
-            torch.cuda.synchronize(self.device)
+            # The loop's stream only: a prefetcher's copies ahead on its side stream are not the
+            # step's; the copy of the batch being taken is waited for by this stream after next().
+            torch.cuda.current_stream(self.device).synchronize()
         return time.perf_counter()
 
     @contextlib.contextmanager
