@@ -9,7 +9,8 @@
 Per step it measures the time spent in the loader's ``next()`` (waiting for data) and the time
 from receiving the batch to asking for the next one (compute). On a CUDA device it synchronises
 the loop's current stream before and after each ``next()`` (``sync=False`` turns that off), so
-asynchronous kernels count as the step's and a prefetcher's pending copy as waiting; BENCHMARKS.md times steps the same way.
+asynchronous kernels count as the step's and a prefetcher's pending copy as waiting;
+BENCHMARKS.md times steps the same way.
 The first step of each pass (worker start-up, a first batch) is reported apart, not averaged in.
 ``StepTimer`` does the same for a loop written by hand (``with timer.waiting(): ...``).
 
@@ -170,7 +171,9 @@ def _advice(verdict: str, facts: dict[str, Any], wait_ms: float, compute_ms: flo
     elif verdict == "compute-bound":
         if wait_share >= HIDEABLE_SHARE and prefetcher is None:
             out.append(f"ember.data.prefetch(loader, device) would hide the {100 * wait_share:.0f}% spent waiting: "
-                       f"the loader ({wait_ms:.1f} ms a batch) is faster than the step ({compute_ms:.1f} ms)")
+                       f"the loader ({wait_ms:.1f} ms a batch) is faster than the step ({compute_ms:.1f} ms)"
+                       + (" - on a CPU device only where a core is spare: the loader and the step's threads "
+                          "share the cores" if facts.get("device") == "cpu" else ""))
         elif wait_share >= HIDEABLE_SHARE and prefetcher is not None:
             out.append(f"raise the prefetch depth (now {prefetcher['depth']}) to absorb uneven batches")
         headroom = compute_ms - (data_ms if data_ms is not None else wait_ms)
