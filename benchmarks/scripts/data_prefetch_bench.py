@@ -17,7 +17,8 @@ Cases (each measures: data alone, compute alone, the plain loop, the prefetched 
           prefetched / max(data, compute) whatever the balance
 On a GPU it also times one device-to-device copy of a batch (what a CUDA-graph replay's copy of
 its input costs, the copy a hand-off into the graph's static buffers would save) and, with
---backend ember, runs the model through ember.compile (CUDA graphs) under the prefetcher.
+--backend ember or ember-step, runs the model through ember.compile (CUDA graphs per compiled
+graph) or ember.compile_step (the whole training step as one CUDA graph) under the prefetcher.
 Every step is synchronised (the consumer stream) and timed by wall clock; median over --steps.
 """
 
@@ -66,11 +67,17 @@ class Step:
                 model = model.to(memory_format=torch.channels_last)
             self.model = model
             self.run = model
+            self.opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
+            self.whole_step = None
             if backend == "ember":
                 import ember
 
                 self.run = ember.compile(model)
-            self.opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
+            elif backend == "ember-step":  # forward, backward and SGD as one program (one CUDA graph)
+                import ember
+
+                self.whole_step = ember.compile_step(
+                    lambda x, y: torch.nn.functional.cross_entropy(model(x), y), optimizer=self.opt)
 
     def prepare(self, x: torch.Tensor) -> torch.Tensor:
         """What a plain loop does to a batch the prefetcher would have transformed on the device."""
@@ -86,7 +93,12 @@ class Step:
             return
         assert self.model is not None
         x = self.prepare(x)
-        with torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.device.type == "cuda"):
+        autocast = torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.device.type == "cuda")
+        if self.whole_step is not None:
+            with autocast:
+                self.whole_step(x, y)
+            return
+        with autocast:
             loss = torch.nn.functional.cross_entropy(self.run(x), y)
         loss.backward()
         self.opt.step()
@@ -233,7 +245,9 @@ def main() -> int:
     p.add_argument("--size", type=int, default=None, help="model input pixels (default 224 GPU, 64 CPU)")
     p.add_argument("--jpeg-size", type=int, default=None, help="JPEG pixels (default 256 GPU, 256 CPU)")
     p.add_argument("--workers", type=int, default=None, help="DataLoader workers (default 8 GPU, 0 CPU)")
-    p.add_argument("--backend", default="eager", choices=["eager", "ember"])
+    p.add_argument("--backend", default="eager", choices=["eager", "ember", "ember-step"],
+                   help="ember: ember.compile(model) (per-graph CUDA graphs); ember-step: ember.compile_step "
+                   "(the whole training step as one CUDA graph)")
     p.add_argument("--cpu-model", action="store_true", help="CPU: also run the model case (resnet18)")
     p.add_argument("--json", default=None)
     args = p.parse_args()
