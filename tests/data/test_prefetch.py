@@ -299,3 +299,18 @@ def test_overlap_hides_the_shorter_of_data_and_compute() -> None:
 def test_public_names() -> None:
     assert ember.data.prefetch is prefetch and ember.data.DevicePrefetcher is DevicePrefetcher
     assert "DevicePrefetcher" in repr(prefetch([], device="cpu"))
+
+
+def test_cpu_producer_runs_one_intra_op_thread_and_the_step_keeps_its_own() -> None:
+    """A second OpenMP team in the producer would compete with the step's on every core."""
+    before = torch.get_num_threads()
+    seen = []
+
+    def record(x: torch.Tensor) -> torch.Tensor:
+        seen.append(torch.get_num_threads())
+        return x
+
+    for _ in prefetch([torch.zeros(2)] * 3, device="cpu", transform=record):
+        assert torch.get_num_threads() == before
+    assert seen == [1, 1, 1]
+    assert torch.get_num_threads() == before

@@ -147,6 +147,23 @@ def _put(out: queue.Queue, stop: threading.Event, item: tuple[str, Any]) -> bool
 
 def _produce(source: Iterator, stage: _Stage, out: queue.Queue, stop: threading.Event, stats: PrefetchStats) -> None:
     # Holds no reference to the PrefetchIterator: dropping that collects it and stops this thread.
+    if stage.stream is not None:
+        _produce_batches(source, stage, out, stop, stats)
+        return
+    # CPU device: the step's intra-op threads already use every core. A tensor op in this thread
+    # (a DataLoader's collate, a resize in the dataset, the transforms) would start a second
+    # OpenMP team beside theirs; on 2 cores that made a resnet18 step 60 -> 91 ms. One thread
+    # here (OpenMP's setting is per thread: the step keeps its own), restored on exit.
+    saved = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        _produce_batches(source, stage, out, stop, stats)
+    finally:
+        torch.set_num_threads(saved)
+
+
+def _produce_batches(source: Iterator, stage: _Stage, out: queue.Queue, stop: threading.Event,
+                     stats: PrefetchStats) -> None:
     while not stop.is_set():
         t0 = time.perf_counter()
         try:
