@@ -24,6 +24,9 @@ _LAZY = {"EmberBackend": "ember.capture.backend", "ember_backend": "ember.captur
 
 
 def __getattr__(name: str) -> Any:
+    if name == "data":  # ember.data.prefetch / doctor without an explicit import
+        import importlib
+        return importlib.import_module("ember.data")
     if name in _LAZY:
         import importlib
         value = getattr(importlib.import_module(_LAZY[name]), name)

@@ -98,6 +98,13 @@ def _parser() -> argparse.ArgumentParser:
                    help="write a PNG bar chart of Ember's speedup against every peer (vs eager without Ember)")
     b.add_argument("--small", action="store_true", help="small inputs (64x64 images, seq 32), for quick checks")
     b.add_argument("--no-progress", action="store_true", help="no progress display")
+    b.add_argument("--data", action="store_true",
+                   help="input pipeline bench: JPEG decoding DataLoader feeding training, with and without "
+                   "ember.data.prefetch, and the starvation doctor's verdict (ember.data.bench)")
+    b.add_argument("--workers", type=_nonneg_int, default=2, help="--data: DataLoader num_workers (default 2)")
+    b.add_argument("--depth", type=_positive_int, default=2, help="--data: prefetch depth (default 2)")
+    b.add_argument("--jpeg-size", type=_positive_int, default=None,
+                   help="--data: pixels a side of the JPEG files, resized to the model's input after decoding")
 
     e = sub.add_parser("env", help="print the device and versions")
     e.add_argument("--json", action="store_true", help="print as JSON")
@@ -125,6 +132,9 @@ def _err(msg: str) -> None:
 
 
 def _cmd_bench(args: argparse.Namespace) -> int:
+    if args.data:
+        from ember.data.bench import run_data_bench
+        return run_data_bench(args)
     from ember.bench import backends, harness, models, report
 
     if args.list:
