@@ -29,7 +29,7 @@ def _run(backend_names: list[str], mode: str = "train", iters: int = 3, warmup: 
 
 def test_default_backends_by_device() -> None:
     assert backends.default_backends(torch.device("cpu")) == ["eager", "inductor", "ember"]
-    assert backends.default_backends(torch.device("cuda")) == ["eager", "inductor", "inductor-cudagraphs", "ember"]
+    assert backends.default_backends(torch.device("cuda")) == ["eager", "inductor", "inductor-cudagraphs", "ember", "ember-whole-step"]
     for opt_in in ("inductor-max-autotune", "inductor-cudagraphs-compiled-optimizer"):
         assert backends.BACKENDS[opt_in].opt_in
     assert backends.peer_mode("inductor-cudagraphs") == "torch.compile mode=reduce-overhead"
@@ -131,7 +131,7 @@ def test_cli_suites_and_gpu_defaults(monkeypatch: pytest.MonkeyPatch, capsys: py
     monkeypatch.setattr(report, "env_info", lambda: {"device": "fake GPU", "torch": torch.__version__})
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     assert main(["bench", "--no-progress"]) == 0
-    assert seen["backends"] == ["eager", "inductor", "inductor-cudagraphs", "ember"]
+    assert seen["backends"] == ["eager", "inductor", "inductor-cudagraphs", "ember", "ember-whole-step"]
     assert main(["bench", "zoo", "--no-progress"]) == 0
     assert seen["cases"] == models.SUITES["zoo"] and len(seen["cases"]) >= 8
     assert main(["bench", "resnet50", "--suite", "zoo", "--no-progress"]) == 0

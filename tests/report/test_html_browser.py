@@ -27,7 +27,7 @@ needs_browser = pytest.mark.skipif(
     BROWSER is None, reason="no Chromium binary on PATH (chromium, chromium-browser or google-chrome); "
                             "install Debian's package: apt-get install -y chromium")
 
-SECTIONS = ["Summary", "Compile time", "Ops by category", "Placement", "Fusion decisions", "Memory layout",
+SECTIONS = ["Summary", "Host time per step, and what ran outside the graphs", "Compile time", "Ops by category", "Placement", "Fusion decisions", "Memory layout",
             "Fallback ops", "Coverage", "Graphs"]
 WIDTH, HEIGHT = 1200, 2000
 MS = re.compile(r"^\d+\.\d ms$")
