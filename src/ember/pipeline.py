@@ -8,7 +8,6 @@ when set.
 from __future__ import annotations
 
 import linecache
-import os
 import re
 import time
 import traceback
@@ -31,7 +30,7 @@ from ember.passes import PassContext, PassResult, passes_for, run_passes
 from ember.passes.freeze import static_input_indices
 from ember.passes.layout import layout_summary, report_output_strides
 from ember.report.records import GraphRecord
-from ember.runtime.artifacts import ProgramStore, caching_enabled, graph_key, restore_record, stored_program
+from ember.runtime.artifacts import ProgramStore, graph_key, restore_record, stored_program
 from ember.runtime.capture_rules import cudagraph_blocker, read_only_inputs
 from ember.runtime.cudagraph import CudaGraphRunner
 from ember.runtime.kernels import compile_cpu_kernels, kernel_file, load_kernel
@@ -143,12 +142,12 @@ def compile_graph(gm: fx.GraphModule, example_inputs: list, options: Options, re
     try:
         return boxed(_compile(gm, example_inputs, options, record, reference))
     except Exception as err:  # noqa: BLE001 - never fail where eager works
-        if os.environ.get("EMBER_STRICT", "0") not in ("0", ""):
+        if config.settings().strict:
             raise
         record.error = f"{type(err).__name__}: {err}"
         warnings.warn(f"ember: could not compile {record.title} ({record.error}); running it through ATen as "
                       "captured. Please report this with the traceback from EMBER_STRICT=1.", stacklevel=2)
-        if config.debug_level() >= 1:
+        if config.settings().debug >= 1:
             traceback.print_exc()
         fallback = fx.GraphModule(gm, _copy_graph(gm.graph))
         return boxed(CompiledGraph(record.title, fallback.code, lambda args: fallback(*_take(args))))
@@ -169,7 +168,7 @@ def _copy_graph(graph: fx.Graph) -> fx.Graph:
 
 def _compile(gm: fx.GraphModule, example_inputs: list, options: Options, record: GraphRecord,
              reference: fx.GraphModule | None) -> CompiledGraph:
-    level = config.debug_level()
+    level = config.settings().debug
     slug = debug_folder(record.title)
     stage = record.stage_seconds
     if _symbolic(gm):
@@ -180,7 +179,7 @@ def _compile(gm: fx.GraphModule, example_inputs: list, options: Options, record:
     # Decided on the captured graph, before the passes rewrite it in place.
     blocker = cudagraph_blocker(gm, example_inputs, record.kind, target, options.cudagraphs)
     read_only = read_only_inputs(gm) if blocker is None else frozenset()
-    store = ProgramStore(options.cache_root()) if caching_enabled(options.cache) else None
+    store = ProgramStore(options.cache_root()) if options.cache else None
     # The layout option changes the program: part of the key.
     key_target = target if options.channels_last else f"{target}+nchw"
     key = graph_key(gm, example_inputs, key_target, record.kind) if store is not None else None
@@ -238,7 +237,7 @@ def _compile(gm: fx.GraphModule, example_inputs: list, options: Options, record:
             except CpuUnsupported as why:
                 on_aten[str(why)] += 1
             except Exception as err:  # noqa: BLE001 - a generator bug costs this group its kernel, never the graph
-                if os.environ.get("EMBER_STRICT", "0") not in ("0", ""):
+                if config.settings().strict:
                     raise
                 on_aten[f"CPU code generator error {type(err).__name__}: {err}"] += 1
     elif target == "aten" and options.target == "auto" and cpu_codegen_unavailable():
@@ -249,7 +248,7 @@ def _compile(gm: fx.GraphModule, example_inputs: list, options: Options, record:
         # time shows as kernel_compile; a module that fails to compile sends its groups to ATen.
         start = time.perf_counter()
         failed = compile_cpu_kernels(list(kernels.values()), options.kernel_dir())
-        if failed and os.environ.get("EMBER_STRICT", "0") not in ("0", ""):
+        if failed and config.settings().strict:
             raise RuntimeError(f"CPU kernel compile failed: {next(iter(failed.values()))}")
         for index in [i for i, ks in kernels.items() if ks.digest in failed]:
             on_aten[f"CPU kernel compile error: {failed[kernels.pop(index).digest]}"] += 1
@@ -302,7 +301,7 @@ def _await_kernels(record: GraphRecord, pending: PendingCompile) -> None:
     stage = record.stage_seconds
     stage["kernel_compile"] = stage.get("kernel_compile", 0.0) + time.perf_counter() - start
     record.compile_note = stats.describe()
-    if config.debug_level() >= 1:
+    if config.settings().debug >= 1:
         print(f"# ember: kernel compile of {record.title}: {record.compile_note}")
         for err in stats.errors:
             print(f"# ember: precompile: {err}")

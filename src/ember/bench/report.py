@@ -13,6 +13,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from ember.config import settings
+
 __all__ = ["env_info", "plot_speedups", "print_env", "print_table", "write_json"]
 
 # What the less obvious fields mean, stored in every result file so it explains itself.
@@ -86,8 +88,9 @@ def _cpu_name() -> str:
 def git_commit() -> dict[str, Any]:
     """The source tree's commit. ``EMBER_GIT_COMMIT`` overrides it for runs from a copy of the
     working tree whose ``.git`` is not the one the tree was committed in (the device machine)."""
-    if os.environ.get("EMBER_GIT_COMMIT"):
-        return {"git_commit": os.environ["EMBER_GIT_COMMIT"], "git_dirty": False}
+    commit = settings().git_commit
+    if commit:
+        return {"git_commit": commit, "git_dirty": False}
     here = str(Path(__file__).resolve().parent)
     commit = _run(["git", "rev-parse", "HEAD"], cwd=here)
     if commit is None:

@@ -61,13 +61,13 @@ The rules a replay must keep, and how:
 
 from __future__ import annotations
 
-import os
 import weakref
 from collections.abc import Callable
 
 import torch
 from torch.multiprocessing.reductions import StorageWeakRef
 
+from ember.config import settings
 from ember.runtime.capture_rules import (  # noqa: F401 - the decision, re-exported beside the runner
     CAPTURED_KINDS,
     GRAPH_SAFE_RANDOM,
@@ -98,7 +98,7 @@ from ember.runtime.graph_pool import GraphPool, presize, share_pool  # noqa: F40
 aten = torch.ops.aten
 
 def pooled_inputs_enabled() -> bool:
-    return os.environ.get("EMBER_POOLED_INPUTS", "1") not in ("0", "false", "")
+    return settings().pooled_inputs
 
 
 MAX_CAPTURES = 5  # the last one copies every input and output, so it is final
