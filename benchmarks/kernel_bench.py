@@ -124,11 +124,11 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--json", default=None)
     parser.add_argument("--loop-rblock", default=str(BLOCKS.loop_rblock),
-                        help="comma list of LOOP_RBLOCK values to sweep for Ember")
+                        help="comma list of loop_rblock values to sweep for Ember")
     parser.add_argument("--tile", default=f"{BLOCKS.xcontig_xblock}x{BLOCKS.xcontig_tile}",
-                        help="comma list of XCONTIG_XBLOCKxXCONTIG_TILE (channel-contiguous reduction tiles)")
+                        help="comma list of xcontig_xblock x xcontig_tile, e.g. 64x4096 (channel-contiguous reduction tiles)")
     parser.add_argument("--split", default=str(BLOCKS.split_target_programs),
-                        help="comma list of SPLIT_TARGET_PROGRAMS (0: no split reductions)")
+                        help="comma list of split_target_programs (0: no split reductions)")
     parser.add_argument("--cases", default="",
                         help="comma list: only cases with this word in their name, or named 'NAME SHAPE'")
     parser.add_argument("--backends", default="eager,inductor,ember")
