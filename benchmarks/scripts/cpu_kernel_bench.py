@@ -111,10 +111,10 @@ def _time_ms(fn: Callable, args: tuple, loop_s: float = 0.02, repeats: int = 15)
     return min(samples), statistics.median(samples)
 
 
-def _compiled(kind: str, fn: Callable) -> Callable:
+def _compiled(kind: str, fn: Callable, cache_dir: str | None) -> Callable:
     torch._dynamo.reset()
     if kind == "ember":
-        return ember.compile(fn, target="cpu")
+        return ember.compile(fn, target="cpu", **({"cache_dir": cache_dir} if cache_dir else {}))
     return torch.compile(fn)
 
 
@@ -153,8 +153,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--backends", default="eager,ember,inductor")
     ap.add_argument("--warm", action="store_true", help="keep Ember's kernel cache between runs")
     args = ap.parse_args(argv)
-    if not args.warm:
-        os.environ["EMBER_CACHE_DIR"] = tempfile.mkdtemp(prefix="ember-cpu-bench-")
+    cache_dir = None if args.warm else tempfile.mkdtemp(prefix="ember-cpu-bench-")
     backends = args.backends.split(",")
     load_at_start = os.getloadavg()
     rows = []
@@ -166,7 +165,7 @@ def main(argv: list[str] | None = None) -> int:
         want = fn(*inputs)
         row = {"family": family, "shape": shape, "bytes": _nbytes(inputs, want)}
         for b in backends:
-            f = fn if b == "eager" else _compiled(b, fn)
+            f = fn if b == "eager" else _compiled(b, fn, cache_dir)
             start = time.perf_counter()
             got = f(*inputs)
             if b != "eager":

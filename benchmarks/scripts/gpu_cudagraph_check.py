@@ -51,6 +51,7 @@ import torch
 from torch import nn
 
 import ember
+from ember import config
 from ember.bench import models
 from ember.runtime.cudagraphs import runner as cudagraph
 
@@ -71,8 +72,6 @@ TOL = {
 }
 
 
-# Training capture is the default (EMBER_CUDAGRAPHS_TRAINING=0 turns it off); this script checks it.
-os.environ.pop("EMBER_CUDAGRAPHS_TRAINING", None)
 
 def small_convnet() -> nn.Module:
     return nn.Sequential(
@@ -378,6 +377,8 @@ def output_path(arg: str | None) -> str | None:
     return os.path.join(out, "cudagraph_check.json") if out else None
 
 
+# Training capture is the default (EMBER_CUDAGRAPHS_TRAINING=0 turns it off); this script checks it.
+@config.patch(cudagraphs_training=True)
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--only", choices=["train", "infer"], default=None)

@@ -10,13 +10,14 @@ cases on CPU through Triton's interpreter (a few minutes on a small machine).
 
 from __future__ import annotations
 
+import contextlib
 import os
 import sys
 
 import torch
 
 import ember
-from ember.codegen import triton_kernel
+from ember import config
 
 
 def pointwise(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor) -> tuple[torch.Tensor, ...]:
@@ -75,17 +76,16 @@ def main() -> int:
         ok &= check(f"pointwise {dtype}", pointwise, args, target,
                     # half floats: eager rounds after every op, Ember once at the end
                     1e-5 if dtype == torch.float32 else 5e-2)
-    saved = (triton_kernel.PERSISTENT_RBLOCK_MAX, triton_kernel.LOOP_RBLOCK)
     for looped in (False, True):
-        if looped:  # tiny blocks: the looped path on small rows
-            triton_kernel.PERSISTENT_RBLOCK_MAX, triton_kernel.LOOP_RBLOCK = 16, 8
+        # tiny blocks: the looped path on small rows
+        blocks = config.patch(persistent_rblock_max=16, loop_rblock=8) if looped else contextlib.nullcontext()
         a = torch.rand(33, 300, device=dev) > 0.7
         a[1], a[2] = False, True
         b = torch.randint(-100, 100, (33, 300), device=dev).to(torch.int8)
         f = torch.randn(33, 300, device=dev)
         f[3, 7] = float("nan")
-        ok &= check(f"reductions {'looped' if looped else 'persistent'}", reductions, [a, b, f], target, 1e-5)
-    triton_kernel.PERSISTENT_RBLOCK_MAX, triton_kernel.LOOP_RBLOCK = saved
+        with blocks:
+            ok &= check(f"reductions {'looped' if looped else 'persistent'}", reductions, [a, b, f], target, 1e-5)
     return 0 if ok else 1
 
 

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import argparse
 import collections
-import os
 import sys
 
 
@@ -28,10 +27,6 @@ def main() -> int:
     parser.add_argument("--graphs", action="store_true", help="keep CUDA graphs on: ops outside the graphs "
                         "(the autograd engine's, the optimizer's) still show")
     args = parser.parse_args()
-    if not args.graphs:
-        os.environ["EMBER_CUDAGRAPHS"] = "0"
-    if args.dump:
-        os.environ["EMBER_DEBUG_DIR"] = args.dump
     import torch
     from torch.profiler import ProfilerActivity, profile
 
@@ -46,7 +41,7 @@ def main() -> int:
                                   small=args.device == "cpu")
     optimizer = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
     precision = "bf16" if device.type == "cuda" else "fp32"
-    step = harness._make_step(case, ember.compile(model), "train", precision, device, optimizer)
+    step = harness._make_step(case, ember.compile(model, cudagraphs=args.graphs, **({"debug_dir": args.dump} if args.dump else {})), "train", precision, device, optimizer)
     for i in range(2):
         step(*batches[i % 2])
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)

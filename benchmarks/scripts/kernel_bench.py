@@ -9,7 +9,7 @@ Run on the device (from the repo root):
 Each case is a small function (batch-norm statistics and normalisation in NCHW and in
 channels_last (NHWC), layer norm, softmax, a pointwise bias+activation+residual chain, a column
 reduction). ``--tile XBLOCKxTILE`` sweeps the channel-contiguous reduction tile and ``--split N``
-the split-reduction program target (codegen/triton_kernel.py constants). Time per call comes
+the split-reduction program target (block-size settings, ember/config.py). Time per call comes
 from CUDA-graph replay (``triton.testing.do_bench_cudagraph``), so host overhead does not
 hide microsecond kernels. GB/s counts the minimum traffic: every input read once and every
 output written once.
@@ -28,8 +28,10 @@ import torch.nn.functional as F
 import triton.testing
 
 import ember
+from ember import config
 from ember.bench.report import git_commit
-from ember.codegen import triton_kernel
+
+BLOCKS = config.Settings()  # the default block sizes
 
 BF16 = torch.bfloat16
 
@@ -88,10 +90,7 @@ def cases(device: torch.device) -> list[tuple[str, str, Callable, tuple]]:
     ]
 
 
-def _ember_with(fn: Callable, constants: dict[str, int]) -> Callable:
-    # Block sizes are read at code generation, which happens on the first call.
-    for name, value in constants.items():
-        setattr(triton_kernel, name, value)
+def _ember_with(fn: Callable) -> Callable:
     torch._dynamo.reset()
     return ember.compile(fn)
 
@@ -105,8 +104,8 @@ def _ember_variants(args: argparse.Namespace) -> list[tuple[str, dict[str, int]]
             for split in args.split.split(","):
                 label = f"ember rb{rb}" + (f" t{tile}" if "," in args.tile else "") + (
                     f" s{split}" if "," in args.split else "")
-                out.append((label, {"LOOP_RBLOCK": int(rb), "XCONTIG_XBLOCK": int(xb), "XCONTIG_TILE": int(elems),
-                                    "SPLIT_TARGET_PROGRAMS": int(split)}))
+                out.append((label, {"loop_rblock": int(rb), "xcontig_xblock": int(xb), "xcontig_tile": int(elems),
+                                    "split_target_programs": int(split)}))
     return out
 
 
@@ -124,12 +123,12 @@ def _time_ms(fn: Callable, args: tuple) -> float:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--json", default=None)
-    parser.add_argument("--loop-rblock", default=str(triton_kernel.LOOP_RBLOCK),
-                        help="comma list of LOOP_RBLOCK values to sweep for Ember")
-    parser.add_argument("--tile", default=f"{triton_kernel.XCONTIG_XBLOCK}x{triton_kernel.XCONTIG_TILE}",
-                        help="comma list of XCONTIG_XBLOCKxXCONTIG_TILE (channel-contiguous reduction tiles)")
-    parser.add_argument("--split", default=str(triton_kernel.SPLIT_TARGET_PROGRAMS),
-                        help="comma list of SPLIT_TARGET_PROGRAMS (0: no split reductions)")
+    parser.add_argument("--loop-rblock", default=str(BLOCKS.loop_rblock),
+                        help="comma list of loop_rblock values to sweep for Ember")
+    parser.add_argument("--tile", default=f"{BLOCKS.xcontig_xblock}x{BLOCKS.xcontig_tile}",
+                        help="comma list of xcontig_xblock x xcontig_tile, e.g. 64x4096 (channel-contiguous reduction tiles)")
+    parser.add_argument("--split", default=str(BLOCKS.split_target_programs),
+                        help="comma list of split_target_programs (0: no split reductions)")
     parser.add_argument("--cases", default="",
                         help="comma list: only cases with this word in their name, or named 'NAME SHAPE'")
     parser.add_argument("--backends", default="eager,inductor,ember")
@@ -151,21 +150,23 @@ def main() -> int:
         variants += [("inductor", None)] if "inductor" in backends else []
         variants += _ember_variants(args) if "ember" in backends else []
         for label, constants in variants:
-            compiled = (fn if label == "eager" else torch.compile(fn) if label == "inductor"
-                        else _ember_with(fn, constants))
-            try:
-                got = compiled(*fargs)
-                err = ((got.float() - want.float()).norm() / want.float().norm()).item()
-                ms = _time_ms(compiled, fargs)
-            except Exception as exc:  # one failure must not hide the rest
-                print(f"{name:<20}{shape:<16}{label:<18} ERROR {type(exc).__name__}: {str(exc)[:120]}")
-                rows.append({"case": name, "shape": shape, "backend": label, "error": str(exc)})
-                continue
-            gbs = _nbytes(fargs, want) / ms / 1e6
-            print(f"{name:<20}{shape:<16}{label:<18}{ms * 1e3:>9.1f}{gbs:>8.0f}{100 * gbs / copy_gbs:>7.0f}%"
-                  + (f"  rel.err {err:.1e}" if err > 1e-2 else ""), flush=True)
-            rows.append({"case": name, "shape": shape, "backend": label, "us": ms * 1e3, "gb_per_s": gbs,
-                         "pct_of_copy": 100 * gbs / copy_gbs, "rel_err_vs_eager": err})
+            # Ember's block sizes are read at code generation, on the first call: patched around it.
+            with config.patch(**(constants or {})):
+                compiled = (fn if label == "eager" else torch.compile(fn) if label == "inductor"
+                            else _ember_with(fn))
+                try:
+                    got = compiled(*fargs)
+                    err = ((got.float() - want.float()).norm() / want.float().norm()).item()
+                    ms = _time_ms(compiled, fargs)
+                except Exception as exc:  # one failure must not hide the rest
+                    print(f"{name:<20}{shape:<16}{label:<18} ERROR {type(exc).__name__}: {str(exc)[:120]}")
+                    rows.append({"case": name, "shape": shape, "backend": label, "error": str(exc)})
+                    continue
+                gbs = _nbytes(fargs, want) / ms / 1e6
+                print(f"{name:<20}{shape:<16}{label:<18}{ms * 1e3:>9.1f}{gbs:>8.0f}{100 * gbs / copy_gbs:>7.0f}%"
+                      + (f"  rel.err {err:.1e}" if err > 1e-2 else ""), flush=True)
+                rows.append({"case": name, "shape": shape, "backend": label, "us": ms * 1e3, "gb_per_s": gbs,
+                             "pct_of_copy": 100 * gbs / copy_gbs, "rel_err_vs_eager": err})
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"device": torch.cuda.get_device_name(), "torch": torch.__version__,

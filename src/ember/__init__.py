@@ -38,10 +38,12 @@ def __getattr__(name: str) -> Any:
 def compile(model: Callable, **options: Any) -> Callable:  # noqa: A001 - mirrors torch.compile
     """Compile ``model`` (an nn.Module or function); returns a callable with the same signature.
 
-    Options (see ``ember.config.Options``): ``target`` ("auto", "triton", "triton-interpret",
-    "aten"), ``check`` (compare with eager on the first call), ``debug_dir``, ``cache_dir``,
-    ``max_recompiles`` (static shape specialisations per frame before one dynamic-shape graph;
-    see ``ember.capture.backend``).
+    Options (``ember.config.Options`` lists each with its environment variable): ``target``
+    ("auto", "triton", "triton-interpret", "cpu", "aten"), ``check`` (compare with eager on the
+    first call), ``debug_dir``, ``cache_dir``, ``cache``, ``cudagraphs``, ``device``, ``freeze``,
+    ``channels_last``, ``max_recompiles`` (static shape specialisations per frame before one
+    dynamic-shape graph; see ``ember.capture.backend``). An argument wins over
+    ``ember.config.patch``, which wins over the environment, which wins over the default.
 
     With ``optimizer=`` (and optionally ``scaler``, ``clip_grad_norm``, ``accumulate``, ``model``),
     ``model`` is a training function ``fn(*batch) -> loss`` and the result a whole-step program:

@@ -1,14 +1,36 @@
-"""Every Ember option and environment variable, in one place.
+"""Every Ember option and setting, with its environment variable, type, default and doc.
 
-Options passed to ``ember.compile(..., **options)`` override the environment; the
-environment overrides the defaults below.
+Two kinds, each a dataclass whose fields carry their environment variable and doc:
+
+- ``Options``: one ``ember.compile(..., **options)`` call. Precedence: the argument, then
+  ``config.patch``, then the environment variable, then the default below.
+- ``Settings``: process-wide (the ``DEBUG`` level, strict mode, compile workers, runtime switches,
+  code generation's block sizes). Read them through ``settings()`` (one accessor; a snapshot taken
+  when called). Precedence: ``config.patch``, then the environment variable, then the default.
+
+One parser reads every variable (``parse``): booleans take ``1 true yes on`` / ``0 false no off``
+(any case); integers and floats are Python literals; an empty variable counts as unset (the
+default). Any other value is a ``ConfigError`` naming the variable, raised when Ember reads it
+(``ember.compile`` reads them all up front).
+
+``patch(**values)`` (a context manager and a decorator) sets options and settings for the
+process while it is active and restores them on exit, also on an exception: the seam for tests
+and benchmarks, instead of changing module globals or ``os.environ``. Worker processes do not see
+a patch; the few settings a worker uses travel with its jobs (runtime/precompile.py).
+
+Variables Ember reads that are not its own options stay where they are used: ``XDG_CACHE_HOME``
+(below), Triton's ``TRITON_CACHE_DIR``/``TRITON_INTERPRET``/``TRITON_PTXAS_PATH``, torch's
+logging variables (capture/aot_settings.py), and ``EMBER_COMPILE_WORKER``, the marker Ember sets
+for its own compile workers (runtime/precompile.py).
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import os
 from pathlib import Path
+from typing import Any
 
 # Where Fused kernels run.
 #   "auto"             Triton on CUDA tensors; on CPU tensors "cpu" when numba can be imported,
@@ -23,40 +45,72 @@ TARGETS = ("auto", "triton", "triton-interpret", "cpu", "aten")
 
 DEVICES = ("auto", "cpu", "cuda")
 
-
-def _env_int(name: str, default: int) -> int:
-    value = os.environ.get(name, "")
-    try:
-        return int(value) if value else default
-    except ValueError as err:
-        raise ValueError(f"environment variable {name}={value!r} is not an integer") from err
+TRUE_WORDS = frozenset({"1", "true", "yes", "on"})
+FALSE_WORDS = frozenset({"0", "false", "no", "off"})
 
 
-def debug_level() -> int:
-    """``DEBUG=1`` prints the kernel plan, ``DEBUG=2`` also every generated kernel and program,
-    ``DEBUG=3`` also the graph after each pass."""
-    return _env_int("DEBUG", 0)
+class ConfigError(ValueError):
+    """An environment variable or ``patch`` value Ember cannot use (the message names it)."""
 
 
-def strict() -> bool:
-    """``EMBER_STRICT=1``: internal compile errors raise instead of falling back to ATen (tests)."""
-    return os.environ.get("EMBER_STRICT", "0") not in ("0", "")
+def _item(default: object, doc: str, env: str | None = None, kind: str = "", *, choices: tuple[str, ...] = (),
+          false_words: tuple[str, ...] = (), public: bool = True) -> Any:
+    """A field of ``Options`` or ``Settings``. ``kind``: bool, int, float, str or path (default:
+    the default's type); a ``None`` default means "optional". ``public``: user-facing (in the
+    README's tables; needs an ``env``); the others are tuning constants for tests and benchmarks."""
+    kind = kind or type(default).__name__
+    meta = {"env": env, "doc": doc, "kind": kind, "choices": choices, "false_words": false_words,
+            "public": public and env is not None}
+    return dataclasses.field(default=default, metadata=meta)
 
 
-def explain_steps() -> int:
-    """``EMBER_EXPLAIN_STEPS``: steps ``ember.explain`` times after the first call and two warm-up
-    steps, for the host time per step (default 3; 0: none)."""
-    return max(0, _env_int("EMBER_EXPLAIN_STEPS", 3))
+@dataclasses.dataclass(frozen=True)
+class Spec:
+    """What one option or setting is: the field's name, environment variable, type, default, doc."""
+
+    name: str
+    env: str | None
+    kind: str
+    default: object
+    doc: str
+    choices: tuple[str, ...]
+    false_words: tuple[str, ...]
+    public: bool
+    scope: str  # "option" (per ember.compile) or "setting" (process-wide)
 
 
-def quiet_profiler_logs() -> None:
-    """The torch profiler's tracing library (Kineto) prints ``USDT: ... profiler_start/stop`` at
-    every start and stop and, on a CUDA build without a GPU, ``ERROR: ... gpuGetDeviceCount
-    failed``, straight to stderr. Ember's CPU memory measurement (bench/memory.py) uses the
-    profiler; its level 6 (above Kineto's highest) silences it. Kineto reads the variable once,
-    when the process first starts the profiler; a value the user set (``KINETO_LOG_LEVEL=0``
-    to see everything) is kept."""
-    os.environ.setdefault("KINETO_LOG_LEVEL", "6")
+def parse(spec: Spec, text: str) -> object:
+    """The value of ``spec``'s environment variable ``text`` (the one parser)."""
+    word = text.strip()
+    where = f"environment variable {spec.env}={text!r}"
+    if spec.kind == "bool":
+        if word.lower() in TRUE_WORDS:
+            return True
+        if word.lower() in FALSE_WORDS or word.lower() in spec.false_words:
+            return False
+        false = sorted(FALSE_WORDS | set(spec.false_words))
+        raise ConfigError(f"{where} is not a boolean: use one of {', '.join(sorted(TRUE_WORDS))} "
+                          f"or {', '.join(false)}")
+    if spec.kind in ("int", "float"):
+        try:
+            return int(word) if spec.kind == "int" else float(word)
+        except ValueError:
+            raise ConfigError(f"{where} is not {'an integer' if spec.kind == 'int' else 'a number'}") from None
+    if spec.choices and word not in spec.choices:
+        raise ConfigError(f"{where}: unknown {spec.name} {word!r}; choose one of {', '.join(spec.choices)}")
+    return word
+
+
+def _check(spec: Spec, value: object) -> object:
+    """A value given to ``patch``: of the setting's type (ints pass as floats; None where optional)."""
+    if value is None and spec.default is None:
+        return None
+    want = {"bool": bool, "int": int, "float": (int, float), "str": str, "path": (str, os.PathLike)}[spec.kind]
+    if not isinstance(value, want) or (spec.kind in ("int", "float") and isinstance(value, bool)):
+        raise ConfigError(f"config.patch: {spec.name}={value!r} is not of type {spec.kind}")
+    if spec.choices and value not in spec.choices:
+        raise ConfigError(f"config.patch: unknown {spec.name} {value!r}; choose one of {', '.join(spec.choices)}")
+    return str(value) if spec.kind == "path" else value
 
 
 def default_cache_dir() -> Path:
@@ -68,28 +122,26 @@ def default_cache_dir() -> Path:
 class Options:
     """Options of one ``ember.compile`` call."""
 
-    target: str = "auto"
-    # Compare against eager on the first call of each compiled graph and raise on mismatch.
-    check: bool = False
-    # Folder that receives the graph after each pass, every kernel's source and the program.
-    debug_dir: str | None = None
-    # Folder for generated kernel modules (content-addressed).
-    cache_dir: str | None = None
-    # Static shape specialisations per compiled frame; then one dynamic-shape graph (capture/backend.py).
-    max_recompiles: int = 8
-    # Replay CUDA programs as CUDA graphs where runtime.cudagraphs allows (EMBER_CUDAGRAPHS=0: off).
-    cudagraphs: bool = True
-    # Keep compiled programs in <cache_dir>/programs.sqlite for the next process (EMBER_CACHE=0: off).
-    cache: bool = True
-    # Which device the compiled model runs on: "auto" follows the tensors (CUDA -> Triton kernels,
-    # CPU -> CPU code); "cpu" / "cuda" insist on it, and inputs elsewhere are an error that says so.
-    device: str = "auto"
-    # CPU inference: compute parameter-only values (folded batch norm, packed weights) once per
-    # parameter version (passes/freeze.py; EMBER_FREEZE=0: off).
-    freeze: bool = True
-    # GPU targets: convolutional graphs run in channels_last (passes/layout.py; EMBER_LAYOUT=0: off,
-    # eager's NCHW everywhere).
-    channels_last: bool = True
+    target: str = _item("auto", "where Fused kernels run (see TARGETS)", "EMBER_TARGET", choices=TARGETS)
+    check: bool = _item(False, "compare each compiled graph with eager on its first call and raise on mismatch",
+                        "EMBER_CHECK")
+    debug_dir: str | None = _item(None, "folder that receives the graph after each pass, every kernel's source "
+                                        "and the program", "EMBER_DEBUG_DIR", "path")
+    cache_dir: str | None = _item(None, "folder of generated kernel modules and compiled programs "
+                                        "(default ~/.cache/ember)", "EMBER_CACHE_DIR", "path")
+    max_recompiles: int = _item(8, "static shape specialisations per compiled frame; then one dynamic-shape "
+                                   "graph (capture/backend.py)")
+    cudagraphs: bool = _item(True, "replay CUDA programs as CUDA graphs where the capture rule (runtime/cudagraphs/rules.py) allows",
+                             "EMBER_CUDAGRAPHS")
+    cache: bool = _item(True, "keep compiled programs in <cache_dir>/programs.sqlite for the next process",
+                        "EMBER_CACHE")
+    device: str = _item("auto", "the device the compiled model runs on: auto follows the tensors; cpu / cuda "
+                                "insist on it (inputs elsewhere are an error that says so)", "EMBER_DEVICE",
+                        choices=DEVICES)
+    freeze: bool = _item(True, "CPU inference: compute parameter-only values (folded batch norm, packed "
+                               "weights) once per parameter version (passes/freeze.py)", "EMBER_FREEZE")
+    channels_last: bool = _item(True, "GPU targets: convolutional graphs run in channels_last (passes/layout.py; "
+                                      "off: eager's NCHW everywhere)", "EMBER_LAYOUT", false_words=("nchw",))
 
     def __post_init__(self) -> None:
         if self.device not in DEVICES:
@@ -103,28 +155,17 @@ class Options:
 
     @classmethod
     def from_env(cls, **overrides: object) -> Options:
-        """Options from ``EMBER_*`` environment variables, then ``overrides``."""
-        env: dict[str, object] = {}
-        if os.environ.get("EMBER_TARGET"):
-            env["target"] = os.environ["EMBER_TARGET"]
-        if os.environ.get("EMBER_DEBUG_DIR"):
-            env["debug_dir"] = os.environ["EMBER_DEBUG_DIR"]
-        if os.environ.get("EMBER_CACHE_DIR"):
-            env["cache_dir"] = os.environ["EMBER_CACHE_DIR"]
-        if os.environ.get("EMBER_DEVICE"):
-            env["device"] = os.environ["EMBER_DEVICE"]
-        if os.environ.get("EMBER_FREEZE"):
-            env["freeze"] = os.environ["EMBER_FREEZE"] not in ("0", "false")
-        if os.environ.get("EMBER_LAYOUT"):
-            env["channels_last"] = os.environ["EMBER_LAYOUT"] not in ("0", "false", "nchw")
-        if os.environ.get("EMBER_CHECK"):
-            env["check"] = os.environ["EMBER_CHECK"] not in ("0", "", "false")
+        """The options of one compile: ``overrides`` (the arguments), then ``config.patch``, then
+        ``EMBER_*`` environment variables, then the defaults. Every setting's variable is checked
+        here too, so a bad value is an error at ``ember.compile``, not in the middle of a compile."""
         known = {f.name for f in dataclasses.fields(cls)}
         unknown = set(overrides) - known
         if unknown:
             raise TypeError(f"ember.compile: unknown option(s) {sorted(unknown)}; known: {sorted(known)}")
-        env.update(overrides)
-        return cls(**env)  # type: ignore[arg-type]
+        settings()
+        values = {s.name: _value(s) for s in _OPTION_SPECS}
+        values.update(overrides)
+        return cls(**values)  # type: ignore[arg-type]
 
     def cache_root(self) -> Path:
         """Ember's cache folder: kernel modules and the compiled-program database."""
@@ -134,14 +175,171 @@ class Options:
         return self.cache_root() / "kernels"
 
 
-# Whole-step training programs (ember.compile_step, src/ember/train/).
+@dataclasses.dataclass(frozen=True)
+class Settings:
+    """Process-wide settings; read them with ``settings()``."""
+
+    debug: int = _item(0, "1 prints the kernel plan, 2 also every generated kernel and program, 3 also the graph "
+                          "after each pass", "DEBUG")
+    strict: bool = _item(False, "internal compile errors raise instead of falling back to ATen (tests; bug "
+                                "reports)", "EMBER_STRICT")
+    compile_workers: int | None = _item(None, "worker processes compiling kernels (default: cores - 1; the CPU "
+                                              "target also checks the load; 0: this process only)",
+                                        "EMBER_COMPILE_WORKERS", "int")
+    cudagraphs_training: bool = _item(True, "capture training graphs (forward, backward) as CUDA graphs; off: "
+                                            "only inference graphs", "EMBER_CUDAGRAPHS_TRAINING")
+    pooled_inputs: bool = _item(True, "copy buffers of inputs a captured program only reads live in the graph's "
+                                      "pool (runtime/cudagraphs/runner.py)", "EMBER_POOLED_INPUTS")
+    pool_presize: bool = _item(True, "reserve a CUDA-graph pool as one segment of the size the first calls "
+                                     "measured (runtime/cudagraphs/pool.py)", "EMBER_POOL_PRESIZE")
+    first_call_pool: bool = _item(True, "a graph's first, uncaptured call allocates from a private pool "
+                                        "(runtime/cudagraphs/pool.py)", "EMBER_FIRST_CALL_POOL")
+    clear_workspaces: bool = _item(True, "hand back cuBLAS's workspaces around CUDA-graph captures "
+                                         "(runtime/cudagraphs/device.py)", "EMBER_CLEAR_WORKSPACES")
+    reflection_pad: bool = _item(True, "GPU targets: reflection padding runs as Ember's kernels; off: ATen's "
+                                       "(capture/decompositions.py)", "EMBER_REFLECTION_PAD")
+    explain_steps: int = _item(3, "steps ember.explain times after the first call and two warm-up steps, for "
+                                  "the host time per step (0: none)", "EMBER_EXPLAIN_STEPS")
+    whole_step_cudagraph: bool = _item(True, "whole-step programs on CUDA replay one CUDA graph per step; off: "
+                                             "uncaptured (compiled model, eager optimizer)",
+                                       "EMBER_WHOLE_STEP_CUDAGRAPH")
+    whole_step_warmup: int = _item(3, "optimizer steps a whole-step program runs uncaptured on CUDA before it "
+                                      "captures (PyTorch's whole-network capture recipe warms up)",
+                                   "EMBER_WHOLE_STEP_WARMUP")
+    git_commit: str | None = _item(None, "the commit `ember bench` records, for runs from a copy of the working "
+                                         "tree without its .git", "EMBER_GIT_COMMIT", "str")
+
+    # Tuning constants (no environment variable): tests and benchmarks change them with patch().
+    worker_niceness: int = _item(10, "niceness of the Triton compile workers (runtime/precompile.py)")
+    cpu_worker_timeout_s: float = _item(300.0, "seconds a CPU compile worker may take for one kernel before this "
+                                               "process compiles it (runtime/cpu_compile.py)")
+    layout_incremental: bool = _item(True, "the layout pass recomputes metadata only where an input's changed; "
+                                           "tests set False to check both give the same program")
+    layout_min_activation_to_weight: float = _item(1.0, "channels_last only where activation bytes reach this "
+                                                        "multiple of convolution weight bytes; tests set 0")
+    # Triton block sizes (codegen/triton_kernel.py); part of the compiled-program cache key.
+    persistent_rblock_max: int = _item(2048, "longest reduction done in one block (persistent)")
+    loop_rblock: int = _item(16384, "block of a looped reduction; 4.3x faster than 1024 for batch-norm "
+                                    "statistics on the H100 (benchmarks/scripts/kernel_bench.py, 2026-11-23)")
+    tile_elements: int = _item(2048, "elements per program of a persistent reduction")
+    pointwise_xblock: int = _item(1024, "elements per program of a pointwise kernel")
+    interpret_tile_elements: int = _item(1 << 16, "tile size in Triton's interpreter (it pays per program, not "
+                                                  "per element)")
+    xcontig_xblock: int = _item(64, "consecutive channels per tile of a channel-contiguous reduction")
+    xcontig_tile: int = _item(4096, "elements per looped tile of a channel-contiguous reduction")
+    xcontig_persistent_rmax: int = _item(256, "longest channel-contiguous reduction done persistent")
+    split_target_programs: int = _item(528, "looped reductions with fewer programs are split along the reduced "
+                                            "dims (0: never); 4 per SM of a 132-SM H100")
+    interpret_split_target_programs: int = _item(0, "the same in the interpreter; tests raise it to run the "
+                                                    "split path")
+
+
+def specs(scope: str | None = None) -> list[Spec]:
+    """Every option (``scope="option"``) and setting (``"setting"``), or both, in definition order."""
+    out = []
+    for cls, kind in ((Options, "option"), (Settings, "setting")):
+        if scope in (None, kind):
+            for f in dataclasses.fields(cls):
+                m = f.metadata
+                out.append(Spec(f.name, m["env"], m["kind"], f.default, m["doc"], m["choices"], m["false_words"],
+                                m["public"], kind))
+    return out
+
+
+_SPECS = {s.name: s for s in specs()}
+_OPTION_SPECS = tuple(specs("option"))
+_SETTING_SPECS = tuple(specs("setting"))
+assert len(_SPECS) == len(dataclasses.fields(Options)) + len(dataclasses.fields(Settings)), "a name is used twice"
+_PATCHED: dict[str, object] = {}
+
+
+def _value(spec: Spec) -> object:
+    if spec.name in _PATCHED:
+        return _PATCHED[spec.name]
+    text = os.environ.get(spec.env, "") if spec.env else ""
+    return parse(spec, text) if text.strip() else spec.default
+
+
+def settings() -> Settings:
+    """The process-wide settings now: ``config.patch``, then the environment, then the defaults."""
+    return Settings(**{s.name: _value(s) for s in _SETTING_SPECS})
+
+
+class patch(contextlib.ContextDecorator):
+    """Set options and settings while active (``with config.patch(strict=True): ...`` or as a
+    decorator); the previous values come back on exit, also on an exception. Values are checked
+    against each one's type; ``None`` restores an optional one's default behaviour."""
+
+    def __init__(self, **values: object) -> None:
+        unknown = sorted(set(values) - set(_SPECS))
+        if unknown:
+            raise TypeError(f"config.patch: unknown option(s)/setting(s) {unknown}; known: {sorted(_SPECS)}")
+        self.values = {k: _check(_SPECS[k], v) for k, v in values.items()}
+        self._saved: list[dict[str, object]] = []
+
+    def _recreate_cm(self) -> patch:  # a decorated function may run re-entrantly: one state per call
+        return patch(**self.values)
+
+    def __enter__(self) -> patch:
+        self._saved.append({k: _PATCHED.get(k, _UNSET) for k in self.values})
+        _PATCHED.update(self.values)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        for k, v in self._saved.pop().items():
+            if v is _UNSET:
+                _PATCHED.pop(k, None)
+            else:
+                _PATCHED[k] = v
+
+
+_UNSET = object()
+
+
+def patched() -> dict[str, object]:
+    """The values ``patch`` sets now (empty outside any patch)."""
+    return dict(_PATCHED)
+
+
+def env_names() -> list[str]:
+    """Every environment variable Ember reads as an option or setting."""
+    return [s.env for s in specs() if s.env]
+
+
+__all__ = ["ConfigError", "DEVICES", "Options", "Settings", "Spec", "TARGETS", "default_cache_dir", "env_names",
+           "parse", "patch", "patched", "settings", "specs"]
+
+
+# Shorthands for the settings read most often.
+
+def debug_level() -> int:
+    """``DEBUG=1`` prints the kernel plan, ``DEBUG=2`` also every generated kernel and program,
+    ``DEBUG=3`` also the graph after each pass."""
+    return settings().debug
+
+
+def strict() -> bool:
+    """``EMBER_STRICT=1``: internal compile errors raise instead of falling back to ATen (tests)."""
+    return settings().strict
+
+
+def explain_steps() -> int:
+    return max(0, settings().explain_steps)
+
+
 def whole_step_cudagraph_enabled() -> bool:
-    """``EMBER_WHOLE_STEP_CUDAGRAPH=0``: whole-step programs on CUDA run uncaptured (compiled model,
-    eager optimizer) instead of replaying one CUDA graph per step."""
-    return os.environ.get("EMBER_WHOLE_STEP_CUDAGRAPH", "1") not in ("0", "false", "")
+    return settings().whole_step_cudagraph
 
 
 def whole_step_warmup() -> int:
-    """Optimizer steps a whole-step program runs uncaptured on CUDA before it captures
-    (``EMBER_WHOLE_STEP_WARMUP``, default 3, as PyTorch's whole-network capture recipe warms up)."""
-    return max(1, _env_int("EMBER_WHOLE_STEP_WARMUP", 3))
+    return max(1, settings().whole_step_warmup)
+
+
+def quiet_profiler_logs() -> None:
+    """The torch profiler's tracing library (Kineto) prints ``USDT: ... profiler_start/stop`` at
+    every start and stop and, on a CUDA build without a GPU, ``ERROR: ... gpuGetDeviceCount
+    failed``, straight to stderr. Ember's CPU memory measurement (bench/memory.py) uses the
+    profiler; its level 6 (above Kineto's highest) silences it. Kineto reads the variable once,
+    when the process first starts the profiler; a value the user set (``KINETO_LOG_LEVEL=0``
+    to see everything) is kept. (``KINETO_LOG_LEVEL`` is the profiler's variable, not Ember's.)"""
+    os.environ.setdefault("KINETO_LOG_LEVEL", "6")

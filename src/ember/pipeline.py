@@ -35,7 +35,7 @@ from ember.passes.attention_seeds import route_attention_seeds
 from ember.passes.freeze import static_input_indices
 from ember.passes.layout import layout_summary, report_output_strides
 from ember.report.records import GraphRecord
-from ember.runtime.artifacts import ProgramStore, caching_enabled, graph_key, restore_record, stored_program
+from ember.runtime.artifacts import ProgramStore, graph_key, restore_record, stored_program
 from ember.runtime.cache_folder import usable_options
 from ember.runtime.cudagraphs.rules import cudagraph_blocker, read_only_inputs
 from ember.runtime.cudagraphs.runner import CudaGraphRunner
@@ -235,7 +235,7 @@ def _replay_stage(job: GraphJob, run: Callable[[list], object], blocker: str | N
 # -- the compiled-program cache ------------------------------------------------------------------
 
 def _cache_key(job: GraphJob) -> tuple[ProgramStore | None, str | None]:
-    caching = caching_enabled(job.options.cache)
+    caching = job.options.cache  # the option already holds argument > patch > environment
     store = ProgramStore(job.options.cache_root()) if caching and not job.cache_problem else None
     # The layout option changes the program: part of the key.
     key_target = job.target.name if job.options.channels_last else f"{job.target.name}+nchw"

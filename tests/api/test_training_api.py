@@ -15,6 +15,7 @@ from core_helpers import assert_close, assert_compiled_cleanly
 
 import ember
 import ember.capture.backend
+from ember import config
 from ember.instruments import instrument
 from ember.report.records import GraphRecord
 
@@ -100,9 +101,8 @@ def test_backend_is_registered_by_name() -> None:
     assert lookup_backend("ember") is not None
 
 
-def test_torch_compile_backend_ember_training_step(records: list[GraphRecord],
-                                                   monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv("EMBER_TARGET", "aten")
+@config.patch(target="aten")
+def test_torch_compile_backend_ember_training_step(records: list[GraphRecord]) -> None:
     model, eager_model = make_models()
     compiled = torch.compile(model, backend="ember")
     compare_training_step(compiled, eager_model, model)
@@ -110,9 +110,8 @@ def test_torch_compile_backend_ember_training_step(records: list[GraphRecord],
     assert {r.target for r in records} == {"aten"}
 
 
-def test_torch_compile_backend_ember_optimizer_steps(records: list[GraphRecord],
-                                                     monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv("EMBER_TARGET", "aten")
+@config.patch(target="aten")
+def test_torch_compile_backend_ember_optimizer_steps(records: list[GraphRecord]) -> None:
     model, eager_model = make_models(seed=1)
     compiled = torch.compile(model, backend="ember")
     compare_optimizer_steps(compiled, eager_model, model)

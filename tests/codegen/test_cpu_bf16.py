@@ -28,6 +28,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import ember
+from ember import config
 
 pytest.importorskip("numba")
 pytestmark = pytest.mark.filterwarnings("ignore:.*encountered in:RuntimeWarning")
@@ -238,10 +239,10 @@ def test_batch_norm_training_statistics(memory: str) -> None:
     assert any(f"layout {layout}" in s for g in compiled_graphs(compiled) for s in g.kernel_sources.values())
 
 
-def test_bf16_groups_are_generated_cpu_kernels(monkeypatch: pytest.MonkeyPatch) -> None:
+@config.patch(target="cpu")
+def test_bf16_groups_are_generated_cpu_kernels() -> None:
     """ember.explain on the CPU target: every bfloat16 group became a generated kernel (reading
     and writing 16-bit data), none ran op by op through ATen."""
-    monkeypatch.setenv("EMBER_TARGET", "cpu")
     x = torch.randn(8, 64).to(BF16).requires_grad_()
     w = torch.randn(64).to(BF16)
     report = ember.explain(lambda x, w: torch.softmax(x * w, -1) + F.gelu(x), x, w)

@@ -34,6 +34,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import ember
+from ember import config
 
 pytest.importorskip("numba")
 pytestmark = pytest.mark.filterwarnings("ignore:.*encountered in:RuntimeWarning")
@@ -340,8 +341,10 @@ _WARM_SCRIPT = textwrap.dedent("""
 
 
 def test_second_process_loads_machine_code_from_disk(tmp_path: Path) -> None:
-    # No program cache (codegen runs), no compile workers (their kernels would be cache hits here).
-    env = {**os.environ, "EMBER_CACHE_DIR": str(tmp_path), "EMBER_CACHE": "0", "EMBER_COMPILE_WORKERS": "0"}
+    # No program cache (codegen runs), no compile workers (their kernels would be cache hits here);
+    # strict as in this process (config.patch does not reach another process).
+    env = {**os.environ, "EMBER_CACHE_DIR": str(tmp_path), "EMBER_CACHE": "0", "EMBER_COMPILE_WORKERS": "0",
+           "EMBER_STRICT": "1"}
     runs = [subprocess.run([sys.executable, "-c", _WARM_SCRIPT], env=env, capture_output=True, text=True, timeout=300)
             for _ in range(2)]
     for r in runs:
@@ -456,8 +459,6 @@ def test_parallel_compile_in_a_worker_process(monkeypatch: pytest.MonkeyPatch, t
     the same results; kernels it could not compile are compiled here."""
     from ember.runtime import cpu_compile
 
-    monkeypatch.setenv("EMBER_CACHE_DIR", str(tmp_path))
-    monkeypatch.setenv("EMBER_COMPILE_WORKERS", "1")
     by_worker: list[set[str]] = []
     real = cpu_compile.compile_parallel
 
@@ -472,5 +473,6 @@ def test_parallel_compile_in_a_worker_process(monkeypatch: pytest.MonkeyPatch, t
         return torch.softmax(x, -1), torch.where(m, x * y, -y).exp(), (x * y).sum(0), torch.erf(x).amax(1)
 
     args = [torch.randn(37, 300), torch.randn(37, 300), torch.rand(37, 300) > 0.5]
-    check(fn, args)
+    with config.patch(cache_dir=str(tmp_path), compile_workers=1):
+        check(fn, args)
     assert by_worker and sum(len(d) for d in by_worker) >= 1, by_worker

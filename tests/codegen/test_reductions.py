@@ -193,7 +193,7 @@ class _nothing:
 
 @pytest.mark.parametrize("looped", MODES)
 def test_long_reduction_many_loop_iterations(looped):
-    # rnumel 1000 >> LOOP_RBLOCK 8: 125 loop iterations; a masked tail on the last one.
+    # rnumel 1000 >> loop_rblock 8: 125 loop iterations; a masked tail on the last one.
     x = make_input((3, 1000), "transposed", requires_grad=True)
     check(lambda x: (x.sum(1), x.amax(1), torch.var_mean(x, 1, correction=1), x.softmax(1)), [x],
           looped=looped, norm_rtol=1e-5)

@@ -17,7 +17,7 @@ from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
 import ember
-from ember.codegen import triton_kernel
+from ember import config
 from ember.passes import layout
 from ember.report.explain import explain_with
 
@@ -252,19 +252,18 @@ class SqueezeExcite(nn.Module):
 
 @pytest.mark.parametrize("model,autocast", [(Block, False), (Block, True), (FlattenHead, False),
                                            (SqueezeExcite, False)])
-def test_the_incremental_sweep_gives_the_program_a_full_rerun_gives(monkeypatch, model: type[nn.Module],
-                                                                       autocast: bool) -> None:
+@config.patch(layout_min_activation_to_weight=0.0)
+def test_the_incremental_sweep_gives_the_program_a_full_rerun_gives(model: type[nn.Module], autocast: bool) -> None:
     # Metadata re-run only where an input's changed, pointwise strides without a fake dispatch:
     # every node must end with the strides that re-running each one through the fake mode gives,
     # so both compile to the same program, forward and backward (under autocast, the weight
     # casts that the pass makes write channels_last).
-    monkeypatch.setattr(layout, "MIN_ACTIVATION_TO_WEIGHT", 0.0)
     programs = []
     for incremental in (True, False):
-        monkeypatch.setattr(layout, "INCREMENTAL", incremental)
         torch._dynamo.reset()
         torch.manual_seed(0)
-        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+        with config.patch(layout_incremental=incremental), torch.autocast("cpu", dtype=torch.bfloat16,
+                                                                           enabled=autocast):
             _, _, compiled = _train_step(model(), torch.randn(2, 3, 8, 8), cache=False)
         programs.append([g.program.split("\n", 1)[1] for g in compiled._ember_backend.log.graphs])  # no title
         assert any(g.layout.get("conversions") for g in compiled._ember_backend.log.graphs)
@@ -277,14 +276,10 @@ def test_torchvision_resnet18_small_training_matches_eager() -> None:
     torch.manual_seed(0)
     model = torchvision.models.resnet18(num_classes=10)
     # At 32x32 resnet18's weights outweigh its activations: force the layout to test it.
-    saved, layout.MIN_ACTIVATION_TO_WEIGHT = layout.MIN_ACTIVATION_TO_WEIGHT, 0.0
-    with strict_env():
+    with strict_env(), config.patch(layout_min_activation_to_weight=0.0):
         # Batch 4: at batch 2 the last stage normalises 2 values per channel and even eager's
         # fp32 rounding flips ReLU masks (see tests/models/test_seed_models.py).
-        try:
-            want, got, compiled = _train_step(model, torch.randn(4, 3, 32, 32))
-        finally:
-            layout.MIN_ACTIVATION_TO_WEIGHT = saved
+        want, got, compiled = _train_step(model, torch.randn(4, 3, 32, 32))
     assert any(g.layout.get("conversions") for g in compiled._ember_backend.log.graphs)
     # Elementwise tolerances are summation-order noise here (conv1's weight gradient, |g| up to
     # ~220, is ~0.011 off float64 in eager fp32, ~0.012 in Ember, ~0.018 with channels_last=False):
@@ -302,12 +297,8 @@ def test_torchvision_resnet18_small_training_matches_eager() -> None:
 @pytest.fixture
 def split_reductions() -> Iterator[None]:
     """Split every looped reduction in the interpreter (as the GPU splits those with few programs)."""
-    saved = triton_kernel.INTERPRET_SPLIT_TARGET_PROGRAMS
-    triton_kernel.INTERPRET_SPLIT_TARGET_PROGRAMS = 64
-    try:
+    with config.patch(interpret_split_target_programs=64):
         yield
-    finally:
-        triton_kernel.INTERPRET_SPLIT_TARGET_PROGRAMS = saved
 
 
 def _kernels(compiled: object) -> str:

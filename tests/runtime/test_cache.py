@@ -7,6 +7,7 @@ from pathlib import Path
 import torch
 
 import ember
+from ember import config
 from ember.cli import main
 from ember.runtime import cache, kernels
 
@@ -23,7 +24,7 @@ def _run(tmp: Path, x: torch.Tensor) -> torch.Tensor:
     return ember.compile(_fn, target="triton-interpret", cache_dir=str(tmp))(x)
 
 
-def test_cache_info_clear_and_damaged_entries(tmp_path: Path, monkeypatch, capsys) -> None:
+def test_cache_info_clear_and_damaged_entries(tmp_path: Path, capsys) -> None:
     x = torch.randn(6, 33)
     want = _fn(x)
     torch.testing.assert_close(_run(tmp_path, x), want)
@@ -40,10 +41,10 @@ def test_cache_info_clear_and_damaged_entries(tmp_path: Path, monkeypatch, capsy
     torch.testing.assert_close(_run(tmp_path, x.clone()), want)
     assert all(f.read_text() == text for f, text in good.items())
 
-    monkeypatch.setenv("EMBER_CACHE_DIR", str(tmp_path))
-    assert main(["cache", "info"]) == 0
-    assert str(tmp_path) in capsys.readouterr().out
-    assert main(["cache", "clear"]) == 0
+    with config.patch(cache_dir=str(tmp_path)):  # the folder the CLI works on
+        assert main(["cache", "info"]) == 0
+        assert str(tmp_path) in capsys.readouterr().out
+        assert main(["cache", "clear"]) == 0
     assert "removed" in capsys.readouterr().out
     assert not list(tmp_path.rglob("ember_*.py")) and cache.cache_info(tmp_path)["compiled programs"] == 0
     torch.testing.assert_close(_run(tmp_path, x), want)  # rebuilt after clear

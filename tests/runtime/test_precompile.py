@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import pytest
 
+from ember import config
 from ember.runtime import precompile as pc
 
 KERNEL = '''
@@ -31,8 +32,8 @@ def jobs(tmp_path, monkeypatch):
     return out
 
 
+@config.patch(compile_workers=0)
 def test_serial_precompile_reports_each_failure_once(jobs, monkeypatch):
-    monkeypatch.setenv("EMBER_COMPILE_WORKERS", "0")
     monkeypatch.setattr(pc, "compile_job", lambda job: (f"{job.name}: RuntimeError: no GPU", 100.0, 0.25))
     stats = pc.precompile(jobs + jobs[:1])  # a duplicate is compiled once
     assert stats.kernels == 2 and stats.workers == 0
@@ -50,8 +51,8 @@ def test_serial_precompile_reports_each_failure_once(jobs, monkeypatch):
     assert pc.precompile([bf16, bf16]).kernels == 1
 
 
+@config.patch(compile_workers=2)
 def test_submit_returns_before_waiting_and_wait_reports_once(jobs, monkeypatch):
-    monkeypatch.setenv("EMBER_COMPILE_WORKERS", "2")
     started = []
 
     class Pool:  # a pool whose jobs finish only when their results are read
@@ -116,10 +117,10 @@ def test_workers_get_the_ptxas_whose_version_keys_the_parents_cache(tmp_path, mo
     assert pc.os.environ["TRITON_PTXAS_PATH"] == tools["new"] and "EMBER_COMPILE_WORKER" not in pc.os.environ
 
 
+@config.patch(compile_workers=2)
 def test_jobs_carry_the_parents_triton_cache_folder_at_submission(jobs, monkeypatch):
     # Inductor can set TRITON_CACHE_DIR in this process after the workers were spawned: each job
     # names the folder the parent reads at submission, and the worker writes there.
-    monkeypatch.setenv("EMBER_COMPILE_WORKERS", "2")
     seen = []
 
     class Pool:
@@ -136,7 +137,7 @@ def test_jobs_carry_the_parents_triton_cache_folder_at_submission(jobs, monkeypa
     pc.submit(jobs).wait()  # the same kernels, now wanted in another folder: compiled again
     assert [j.cache_dir for j in seen] == ["", "", "/tmp/inductor-triton", "/tmp/inductor-triton"]
     monkeypatch.setenv("EMBER_COMPILE_WORKER", "1")
-    monkeypatch.setattr(pc, "_lower_priority", lambda: None)
+    monkeypatch.setattr(pc, "_lower_priority", lambda niceness: None)
     monkeypatch.delenv("TRITON_CACHE_DIR")
     pc.compile_job(seen[-1])  # fails without a GPU, after pointing this process at the folder
     assert pc.os.environ["TRITON_CACHE_DIR"] == "/tmp/inductor-triton"

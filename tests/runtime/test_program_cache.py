@@ -107,7 +107,7 @@ def test_key_covers_code_generator_settings() -> None:
     import torch
     from torch import fx
 
-    from ember.codegen import triton_kernel
+    from ember import config
     from ember.runtime.artifacts import graph_key
 
     gm = fx.symbolic_trace(lambda x: torch.ops.aten.sum.default(x))
@@ -116,9 +116,5 @@ def test_key_covers_code_generator_settings() -> None:
     assert key == graph_key(gm, [x], "triton-interpret", "inference")
     assert key != graph_key(gm, [torch.randn(5)], "triton-interpret", "inference")
     assert key != graph_key(gm, [x], "aten", "inference")
-    saved = triton_kernel.LOOP_RBLOCK
-    try:
-        triton_kernel.LOOP_RBLOCK = saved // 2
+    with config.patch(loop_rblock=config.settings().loop_rblock // 2):
         assert key != graph_key(gm, [x], "triton-interpret", "inference")
-    finally:
-        triton_kernel.LOOP_RBLOCK = saved

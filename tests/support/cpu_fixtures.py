@@ -7,11 +7,13 @@ reused by the next as they would be within one model; strict mode makes compile 
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
 import torch
+
+from ember import config
 
 
 @pytest.fixture(scope="module")
@@ -20,10 +22,10 @@ def shared_cache(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.fixture(autouse=True)
-def cpu_env(monkeypatch: pytest.MonkeyPatch, shared_cache: Path) -> None:
-    monkeypatch.setenv("EMBER_CACHE_DIR", str(shared_cache))
-    monkeypatch.setenv("EMBER_STRICT", "1")
+def cpu_env(shared_cache: Path) -> Iterator[None]:
     torch._dynamo.reset()
+    with config.patch(cache_dir=str(shared_cache), strict=True):
+        yield
 
 
 def compiled_graphs(compiled: Callable) -> list:

@@ -3,7 +3,7 @@
 Not a test module (no ``test_`` prefix); the test files import it from their own folder
 (pytest's default ``prepend`` import mode puts ``tests/codegen`` on ``sys.path``).
 
-Every comparison runs ``ember.compile(fn, target="triton-interpret")`` with ``EMBER_STRICT=1``
+Every comparison runs ``ember.compile(fn, target="triton-interpret")`` in strict mode
 (internal compile errors raise instead of falling back to ATen), resets Dynamo first, and
 asserts that the ops really went into generated Triton kernels.
 """
@@ -11,7 +11,6 @@ asserts that the ops really went into generated Triton kernels.
 from __future__ import annotations
 
 import contextlib
-import os
 from collections import Counter
 from collections.abc import Callable, Iterator, Sequence
 
@@ -19,7 +18,7 @@ import torch
 from hypothesis import strategies as st
 
 import ember
-from ember.codegen import triton_kernel
+from ember import config
 
 FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 LAYOUTS = ("contiguous", "transposed", "permuted", "channels_last", "sliced", "offset", "expanded")
@@ -29,22 +28,13 @@ LAYOUTS = ("contiguous", "transposed", "permuted", "channels_last", "sliced", "o
 
 @contextlib.contextmanager
 def strict_env(looped: bool = False, persistent_max: int = 16, loop_rblock: int = 8) -> Iterator[None]:
-    """EMBER_STRICT=1 and, with ``looped``, tiny reduction blocks (forces the looped path)."""
-    saved_env = os.environ.get("EMBER_STRICT")
-    saved = (triton_kernel.PERSISTENT_RBLOCK_MAX, triton_kernel.LOOP_RBLOCK)
-    os.environ["EMBER_STRICT"] = "1"
-    if looped:
-        triton_kernel.PERSISTENT_RBLOCK_MAX = persistent_max
-        triton_kernel.LOOP_RBLOCK = loop_rblock
+    """Strict mode and, with ``looped``, tiny reduction blocks (forces the looped path)."""
+    blocks = {"persistent_rblock_max": persistent_max, "loop_rblock": loop_rblock} if looped else {}
     torch._dynamo.reset()
     try:
-        yield
+        with config.patch(strict=True, **blocks):
+            yield
     finally:
-        triton_kernel.PERSISTENT_RBLOCK_MAX, triton_kernel.LOOP_RBLOCK = saved
-        if saved_env is None:
-            os.environ.pop("EMBER_STRICT", None)
-        else:
-            os.environ["EMBER_STRICT"] = saved_env
         torch._dynamo.reset()
 
 

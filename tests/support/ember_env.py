@@ -7,9 +7,10 @@ from pathlib import Path
 import pytest
 import torch
 
-_ENV = ("EMBER_TARGET", "EMBER_DEBUG_DIR", "EMBER_CACHE_DIR", "EMBER_CHECK", "EMBER_CACHE", "EMBER_CUDAGRAPHS",
-        "EMBER_CUDAGRAPHS_TRAINING",
-        "DEBUG", "TRITON_INTERPRET")
+from ember import config
+
+# Every variable Ember reads (config.py) and Triton's interpreter switch: none leaks in from the shell.
+_ENV = (*config.env_names(), "TRITON_INTERPRET")
 
 
 def _limit_name() -> str:
@@ -22,7 +23,7 @@ def clean_ember(monkeypatch: pytest.MonkeyPatch, tmp_path: Path):
     """Reset Dynamo around each test; no EMBER_* variables leak in; internal errors raise."""
     for name in _ENV:
         monkeypatch.delenv(name, raising=False)
-    monkeypatch.setenv("EMBER_STRICT", "1")
+    assert config.patched() == {}, "a config.patch leaked out of an earlier test"
     # Kernels and compiled programs go to a folder of this test, never the user's ~/.cache:
     # every test compiles from scratch unless it shares a cache on purpose.
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg-cache"))
@@ -30,6 +31,7 @@ def clean_ember(monkeypatch: pytest.MonkeyPatch, tmp_path: Path):
     limit = getattr(torch._dynamo.config, _limit_name())
     torch._dynamo.reset()
     torch.manual_seed(1234)
-    yield
+    with config.patch(strict=True):
+        yield
     torch._dynamo.reset()
     setattr(torch._dynamo.config, _limit_name(), limit)

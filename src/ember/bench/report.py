@@ -13,6 +13,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from ember.config import settings
+
 __all__ = ["env_info", "plot", "plot_ember_vs_peers", "plot_speedups", "print_env", "print_table", "row_provenance", "write_json"]
 
 # What the less obvious fields mean, stored in every result file so it explains itself.
@@ -94,8 +96,9 @@ def _cpu_name() -> str:
 def git_commit() -> dict[str, Any]:
     """The source tree's commit. ``EMBER_GIT_COMMIT`` overrides it for runs from a copy of the
     working tree whose ``.git`` is not the one the tree was committed in (the device machine)."""
-    if os.environ.get("EMBER_GIT_COMMIT"):
-        return {"git_commit": os.environ["EMBER_GIT_COMMIT"], "git_dirty": False}
+    commit = settings().git_commit
+    if commit:
+        return {"git_commit": commit, "git_dirty": False}
     here = str(Path(__file__).resolve().parent)
     commit = _run(["git", "rev-parse", "HEAD"], cwd=here)
     if commit is None:
@@ -106,8 +109,8 @@ def git_commit() -> dict[str, Any]:
 
 def short_commit() -> str:
     """The short hash of the source tree's commit (``EMBER_GIT_COMMIT`` when set), else "unknown"."""
-    if os.environ.get("EMBER_GIT_COMMIT"):
-        return os.environ["EMBER_GIT_COMMIT"]
+    if settings().git_commit:
+        return settings().git_commit
     return _run(["git", "rev-parse", "--short", "HEAD"], cwd=str(Path(__file__).resolve().parent)) or "unknown"
 
 

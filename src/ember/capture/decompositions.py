@@ -9,13 +9,13 @@ ATen ops (instead of the ``prims.var`` the reference uses) so it fuses like any 
 
 from __future__ import annotations
 
-import os
 from collections.abc import Callable, Sequence
 
 import torch
 from torch._decomp import core_aten_decompositions, get_decompositions
 
 from ember.capture import pooling
+from ember.config import settings
 from ember.ops import reflection_pad
 
 aten = torch.ops.aten
@@ -198,7 +198,7 @@ def decomposition_table(cpu_inference: bool = False, gpu: bool = False) -> dict[
         table[aten.convolution_backward.default] = _convolution_backward_bias_apart
         table[aten.max_pool2d_with_indices.default] = pooling.max_pool2d_with_indices
         table[aten.max_pool2d_with_indices_backward.default] = pooling.max_pool2d_with_indices_backward
-        if os.environ.get("EMBER_REFLECTION_PAD", "1") != "0":  # 0: ATen's padding kernels
+        if settings().reflection_pad:  # EMBER_REFLECTION_PAD=0: ATen's padding kernels
             table[aten.reflection_pad2d.default] = reflection_pad.decompose_forward
             table[aten.reflection_pad2d_backward.default] = reflection_pad.decompose_backward
     return table

@@ -27,34 +27,22 @@ from ember.codegen.lowering import KernelValue, compute_dtype, value_dtype
 from ember.codegen.triton_dialect import TL_DTYPE, TRITON, TritonValue, literal
 from ember.codegen.triton_reductions import TritonReductions
 from ember.codegen.triton_tiles import Split, next_pow2, order_dims, plan_split
+from ember.config import settings
 from ember.schedule.plan import Dims, FusedGroup, reduction_keepdim
 
 aten = torch.ops.aten
 
-# Block-size rules; tests lower these to exercise the looped path on small shapes.
-PERSISTENT_RBLOCK_MAX = 2048
-# Measured on the H100 (benchmarks/scripts/kernel_bench.py, 2026-11-23): batch-norm statistics over
-# N*H*W per channel run 4.3x faster with 16384 than with 1024 (fewer, longer-lived loads).
-LOOP_RBLOCK = 16384
-TILE_ELEMENTS = 2048
-POINTWISE_XBLOCK = 1024
-# The interpreter pays per program, not per element: far larger tiles there.
-INTERPRET_TILE_ELEMENTS = 1 << 16
-# Channel-contiguous reductions (codegen/triton_tiles.py): XBLOCK consecutive channels per tile,
-# XCONTIG_TILE elements per looped tile; persistent only up to XCONTIG_PERSISTENT_RMAX reduced elements.
-XCONTIG_XBLOCK = 64
-XCONTIG_TILE = 4096
-XCONTIG_PERSISTENT_RMAX = 256
-# Looped reductions with fewer programs than this are split along the reduced dims (0: never).
-SPLIT_TARGET_PROGRAMS = 528  # 4 per SM of a 132-SM H100
-INTERPRET_SPLIT_TARGET_PROGRAMS = 0  # tests raise it to run the split path in the interpreter
+# Block-size rules: the settings persistent_rblock_max ... interpret_split_target_programs
+# (ember/config.py); tests lower them with config.patch to exercise the looped path on small shapes.
+_BLOCK_SETTINGS = ("persistent_rblock_max", "loop_rblock", "tile_elements", "pointwise_xblock",
+                   "interpret_tile_elements", "xcontig_xblock", "xcontig_tile", "xcontig_persistent_rmax",
+                   "split_target_programs", "interpret_split_target_programs")
 
 
 def tuning() -> tuple:
-    """Every block-size constant (part of the compiled-program cache key: tests change them)."""
-    return (PERSISTENT_RBLOCK_MAX, LOOP_RBLOCK, TILE_ELEMENTS, POINTWISE_XBLOCK, INTERPRET_TILE_ELEMENTS,
-            XCONTIG_XBLOCK, XCONTIG_TILE, XCONTIG_PERSISTENT_RMAX, SPLIT_TARGET_PROGRAMS,
-            INTERPRET_SPLIT_TARGET_PROGRAMS)
+    """Every block-size setting (part of the compiled-program cache key: tests change them)."""
+    now = settings()
+    return tuple(getattr(now, name) for name in _BLOCK_SETTINGS)
 
 # Reductions go through the builtin tl.reduce with these combine functions (max/min propagate
 # NaN as torch does); float sums use tl.standard._sum_combine (triton_reductions.combine_fn).
@@ -119,6 +107,7 @@ class TritonWriter(TritonReductions):
     def __init__(self, group: FusedGroup, interpret: bool, phase: tuple[str, int] | None = None) -> None:
         super().__init__(group)
         self.interpret = interpret
+        self.blocks = settings()  # the block-size settings
         shape, reduced = self.shape, self.reduced_dims
         # Walked in the memory order of the group's largest tensor (codegen/triton_tiles.py).
         tiling = order_dims(group, [d for d in range(len(shape)) if d not in reduced and shape[d] != 1],
@@ -133,14 +122,15 @@ class TritonWriter(TritonReductions):
         self.is_reduction = bool(self.reduced_order)
         rblock = next_pow2(self.rnumel)
         # A channel-contiguous tile needs many channels per row: persistent only for short rows.
-        self.persistent = (not self.is_reduction) or (rblock <= PERSISTENT_RBLOCK_MAX and not (
-            self.x_contiguous and not interpret and rblock > XCONTIG_PERSISTENT_RMAX))
+        self.persistent = (not self.is_reduction) or (rblock <= self.blocks.persistent_rblock_max and not (
+            self.x_contiguous and not interpret and rblock > self.blocks.xcontig_persistent_rmax))
         self.split = Split(1, self.rnumel, 1)
         if self.is_reduction:
             self.xblock, self.rblock = self._blocks()
             # The workspace holds float32 partials: float32 reductions only.
             if not self.persistent and all(value_dtype(r) == torch.float32 for r in self.reductions):
-                target = INTERPRET_SPLIT_TARGET_PROGRAMS if interpret else SPLIT_TARGET_PROGRAMS
+                target = (self.blocks.interpret_split_target_programs if interpret
+                          else self.blocks.split_target_programs)
                 self.split = plan_split(self.xnumel, self.rnumel, self.xblock, self.rblock, target)
         # None: the kernel that stores the outputs; ("part", L): level-L partials of each chunk;
         # ("comb", L): level-L results from the partials, once per x (the workspace's result rows).
@@ -263,7 +253,9 @@ class TritonWriter(TritonReductions):
             body += self._reduction_body()
             meta = {"XBLOCK": self.xblock, "RBLOCK": self.rblock}
         else:
-            xblock = min(next_pow2(self.xnumel), POINTWISE_XBLOCK if not self.interpret else INTERPRET_TILE_ELEMENTS)
+            blocks = self.blocks
+            xblock = min(next_pow2(self.xnumel),
+                         blocks.pointwise_xblock if not self.interpret else blocks.interpret_tile_elements)
             body.append("xindex = tl.program_id(0) * XBLOCK + tl.arange(0, XBLOCK)")
             body.append(f"xmask = xindex < {self.xnumel}")
             body += self._coord_lines(self.kept_order, "xindex", self.xnumel)
@@ -304,19 +296,20 @@ class TritonWriter(TritonReductions):
 
     def _blocks(self) -> tuple[int, int]:
         xmax = next_pow2(self.xnumel)
+        blocks = self.blocks
         if self.interpret:
-            rblock = next_pow2(self.rnumel) if self.persistent else LOOP_RBLOCK
-            return max(1, min(xmax, INTERPRET_TILE_ELEMENTS // rblock)), rblock
+            rblock = next_pow2(self.rnumel) if self.persistent else blocks.loop_rblock
+            return max(1, min(xmax, blocks.interpret_tile_elements // rblock)), rblock
         if self.persistent:
             rblock = next_pow2(self.rnumel)
-            xblock = TILE_ELEMENTS // rblock
+            xblock = blocks.tile_elements // rblock
             if self.x_contiguous:
                 xblock = max(xblock, 32)  # 32 consecutive channels per row: coalesced
             return max(1, min(xmax, xblock)), rblock
         if self.x_contiguous:
-            xblock = min(xmax, XCONTIG_XBLOCK)
-            return xblock, max(1, XCONTIG_TILE // xblock)
-        return 1, LOOP_RBLOCK
+            xblock = min(xmax, blocks.xcontig_xblock)
+            return xblock, max(1, blocks.xcontig_tile // xblock)
+        return 1, blocks.loop_rblock
 
 
 def generate_triton(group: FusedGroup, interpret: bool = False) -> KernelSource:

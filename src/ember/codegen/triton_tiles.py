@@ -12,7 +12,7 @@ statistics over N, H, W of a channels_last activation), a tile is ``[XBLOCK, RBL
 XBLOCK consecutive channels: each row of the tile is one coalesced load.
 
 Split reductions. A looped reduction whose kept extent gives fewer than
-``SPLIT_TARGET_PROGRAMS`` programs (64 channels of a batch-norm: 64 or even one program on a
+``split_target_programs`` (a setting in config.py) programs (64 channels of a batch-norm: 64 or even one program on a
 132-SM GPU) is split along D into ``split`` chunks: one kernel per reduction level writes
 per-chunk partial results to a float32 workspace, and the last kernel combines them and stores
 the outputs (codegen/triton_kernel.py).

@@ -36,6 +36,7 @@ import torch
 import torch.fx as fx
 
 from ember import compat
+from ember.config import settings
 from ember.ops import reflection_pad
 from ember.passes.freeze import FROZEN
 from ember.passes.graph_edit import add_node, fake_mode_of
@@ -72,17 +73,15 @@ def _cast_to_channels_last(weight: fx.Node, mode: object) -> bool:
     return is_channels_last(weight.meta["val"])
 
 
-# Recompute a node's metadata only where an input's changed, and a pointwise node's without a
-# fake-tensor dispatch where its strides are certain. Tests set False (every node re-run through
-# the fake mode) to check that both give the same program.
-INCREMENTAL = True
+# settings().layout_incremental: recompute a node's metadata only where an input's changed, and a
+# pointwise node's without a fake-tensor dispatch where its strides are certain. Tests set False
+# (every node re-run through the fake mode) to check that both give the same program.
 
-
-# channels_last pays off where activations outweigh weights: a convolution given a channels_last
-# activation and an NCHW weight converts the weight internally on every call, so a graph whose
-# convolution weights are larger than their activations (batch 1, small images) stays NCHW.
-# Compared in bytes summed over the graph's convolutions; tests set 0 to force the layout.
-MIN_ACTIVATION_TO_WEIGHT = 1.0
+# settings().layout_min_activation_to_weight: channels_last pays off where activations outweigh
+# weights: a convolution given a channels_last activation and an NCHW weight converts the weight
+# internally on every call, so a graph whose convolution weights are larger than their activations
+# (batch 1, small images) stays NCHW. Compared in bytes summed over the graph's convolutions;
+# tests set 0 to force the layout.
 
 
 def _bytes(node: object) -> int:
@@ -200,7 +199,8 @@ def to_channels_last(gm: fx.GraphModule, kind: str = "inference",
     record["convolutions"] = len(convs)
     acts = sum(_bytes(n.args[0]) for n in convs)
     weights = sum(_bytes(n.args[1 if n.target == aten.convolution.default else 2]) for n in convs)
-    if convs and acts < MIN_ACTIVATION_TO_WEIGHT * weights:
+    tuning = settings()
+    if convs and acts < tuning.layout_min_activation_to_weight * weights:
         record["skipped"] = f"convolution activations {acts} B < weights {weights} B: NCHW kept"
         convs = []
     output = next(n for n in gm.graph.nodes if n.op == "output")
@@ -243,7 +243,7 @@ def to_channels_last(gm: fx.GraphModule, kind: str = "inference",
                                          "convolution reads)")
         if node.target in _MERGING_VIEWS and convs:
             changed += _restride_for_merge(node, mode)
-        if not INCREMENTAL or node.args is not args_before or any(
+        if not tuning.layout_incremental or node.args is not args_before or any(
                 a.meta.get("val") is not captured.get(a) for a in node.all_input_nodes):
             changed += _rerun(node, mode)
         if node.target in _PAD_AS_3D and _pad_over_nhwc(gm, mode, node, record["conversions"]):
@@ -403,7 +403,7 @@ def _rerun(node: fx.Node, mode: object) -> int:
     if node.meta.get(FROZEN):
         return 0
     old = node.meta.get("val")
-    if INCREMENTAL and isinstance(old, torch.Tensor) and (node.target in _SIMPLE_VIEWS or
+    if settings().layout_incremental and isinstance(old, torch.Tensor) and (node.target in _SIMPLE_VIEWS or
                                                           classify(node).cls == OpClass.POINTWISE):
         fast = _view_val(node, old, mode) if node.target in _SIMPLE_VIEWS else _pointwise_val(node, old, mode)
         if fast is not None:

@@ -41,10 +41,6 @@ _RECORD_FIELDS = ("op_classes", "placement", "fallback_reasons", "steps", "fusio
 _SMALL_CONSTANT = 1 << 16  # constant tensors up to this many elements are hashed into the key
 
 
-def caching_enabled(option: bool) -> bool:
-    return option and os.environ.get("EMBER_CACHE", "1") not in ("0", "false", "")
-
-
 @dataclass
 class StoredKernel:
     """A generated kernel as the cache keeps it (enough for ``runtime.kernels`` to load it)."""
@@ -87,7 +83,7 @@ def _versions() -> str:
 
     from ember import __version__
     from ember.codegen import triton_kernel as tk
-    # Block-size constants are module globals that tests and tuning change at run time.
+    # Block sizes are settings that tests and tuning change at run time (config.patch).
     tuning = tk.tuning()
     return (f"torch {torch.__version__} triton {triton.__version__} ember {__version__} "
             f"source {_source_digest()} tuning {tuning} schema {SCHEMA}")

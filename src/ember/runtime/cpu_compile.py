@@ -30,6 +30,7 @@ from collections import deque
 from collections.abc import Callable
 from pathlib import Path
 
+from ember.config import settings
 from ember.runtime.precompile import worker_count
 
 _WORKER_SCRIPT = r"""
@@ -54,7 +55,6 @@ for line in sys.stdin:
 """
 
 _EMBER_ROOT = Path(__file__).resolve().parents[1]
-WORKER_TIMEOUT_S = 300.0  # a kernel a worker has not finished by then is compiled here
 
 
 class _Worker:
@@ -119,7 +119,9 @@ def compile_parallel(jobs: list[tuple[str, str]], compile_here: Callable[[str, s
     kernels from the front, workers import kernels from the back. Returns the paths the workers
     compiled (their machine code is in numba's disk cache now)."""
     # An explicit EMBER_COMPILE_WORKERS is obeyed; the default also looks at the load.
-    count = worker_count() if os.environ.get("EMBER_COMPILE_WORKERS") else min(worker_count(), _idle_cores())
+    explicit = settings().compile_workers is not None
+    count = worker_count() if explicit else min(worker_count(), _idle_cores())
+    timeout_s = settings().cpu_worker_timeout_s  # a kernel a worker has not finished by then is compiled here
     if count <= 0 or len(jobs) < 2:
         for modname, path in jobs:
             compile_here(modname, path)
@@ -164,7 +166,7 @@ def compile_parallel(jobs: list[tuple[str, str]], compile_here: Callable[[str, s
             return done
         poll(0.5)
         for w in busy:
-            stuck = time.monotonic() - w.since > WORKER_TIMEOUT_S
+            stuck = time.monotonic() - w.since > timeout_s
             if w.busy is not None and (not w.alive() or stuck):  # compile it here instead
                 if stuck:
                     w.proc.kill()

@@ -35,6 +35,8 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from ember.config import settings
+
 log = logging.getLogger(__name__)
 
 _POOL: cf.ProcessPoolExecutor | None = None
@@ -65,6 +67,8 @@ class CompileJob:
     meta: tuple[tuple[str, int], ...]
     # The parent's TRITON_CACHE_DIR when it submitted the job ("": Triton's default folder).
     cache_dir: str = ""
+    # The parent's worker_niceness setting at submission (a config.patch does not reach the workers).
+    niceness: int = 10
 
 
 @dataclass
@@ -96,32 +100,29 @@ class PrecompileStats:
 
 
 def worker_count() -> int:
-    env = os.environ.get("EMBER_COMPILE_WORKERS")
-    if env is not None:
-        return max(0, int(env))
+    explicit = settings().compile_workers
+    if explicit is not None:
+        return max(0, explicit)
     # The parent waits while they compile: every core but one (Triton's compile is single-threaded).
     return max(1, min(32, (os.cpu_count() or 2) - 1))
 
 
-WORKER_NICENESS = 10
-
-
-def _lower_priority() -> None:
+def _lower_priority(niceness: int) -> None:
     """Workers (and the ptxas processes they start) yield the CPU to the parent: while they
     compile the forward's kernels the parent captures and compiles the backward, and with a
     worker per core but one, the parent's passes ran 5x slower on the H100 machine than alone."""
     try:
         current = os.nice(0)
-        if current < WORKER_NICENESS:
-            os.nice(WORKER_NICENESS - current)
+        if current < niceness:
+            os.nice(niceness - current)
     except (AttributeError, OSError):
         pass
 
 
-def _start_worker() -> float:
+def _start_worker(niceness: int) -> float:
     """Runs in each worker once: the imports a compile needs and one small compile (a worker's
     first compile pays the compiler's set-up). Returns when it finished."""
-    _lower_priority()
+    _lower_priority(niceness)
     import torch  # noqa: F401
     import triton  # noqa: F401
     from triton.runtime import driver
@@ -164,7 +165,7 @@ def compile_job(job: CompileJob) -> tuple[str | None, float, float]:
     """Compile one kernel in this process: (error text or None, start time, seconds). Runs in the workers."""
     began = time.time()
     if os.environ.get("EMBER_COMPILE_WORKER") == "1":
-        _lower_priority()
+        _lower_priority(job.niceness)
     import torch
 
     os.environ["TRITON_INTERPRET"] = "0"
@@ -261,7 +262,8 @@ def start_workers() -> None:
     if workers and not _STARTED:
         pool = _pool(workers)
         with _as_worker_env():  # the pool spawns a process per submit while none is idle
-            _STARTED.extend(pool.submit(_start_worker) for _ in range(workers))
+            niceness = settings().worker_niceness
+            _STARTED.extend(pool.submit(_start_worker, niceness) for _ in range(workers))
 
 
 class PendingCompile:
@@ -321,7 +323,8 @@ def submit(jobs: Sequence[CompileJob]) -> PendingCompile:
     """Start compiling the jobs not compiled before in this process; returns without waiting
     (with no workers, or one job, it compiles them here first)."""
     here = os.environ.get("TRITON_CACHE_DIR", "")
-    jobs = [dataclasses.replace(j, cache_dir=here) for j in jobs]
+    niceness = settings().worker_niceness
+    jobs = [dataclasses.replace(j, cache_dir=here, niceness=niceness) for j in jobs]
     todo = [j for j in {_key(j): j for j in jobs}.values() if _key(j) not in _DONE]
     _DONE.update(_key(j) for j in todo)
     workers = worker_count()

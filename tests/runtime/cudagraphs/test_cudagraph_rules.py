@@ -14,22 +14,23 @@ from torch import fx, nn
 from torch._subclasses import FakeTensorMode
 
 import ember
+from ember import config
 from ember.runtime.cudagraphs.rules import cudagraph_blocker, read_only_inputs
 
 aten = torch.ops.aten
 _FAKE = FakeTensorMode(allow_non_fake_inputs=True)
 
 
-def test_training_capture_is_on_by_default_and_can_be_turned_off(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_training_capture_is_on_by_default_and_can_be_turned_off() -> None:
     from ember.runtime.cudagraphs.runner import training_capture_enabled
     assert training_capture_enabled()
     for kind in ("forward", "backward"):
         assert cudagraph_blocker(_graph(_clean), [_cuda(4, 8), _cuda(8, 2)], kind, "triton") is None
-    monkeypatch.setenv("EMBER_CUDAGRAPHS_TRAINING", "0")
-    assert not training_capture_enabled()
-    why = cudagraph_blocker(_graph(_clean), [_cuda(4, 8), _cuda(8, 2)], "backward", "triton")
-    assert why is not None and "EMBER_CUDAGRAPHS_TRAINING=0" in why
-    assert cudagraph_blocker(_graph(_clean), [_cuda(4, 8), _cuda(8, 2)], "inference", "triton") is None
+    with config.patch(cudagraphs_training=False):
+        assert not training_capture_enabled()
+        why = cudagraph_blocker(_graph(_clean), [_cuda(4, 8), _cuda(8, 2)], "backward", "triton")
+        assert why is not None and "EMBER_CUDAGRAPHS_TRAINING=0" in why
+        assert cudagraph_blocker(_graph(_clean), [_cuda(4, 8), _cuda(8, 2)], "inference", "triton") is None
 
 
 def _cuda(*shape: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:

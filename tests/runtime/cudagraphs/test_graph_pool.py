@@ -10,6 +10,7 @@ import pytest
 import torch
 from cudagraph_fakes import FakeGraphs, runner_pair, train_step
 
+from ember import config
 from ember.runtime.cudagraphs.pool import PoolSizing
 
 
@@ -84,15 +85,14 @@ def test_a_renewed_pool_is_reserved_again() -> None:
 
 
 @pytest.mark.parametrize("case", ["no new peak", "switched off", "reserve fails", "no counters"])
-def test_no_reservation_and_the_reason(case: str, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_no_reservation_and_the_reason(case: str) -> None:
     counters = {"no new peak": [(100, 900), (150, 900), (150, 900), (120, 900)], "no counters": []}
     backend = CountingGraphs(counters.get(case, STEP_COUNTERS), fail_reserve=case == "reserve fails")
-    if case == "switched off":
-        monkeypatch.setenv("EMBER_POOL_PRESIZE", "0")
-    fw, bw, pool = runner_pair(backend)
-    w = torch.randn(8, 4)
-    for _ in range(3):
-        train_step(fw, bw, w)  # results still match eager (checked in train_step)
+    with config.patch(**({"pool_presize": False} if case == "switched off" else {})):
+        fw, bw, pool = runner_pair(backend)
+        w = torch.randn(8, 4)
+        for _ in range(3):
+            train_step(fw, bw, w)  # results still match eager (checked in train_step)
     assert fw.captures == bw.captures == 1 and not backend.reserved and pool.state.keeper is None
     # after each first call, before the pool's first capture and after each capture, pre-sized or not
     assert [e for e in backend.events if e in ("release", "reserve")] == ["release"] * 5

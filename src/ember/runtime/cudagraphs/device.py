@@ -5,18 +5,18 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import os
 from collections.abc import Callable, Iterator
 
 import torch
 
 from ember import compat
+from ember.config import settings
 
 log = logging.getLogger(__name__)
 
 
 def first_call_pool_enabled() -> bool:
-    return os.environ.get("EMBER_FIRST_CALL_POOL", "1") not in ("0", "false", "")
+    return settings().first_call_pool
 
 
 def clear_library_workspaces() -> None:
@@ -27,7 +27,7 @@ def clear_library_workspaces() -> None:
     so no later capture can take it for memory it believes that graph never touches (Inductor's
     CUDA-graph trees clear them around captures too). The next matmul outside makes its own."""
     clear = getattr(torch._C, "_cuda_clearCublasWorkspaces", None)
-    if clear is not None and os.environ.get("EMBER_CLEAR_WORKSPACES", "1") not in ("0", "false", ""):
+    if clear is not None and settings().clear_workspaces:
         clear()
 
 

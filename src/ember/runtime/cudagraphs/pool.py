@@ -40,13 +40,14 @@ released the same way; it never shares memory with the model's training graphs.
 
 from __future__ import annotations
 
-import os
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from ember.config import settings
+
 
 def presize_enabled() -> bool:
-    return os.environ.get("EMBER_POOL_PRESIZE", "1") not in ("0", "false", "")
+    return settings().pool_presize
 
 
 @dataclass

@@ -11,12 +11,12 @@ run is ``runtime/cudagraphs/runner.py``.
 from __future__ import annotations
 
 import operator
-import os
 from collections.abc import Sequence
 
 import torch
 from torch import fx
 
+from ember.config import Options, settings
 from ember.graph_utils import get_attr
 from ember.targets import BY_NAME
 
@@ -61,17 +61,18 @@ GRAPH_SAFE_RANDOM = {
 CAPTURED_KINDS = ("inference", "forward", "backward")
 
 
-def cudagraphs_enabled(option: bool) -> bool:
-    return option and os.environ.get("EMBER_CUDAGRAPHS", "1") not in ("0", "false", "")
+def cudagraphs_enabled(option: bool | None = None) -> bool:
+    """The ``cudagraphs`` option of a compile (None: as config.patch / EMBER_CUDAGRAPHS / the default give it)."""
+    return Options.from_env().cudagraphs if option is None else option
 
 
 def training_capture_enabled() -> bool:
     """Forward/backward capture is on unless EMBER_CUDAGRAPHS_TRAINING=0 (inference stays captured)."""
-    return os.environ.get("EMBER_CUDAGRAPHS_TRAINING", "1") not in ("0", "false", "")
+    return settings().cudagraphs_training
 
 
 def cudagraph_blocker(gm: fx.GraphModule, example_inputs: Sequence[object], kind: str, target: str,
-                      enabled: bool = True) -> str | None:
+                      enabled: bool | None = None) -> str | None:
     """Why this graph must not be captured, or None when it can be."""
     if not cudagraphs_enabled(enabled):
         return "turned off (cudagraphs=False or EMBER_CUDAGRAPHS=0)"

@@ -64,7 +64,6 @@ The rules a replay must keep, and how:
 
 from __future__ import annotations
 
-import os
 import weakref
 from collections.abc import Callable
 
@@ -72,6 +71,7 @@ import torch
 from torch.multiprocessing.reductions import StorageWeakRef
 
 from ember import compat
+from ember.config import settings
 from ember.runtime.cudagraphs.device import CudaBackend
 from ember.runtime.cudagraphs.memory import (
     CapturedGraph,
@@ -102,7 +102,7 @@ from ember.runtime.cudagraphs.rules import (  # noqa: F401 - the decision, re-ex
 aten = torch.ops.aten
 
 def pooled_inputs_enabled() -> bool:
-    return os.environ.get("EMBER_POOLED_INPUTS", "1") not in ("0", "false", "")
+    return settings().pooled_inputs
 
 
 MAX_CAPTURES = 5  # the last one copies every input and output, so it is final
