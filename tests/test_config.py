@@ -82,7 +82,7 @@ def test_boolean_option_precedence(spec: config.Spec, monkeypatch: pytest.Monkey
 
 
 def test_cudagraphs_argument_wins_over_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
-    from ember.runtime.capture_rules import cudagraphs_enabled
+    from ember.runtime.cudagraphs.rules import cudagraphs_enabled
 
     monkeypatch.setenv("EMBER_CUDAGRAPHS", "0")
     assert cudagraphs_enabled(True) and not cudagraphs_enabled(False)
