@@ -378,3 +378,15 @@ def test_inplace_relu_training_has_no_copies_left() -> None:
     ember.compile(model, target="triton-interpret")(x).backward(cot)
     for g, w in zip((p.grad for p in model.parameters()), want):
         assert_close(g, w, "gradient")
+
+
+def test_cpu_inference_passes_only_run_on_cpu_tensors() -> None:
+    # target="aten" runs on CUDA tensors too; the oneDNN calls of CPU freezing do not exist there
+    # (seen on the H100: mkldnn::_linear_pointwise on CUDA tensors). Meta tensors stand in for CUDA.
+    from ember.passes import PassContext, passes_for
+
+    cpu = PassContext("inference", "aten", {0}, example_inputs=[torch.randn(2, 2)])
+    elsewhere = PassContext("inference", "aten", {0}, example_inputs=[torch.empty(2, 2, device="meta")])
+    assert cpu.freezing and not elsewhere.freezing
+    assert "lower_cpu_library_calls" in [p.__name__ for p in passes_for(cpu)]
+    assert "lower_cpu_library_calls" not in [p.__name__ for p in passes_for(elsewhere)]

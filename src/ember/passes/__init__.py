@@ -11,6 +11,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
+import torch
 import torch.fx as fx
 
 from ember.passes.attention_seeds import route_attention_seeds
@@ -47,8 +48,11 @@ class PassContext:
     def freezing(self) -> bool:
         # Parameters only stay put between calls of inference graphs; training updates them.
         # CPU only: a CUDA-graph replay skips the host-side version check of the frozen values.
+        # CPU tensors only: target="aten" also runs on CUDA tensors, where the oneDNN calls these
+        # passes insert do not exist.
+        on_cpu = all(t.device.type == "cpu" for t in (self.example_inputs or []) if isinstance(t, torch.Tensor))
         return (self.freeze and self.kind == "inference" and bool(self.static_inputs)
-                and BY_NAME[self.target].cpu_library_passes)
+                and BY_NAME[self.target].cpu_library_passes and on_cpu)
 
 
 def passes_for(context: PassContext) -> list[GraphPass]:
