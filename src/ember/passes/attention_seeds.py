@@ -7,7 +7,7 @@ from the generator's graph-safe state. The backward decides by its *own* capture
 it reads them through device pointers; uncaptured, it dereferences them on the host. A forward
 replayed (device seeds) followed by a backward run uncaptured (its first call, a call whose outputs
 were still held, a graph that could not be captured) read device memory on the host: a segmentation
-fault on the H100 (benchmarks/h100_2026-11-23_session4/call5/bert_graphs.log). That is why this
+fault on the H100 (BERT training, benchmarks/results/h100/2026-11-23_suite_compile_profile/). That is why this
 attention was kept out of capture, and BERT's memory-efficient attention ran without CUDA graphs.
 
 ``ember::attention_seeds`` sits between the saved seeds and the backward and hands it the form its

@@ -47,7 +47,7 @@ GRAPH_SAFE_RANDOM = {
     # Memory-efficient attention: host seeds uncaptured, device seeds captured, and its backward
     # reads them by its own capture status. An uncaptured backward after a replayed forward once
     # read device seeds on the host (segmentation fault on the H100, BERT with dropout:
-    # benchmarks/h100_2026-11-23_session4/call5/bert_graphs.log); Ember's CUDA backward graphs
+    # benchmarks/results/h100/2026-11-23_suite_compile_profile/, run 5); Ember's CUDA backward graphs
     # now pass the seeds through ember::attention_seeds, which hands either form over
     # (passes/attention_seeds.py), and a capture never reads host seeds (runtime/cudagraph.py).
     "_scaled_dot_product_efficient_attention", "_scaled_dot_product_efficient_attention_backward",
