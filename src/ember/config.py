@@ -90,6 +90,9 @@ class Options:
     # GPU targets: convolutional graphs run in channels_last (passes/layout.py; EMBER_LAYOUT=0: off,
     # eager's NCHW everywhere).
     channels_last: bool = True
+    # One updating line on stderr while a compile runs longer than about 2 s (report/progress.py):
+    # None follows EMBER_PROGRESS, else on when stderr is a terminal; True / False force it.
+    progress: bool | None = None
 
     def __post_init__(self) -> None:
         if self.device not in DEVICES:
@@ -117,6 +120,8 @@ class Options:
             env["freeze"] = os.environ["EMBER_FREEZE"] not in ("0", "false")
         if os.environ.get("EMBER_LAYOUT"):
             env["channels_last"] = os.environ["EMBER_LAYOUT"] not in ("0", "false", "nchw")
+        if os.environ.get("EMBER_PROGRESS"):
+            env["progress"] = os.environ["EMBER_PROGRESS"] not in ("0", "false")
         if os.environ.get("EMBER_CHECK"):
             env["check"] = os.environ["EMBER_CHECK"] not in ("0", "", "false")
         known = {f.name for f in dataclasses.fields(cls)}
