@@ -56,8 +56,10 @@ def compile(model: Callable, **options: Any) -> Callable:  # noqa: A001 - mirror
 
     from ember.capture.backend import EmberBackend, optimize
     from ember.config import Options
+    from ember.runtime.early_start import start_workers_early
 
     backend = EmberBackend(Options.from_env(**options))
+    start_workers_early(model, backend.options)  # their start-up overlaps the user's code and Dynamo
     compiled = optimize(model, backend)
     compiled._ember_backend = backend
     return compiled

@@ -98,6 +98,9 @@ def _parser() -> argparse.ArgumentParser:
                    help="write a PNG bar chart of Ember's speedup against every peer (vs eager without Ember)")
     b.add_argument("--small", action="store_true", help="small inputs (64x64 images, seq 32), for quick checks")
     b.add_argument("--no-progress", action="store_true", help="no progress display")
+    b.add_argument("--first-call", action="store_true",
+                   help="each backend's first call in new processes, cold (empty Ember/Triton/Inductor caches) "
+                        "and warm (the caches the cold process left); rows with cache and first_call_s")
     b.add_argument("--data", action="store_true",
                    help="input pipeline bench: JPEG decoding DataLoader feeding training, with and without "
                    "ember.data.prefetch, and the starvation doctor's verdict (ember.data.bench)")
@@ -169,6 +172,16 @@ def _cmd_bench(args: argparse.Namespace) -> int:
         _err(f"suites: {', '.join(models.SUITES)}; models: {', '.join(models.CASES)}; "
              f"backends: {', '.join(harness.BACKENDS)}")
         return 2
+
+    if args.first_call:
+        from ember.bench.first_call import run_first_calls
+        from ember.bench.report import write_json
+        rows = run_first_calls(names, modes, backend_names, str(device.type), precision, batches, args.small)
+        if args.json:
+            write_json(args.json, rows, config={"argv": sys.argv[1:] if args.argv is None else list(args.argv),
+                                                "first_call": True, "small": args.small})
+            print(f"results written to {args.json}")
+        return 0 if any(r.get("first_call_s") is not None for r in rows) else 1
 
     iters = args.iters if args.iters is not None else 30  # >= 30 unless asked otherwise
     config: dict[str, Any] = {

@@ -131,7 +131,8 @@ class Options:
                                         "(default ~/.cache/ember)", "EMBER_CACHE_DIR", "path")
     max_recompiles: int = _item(8, "static shape specialisations per compiled frame; then one dynamic-shape "
                                    "graph (capture/backend.py)")
-    cudagraphs: bool = _item(True, "replay CUDA programs as CUDA graphs where the capture rule (runtime/cudagraphs/rules.py) allows",
+    cudagraphs: bool = _item(True, "replay CUDA programs as CUDA graphs where the capture rule "
+                                   "(runtime/cudagraphs/rules.py) allows",
                              "EMBER_CUDAGRAPHS")
     cache: bool = _item(True, "keep compiled programs in <cache_dir>/programs.sqlite for the next process",
                         "EMBER_CACHE")
@@ -142,6 +143,9 @@ class Options:
                                "weights) once per parameter version (passes/freeze.py)", "EMBER_FREEZE")
     channels_last: bool = _item(True, "GPU targets: convolutional graphs run in channels_last (passes/layout.py; "
                                       "off: eager's NCHW everywhere)", "EMBER_LAYOUT", false_words=("nchw",))
+    progress: bool | None = _item(None, "one updating line on stderr while a compile runs longer than about 2 s "
+                                        "(report/progress.py); unset: on when stderr is a terminal",
+                                  "EMBER_PROGRESS", "bool")
 
     def __post_init__(self) -> None:
         if self.device not in DEVICES:

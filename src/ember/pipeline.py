@@ -34,6 +34,7 @@ from ember.passes import PassContext, PassResult, passes_for, run_passes
 from ember.passes.attention_seeds import route_attention_seeds
 from ember.passes.freeze import static_input_indices
 from ember.passes.layout import layout_summary, report_output_strides
+from ember.report import progress
 from ember.report.records import GraphRecord
 from ember.runtime.artifacts import ProgramStore, graph_key, restore_record, stored_program
 from ember.runtime.cache_folder import usable_options
@@ -276,6 +277,7 @@ def _await_kernels(record: GraphRecord, pending: PendingCompile) -> None:
     """Before a program's first run: wait for its kernels. The wait counts as kernel_compile
     (what the stage cost the first call beyond the time the next graph's compile overlapped)."""
     start = time.perf_counter()
+    progress.waiting_for_kernels(pending)
     stats = pending.wait()
     stage = record.stage_seconds
     stage["kernel_compile"] = stage.get("kernel_compile", 0.0) + time.perf_counter() - start

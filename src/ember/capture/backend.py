@@ -40,6 +40,7 @@ from ember.config import Options
 from ember.graph_utils import is_symbolic
 from ember.ops.upsample import rewrite_nearest_interpolate
 from ember.pipeline import compile_graph
+from ember.report import progress
 from ember.report.records import CompileLog, GraphRecord
 from ember.runtime.cudagraphs.runner import GraphPool, share_pool
 from ember.runtime.precompile import start_workers
@@ -153,7 +154,8 @@ class EmberBackend:
             setattr(cfg, name, value)
         _CALLING.append(self)
         try:
-            yield
+            with progress.scope(self.options.progress):  # a compile's progress line (report/progress.py)
+                yield
         finally:
             _CALLING.pop()
             for name, value in old.items():
@@ -171,6 +173,11 @@ class EmberBackend:
                       f"ember.explain(model, ...) lists every recompile.", RuntimeWarning, stacklevel=2)
 
     def __call__(self, gm: fx.GraphModule, example_inputs: list) -> Callable:
+        with progress.scope(self.options.progress):
+            progress.compiling()
+            return self._compile_frame(gm, example_inputs)
+
+    def _compile_frame(self, gm: fx.GraphModule, example_inputs: list) -> Callable:
         check_device(example_inputs, self.options.device)
         cid = _compile_id()
         # Sizes as called; a dynamic-shape graph also takes its symbolic sizes as SymInt inputs.
@@ -202,7 +209,9 @@ class EmberBackend:
                     return compiled
                 # AOTAutograd calls compilers with its fake mode active; Ember's compile works on
                 # real constants (folding, cache keys) and enters the graph's fake mode where it needs it.
-                with unset_fake_temporarily():
+                # A backward compiled when autograd first reaches it has a progress scope of its own.
+                with unset_fake_temporarily(), progress.scope(self.options.progress):
+                    progress.compiling()
                     compiled = compile_graph(graph, inputs, self.options, record, target)
                 self.programs.append((record, compiled.ember_graph))  # explain times their calls
                 # Training graphs share the model's pool; an inference graph gets a pool of its own,

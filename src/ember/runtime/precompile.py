@@ -30,7 +30,9 @@ import logging
 import multiprocessing
 import os
 import subprocess
+import sys
 import time
+import types
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -239,15 +241,33 @@ def _ptxas_env() -> dict[str, str]:
 
 
 @contextlib.contextmanager
+def _main_module_hidden() -> Iterator[None]:
+    """A spawned process first runs the parent's ``__main__`` script again (as ``__mp_main__``) so
+    that pickled functions of the script resolve: the user's script, with its imports (torch,
+    torchvision, transformers: seconds per worker on a busy host) and, without an
+    ``if __name__ == "__main__"`` guard, its whole body. The workers only run functions of this
+    module, so they are started while ``__main__`` is a bare module (multiprocessing reads the
+    main module's spec and file when it starts a process, in ``spawn.get_preparation_data``)."""
+    real = sys.modules.get("__main__")
+    sys.modules["__main__"] = types.ModuleType("__main__")
+    try:
+        yield
+    finally:
+        if real is not None:
+            sys.modules["__main__"] = real
+
+
+@contextlib.contextmanager
 def _as_worker_env() -> Iterator[None]:
     """Processes spawned inside see EMBER_COMPILE_WORKER=1: ``import ember`` there skips
-    registering the Dynamo backend (and so importing Dynamo), seconds per worker; and the
-    parent's ptxas (``_ptxas_env``)."""
+    registering the Dynamo backend (and so importing Dynamo), seconds per worker; the parent's
+    ptxas (``_ptxas_env``); and not the parent's script (``_main_module_hidden``)."""
     extra = {"EMBER_COMPILE_WORKER": "1", **{k: v for k, v in _ptxas_env().items() if v}}
     old = {k: os.environ.get(k) for k in extra}
     os.environ.update(extra)
     try:
-        yield
+        with _main_module_hidden():
+            yield
     finally:
         for k, v in old.items():
             if v is None:
@@ -257,7 +277,10 @@ def _as_worker_env() -> Iterator[None]:
 
 
 def start_workers() -> None:
-    """Begin spawning the compile workers now (idempotent; a no-op with 0 workers)."""
+    """Begin spawning the compile workers now (idempotent; a no-op with 0 workers, and inside a
+    worker)."""
+    if os.environ.get("EMBER_COMPILE_WORKER") == "1":
+        return
     workers = worker_count()
     if workers and not _STARTED:
         pool = _pool(workers)
