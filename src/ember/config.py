@@ -145,3 +145,22 @@ def whole_step_warmup() -> int:
     """Optimizer steps a whole-step program runs uncaptured on CUDA before it captures
     (``EMBER_WHOLE_STEP_WARMUP``, default 3, as PyTorch's whole-network capture recipe warms up)."""
     return max(1, _env_int("EMBER_WHOLE_STEP_WARMUP", 3))
+
+
+# Tuning (src/ember/tune/): results of ``ember tune`` kept per kernel and device.
+def tuning_enabled() -> bool:
+    """``EMBER_TUNING=0``: compile ignores the tuning database (the fixed block-size rules only)."""
+    return os.environ.get("EMBER_TUNING", "1") not in ("0", "false", "")
+
+
+def tuning_db_path(cache_root: Path) -> Path:
+    """The user's tuning database: ``EMBER_TUNING_DB`` or ``<cache_dir>/tuning.sqlite``."""
+    value = os.environ.get("EMBER_TUNING_DB", "")
+    return Path(value) if value else cache_root / "tuning.sqlite"
+
+
+def tuning_shared_path() -> Path | None:
+    """``EMBER_TUNING_SHARED``: a read-only tuning database a team or project ships; the user's
+    own entries win over it."""
+    value = os.environ.get("EMBER_TUNING_SHARED", "")
+    return Path(value) if value else None
