@@ -109,3 +109,13 @@ def test_cli_tune_export_import(tmp_path: Path, capsys) -> None:
     assert main(["tune", "--db", str(db), "--export", str(tmp_path / "out.json")]) == 0
     assert main(["tune", "--db", str(tmp_path / "other.sqlite"), "--import", str(tmp_path / "out.json")]) == 0
     assert len(TuningDB(tmp_path / "other.sqlite")) == len(TuningDB(db))
+
+
+def test_looped_and_split_reduction_candidates_pass_the_check(tmp_path: Path) -> None:
+    # 5000 reduced elements: a looped reduction in the interpreter; candidates change RBLOCK and split it.
+    groups = collect_groups(lambda x: (x * x).sum(-1), (torch.randn(4, 5000),), train=False,
+                            target="triton-interpret")
+    report = tune_groups(groups, TuningDB(tmp_path / "t.sqlite"), tmp_path / "kernels", budget_s=60, top=3,
+                         progress=False)
+    (kernel,) = report.kernels
+    assert kernel.tried == 3 and kernel.failed == 0, kernel.failures
