@@ -1,4 +1,4 @@
-"""The ``ember`` command line: ``bench``, ``env``, ``explain``, ``cache``.
+"""The ``ember`` command line: ``bench``, ``env``, ``explain``, ``cache``, ``tune``.
 
 The compiler core (``ember.compile``, ``ember.explain``, ``ember.runtime.cache``) is
 imported only by the subcommands that need it, so ``ember env`` and ``ember bench
@@ -119,6 +119,25 @@ def _parser() -> argparse.ArgumentParser:
     x.add_argument("--batch", type=_positive_int, default=None, help="batch size (default: the model's)")
     x.add_argument("--device", default="auto", type=_device, help="auto|cuda|cpu")
     x.add_argument("--html", metavar="PATH", help="also write the report as HTML")
+
+    t = sub.add_parser("tune", help="tune a model's generated kernels for this machine (ember/tune/)",
+                       description="Compile MODEL (a registry name or a script defining `model` and "
+                       "`example_inputs`), then time the best candidate configurations of its generated kernels, "
+                       "each checked against the default's output, within --budget seconds; results go to the "
+                       "tuning database, which later compiles use.")
+    t.add_argument("model", nargs="?", metavar="MODEL|script.py")
+    t.add_argument("--device", default="auto", type=_device, help="auto|cuda|cpu")
+    t.add_argument("--budget", type=float, default=300.0, help="seconds of tuning (default 300)")
+    t.add_argument("--db", metavar="PATH", help="tuning database (default <cache_dir>/tuning.sqlite)")
+    t.add_argument("--mode", default="infer", choices=["train", "infer"])
+    t.add_argument("--precision", default="fp32", choices=["fp32", "bf16"])
+    t.add_argument("--batch", type=_positive_int, default=None, help="batch size (default: the model's)")
+    t.add_argument("--small", action="store_true", help="small inputs (64x64 images, seq 32)")
+    t.add_argument("--target", default="auto", help="Ember target (auto, triton, cpu, triton-interpret)")
+    t.add_argument("--top", type=_positive_int, default=4, help="candidates timed per kernel (default 4)")
+    t.add_argument("--force", action="store_true", help="measure again kernels the database has")
+    t.add_argument("--export", dest="export_path", metavar="PATH", help="write the database to PATH (.json or SQLite)")
+    t.add_argument("--import", dest="import_path", metavar="PATH", help="merge the results in PATH")
 
     c = sub.add_parser("cache", help="show or clear Ember's compile cache")
     c.add_argument("action", choices=["info", "clear"])
@@ -299,7 +318,16 @@ def _cmd_cache(args: argparse.Namespace) -> int:
     return 0
 
 
-_COMMANDS = {"bench": _cmd_bench, "env": _cmd_env, "explain": _cmd_explain, "cache": _cmd_cache}
+def _cmd_tune(args: argparse.Namespace) -> int:
+    from ember.tune.session import run_cli
+    try:
+        return run_cli(args)
+    except (ValueError, FileNotFoundError) as err:
+        _err(str(err))
+        return 2
+
+
+_COMMANDS = {"bench": _cmd_bench, "env": _cmd_env, "explain": _cmd_explain, "cache": _cmd_cache, "tune": _cmd_tune}
 
 
 def main(argv: Sequence[str] | None = None) -> int:

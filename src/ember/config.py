@@ -210,6 +210,12 @@ class Settings:
     whole_step_warmup: int = _item(3, "optimizer steps a whole-step program runs uncaptured on CUDA before it "
                                       "captures (PyTorch's whole-network capture recipe warms up)",
                                    "EMBER_WHOLE_STEP_WARMUP")
+    tuning: bool = _item(True, "compile uses the tuning database's configurations (ember tune); off: the fixed "
+                               "block-size rules only", "EMBER_TUNING")
+    tuning_db: str | None = _item(None, "the user's tuning database (default <cache_dir>/tuning.sqlite)",
+                                  "EMBER_TUNING_DB", "path")
+    tuning_shared: str | None = _item(None, "a read-only tuning database a team or project ships; the user's own "
+                                            "entries win over it", "EMBER_TUNING_SHARED", "path")
     git_commit: str | None = _item(None, "the commit `ember bench` records, for runs from a copy of the working "
                                          "tree without its .git", "EMBER_GIT_COMMIT", "str")
 
@@ -347,3 +353,22 @@ def quiet_profiler_logs() -> None:
     when the process first starts the profiler; a value the user set (``KINETO_LOG_LEVEL=0``
     to see everything) is kept. (``KINETO_LOG_LEVEL`` is the profiler's variable, not Ember's.)"""
     os.environ.setdefault("KINETO_LOG_LEVEL", "6")
+
+
+# Tuning (src/ember/tune/): results of ``ember tune`` kept per kernel and device.
+def tuning_enabled() -> bool:
+    """``EMBER_TUNING=0``: compile ignores the tuning database (the fixed block-size rules only)."""
+    return settings().tuning
+
+
+def tuning_db_path(cache_root: Path) -> Path:
+    """The user's tuning database: ``EMBER_TUNING_DB`` or ``<cache_dir>/tuning.sqlite``."""
+    value = settings().tuning_db
+    return Path(value) if value else cache_root / "tuning.sqlite"
+
+
+def tuning_shared_path() -> Path | None:
+    """``EMBER_TUNING_SHARED``: a read-only tuning database a team or project ships; the user's
+    own entries win over it."""
+    value = settings().tuning_shared
+    return Path(value) if value else None

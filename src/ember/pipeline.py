@@ -129,7 +129,7 @@ def _compile(job: GraphJob, reference: fx.GraphModule | None) -> CompiledGraph:
 
     run_stage("passes", record, _passes_stage, job)
     plan = run_stage("schedule", record, _schedule_stage, job)
-    kernels = run_stage("codegen", record, job.target.generate, plan)
+    kernels = run_stage("codegen", record, _codegen_stage, job, plan)
     pending = run_stage("kernel_compile", record, _kernel_compile_stage, job, kernels)
     _record_plan(record, plan, kernels)
     program = run_stage("program", record, _program_stage, job, plan, kernels)
@@ -167,6 +167,13 @@ def _schedule_stage(job: GraphJob) -> KernelPlan:
     if job.level >= 1:
         print(f"# ember: kernel plan of {job.record.title}\n{job.record.plan_text}")
     return plan
+
+
+def _codegen_stage(job: GraphJob, plan: KernelPlan) -> GeneratedKernels:
+    """Kernel sources by the generator's rules, then the tuned configurations the tuning database
+    holds for this device (ember/tune/apply.py; nothing to do when it has none)."""
+    from ember.tune.apply import apply_tuned
+    return apply_tuned(job.target.generate(plan), plan, job.target, job.options.cache_root(), job.record)
 
 
 def _kernel_compile_stage(job: GraphJob, kernels: GeneratedKernels) -> PendingCompile | None:
@@ -240,6 +247,9 @@ def _cache_key(job: GraphJob) -> tuple[ProgramStore | None, str | None]:
     store = ProgramStore(job.options.cache_root()) if caching and not job.cache_problem else None
     # The layout option changes the program: part of the key.
     key_target = job.target.name if job.options.channels_last else f"{job.target.name}+nchw"
+    if store is not None:  # tuned kernels change the program: a database change is a new key
+        from ember.tune.apply import tuning_stamp
+        key_target += f"+tuning:{tuning_stamp(job.options.cache_root())}"
     key = graph_key(job.gm, job.example_inputs, key_target, job.record.kind) if store is not None else None
     job.record.cache = (f"off: {job.cache_problem}" if job.cache_problem and caching else "off"
                         if store is None else "not cacheable (large constant tensor)" if key is None else "miss")

@@ -95,8 +95,10 @@ class CpuWriter(CpuReductions):
     dialect = CPU
     value_type = CpuValue
 
-    def __init__(self, group: FusedGroup) -> None:
+    def __init__(self, group: FusedGroup, config: dict[str, int] | None = None) -> None:
         super().__init__(group)
+        # Tuned overrides (ember/tune/space.py): "blk" points per column unit, "threads".
+        self.config = dict(config or {})
         self._check_supported()
         self.tensors = list(group.inputs) + list(group.outputs)
         self.accesses = collect_accesses(group, self.tensor_names)
@@ -291,6 +293,8 @@ class CpuWriter(CpuReductions):
     def _column_block(self) -> int:
         """Points of the innermost kept loop per unit: aim at 8 or more units along it (threads
         balance), within [64, COLUMN_BLOCK] for reductions and [1024, POINTWISE_BLOCK] otherwise."""
+        if "blk" in self.config:
+            return self.config["blk"]
         cap, floor = (COLUMN_BLOCK, 64) if self.loops_r else (POINTWISE_BLOCK, 1024)
         want = -(-self._size(self.loops_x[-1]) // 8)
         return max(min(cap, -(-want // 16) * 16), floor)
@@ -349,6 +353,8 @@ class CpuWriter(CpuReductions):
         kernel_name = f"ember_cpu_{digest}"
         instance = {"kernel": kernel_name, "static": self.static, "units": units, "points": points,
                     "tensors": len(self.tensors)}
+        if "threads" in self.config:
+            instance["threads"] = self.config["threads"]
         trailer = INSTANCE_MARKER + json.dumps(instance, separators=(",", ":")) + "\n"
         name = f"{kernel_name}_{hashlib.sha256(trailer.encode()).hexdigest()[:8]}"
         ops = "\n".join(f"#   {node_source(n)}" for n in self.group.nodes)
@@ -358,10 +364,11 @@ class CpuWriter(CpuReductions):
                             canonical.replace("KERNEL_NAME", kernel_name) + "\n" + trailer, backend="cpu")
 
 
-def generate_cpu(group: FusedGroup) -> KernelSource:
+def generate_cpu(group: FusedGroup, config: dict[str, int] | None = None) -> KernelSource:
     """The numba kernel for ``group``; raises CpuUnsupported (with the reason) for groups the
-    generator does not cover, which then run op by op through ATen."""
-    return CpuWriter(group).write()
+    generator does not cover, which then run op by op through ATen. ``config`` overrides the
+    work-unit rules (a tuned configuration); the compiled module is the same for every config."""
+    return CpuWriter(group, config).write()
 
 
 def split_module(text: str) -> tuple[str, dict]:

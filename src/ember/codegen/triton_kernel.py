@@ -104,10 +104,14 @@ class TritonWriter(TritonReductions):
     dialect = TRITON
     value_type = TritonValue
 
-    def __init__(self, group: FusedGroup, interpret: bool, phase: tuple[str, int] | None = None) -> None:
+    def __init__(self, group: FusedGroup, interpret: bool, phase: tuple[str, int] | None = None,
+                 config: dict[str, int] | None = None) -> None:
         super().__init__(group)
         self.interpret = interpret
         self.blocks = settings()  # the block-size settings
+        # Tuned overrides of the block-size rules (ember/tune/space.py): XBLOCK, RBLOCK (looped
+        # reductions only), SPLIT_PROGRAMS, num_warps, num_stages. Empty: the rules below.
+        self.config = dict(config or {})
         shape, reduced = self.shape, self.reduced_dims
         # Walked in the memory order of the group's largest tensor (codegen/triton_tiles.py).
         tiling = order_dims(group, [d for d in range(len(shape)) if d not in reduced and shape[d] != 1],
@@ -131,6 +135,7 @@ class TritonWriter(TritonReductions):
             if not self.persistent and all(value_dtype(r) == torch.float32 for r in self.reductions):
                 target = (self.blocks.interpret_split_target_programs if interpret
                           else self.blocks.split_target_programs)
+                target = self.config.get("SPLIT_PROGRAMS", target)
                 self.split = plan_split(self.xnumel, self.rnumel, self.xblock, self.rblock, target)
         # None: the kernel that stores the outputs; ("part", L): level-L partials of each chunk;
         # ("comb", L): level-L results from the partials, once per x (the workspace's result rows).
@@ -254,8 +259,8 @@ class TritonWriter(TritonReductions):
             meta = {"XBLOCK": self.xblock, "RBLOCK": self.rblock}
         else:
             blocks = self.blocks
-            xblock = min(next_pow2(self.xnumel),
-                         blocks.pointwise_xblock if not self.interpret else blocks.interpret_tile_elements)
+            xblock = min(next_pow2(self.xnumel), self.config.get(
+                "XBLOCK", blocks.pointwise_xblock if not self.interpret else blocks.interpret_tile_elements))
             body.append("xindex = tl.program_id(0) * XBLOCK + tl.arange(0, XBLOCK)")
             body.append(f"xmask = xindex < {self.xnumel}")
             body += self._coord_lines(self.kept_order, "xindex", self.xnumel)
@@ -270,6 +275,9 @@ class TritonWriter(TritonReductions):
         """The kernel's source, name and launch data around its ``body`` lines."""
         tiles = meta["XBLOCK"] * meta.get("RBLOCK", 1)
         meta["num_warps"] = 8 if tiles >= 4096 else 4 if tiles >= 512 else 2 if tiles >= 128 else 1
+        for knob in ("num_warps", "num_stages"):
+            if knob in self.config:
+                meta[knob] = self.config[knob]
         grid = -(-self.xnumel // meta["XBLOCK"]) * (self.grid_split if self.is_reduction else 1)
         args = list(self.group.inputs) + list(self.group.outputs)
         params = ", ".join(self.tensor_names[a] for a in args) + (", ws" if self.split.split > 1 else "")
@@ -295,6 +303,14 @@ class TritonWriter(TritonReductions):
                             canonical.replace("KERNEL_NAME", name))
 
     def _blocks(self) -> tuple[int, int]:
+        xblock, rblock = self._rule_blocks()
+        if "XBLOCK" in self.config:
+            xblock = max(1, min(next_pow2(self.xnumel), self.config["XBLOCK"]))
+        if "RBLOCK" in self.config and not self.persistent:  # persistent: one block holds the row
+            rblock = self.config["RBLOCK"]
+        return xblock, rblock
+
+    def _rule_blocks(self) -> tuple[int, int]:
         xmax = next_pow2(self.xnumel)
         blocks = self.blocks
         if self.interpret:
@@ -312,14 +328,15 @@ class TritonWriter(TritonReductions):
         return 1, blocks.loop_rblock
 
 
-def generate_triton(group: FusedGroup, interpret: bool = False) -> KernelSource:
-    """The Triton kernel for ``group`` (with its partial-result kernels when the reduction is split)."""
-    writer = TritonWriter(group, interpret)
+def generate_triton(group: FusedGroup, interpret: bool = False, config: dict[str, int] | None = None) -> KernelSource:
+    """The Triton kernel for ``group`` (with its partial-result kernels when the reduction is split);
+    ``config`` overrides the block-size rules (a tuned configuration)."""
+    writer = TritonWriter(group, interpret, config=config)
     ks = writer.write()
     if writer.split.split > 1:
         # Partials of every chunk, then one result row per reduction.
         ks.workspace = len(writer.reductions) * (writer.split.split + 1) * writer.xnumel
-        ks.pre = [TritonWriter(group, interpret, phase=(step, lv)).write()
+        ks.pre = [TritonWriter(group, interpret, phase=(step, lv), config=config).write()
                   for lv in writer.levels() for step in ("part", "comb")]
         for k in ks.pre:
             k.workspace = ks.workspace

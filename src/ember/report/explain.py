@@ -35,6 +35,7 @@ from ember.report.host_time import HostTimes, host_time_section, measure_steps
 from ember.report.html import Section, Table, render_html
 from ember.report.records import STAGES, CompileLog, GraphRecord  # noqa: F401 - STAGES re-exported
 from ember.schedule.rules import CONSTANT_OPS, VIEW_OPS
+from ember.tune.report import tuning_section
 
 PLACEMENTS = ("generated", "fused-aten", "library", "fallback", "frozen", "view", "constant")
 COMPUTE = ("generated", "fused-aten", "library", "fallback")  # what coverage is a share of
@@ -192,7 +193,8 @@ class ExplainReport:
         if self.problems():
             out.append(Section("Problems", self.problems(), alert=True))
         out += [self._summary(), self._host_section(), self._times(), self._categories(), self._placement(),
-                self._fusion_section(), self._layout_section(), self._fallbacks(), self._coverage_section()]
+                self._fusion_section(), self._layout_section(), self._fallbacks(), self._coverage_section(),
+                tuning_section(self.graphs)]
         return out
 
     def _host_section(self) -> Section:

@@ -39,6 +39,9 @@ class GraphRecord:
     layout: dict = field(default_factory=dict)  # passes/layout.py: conversions, saved-output strides
     cache: str = ""  # compiled-program cache: hit | stored | miss | off | not cacheable (...)
     compile_note: str = ""  # where the kernel_compile stage went (runtime/precompile.py)
+    # Kernels compiled with a tuned configuration (ember/tune/apply.py): default kernel name ->
+    # {"kernel", "config", "ms", "default_ms", "gain", "source"}.
+    tuned: dict[str, dict] = field(default_factory=dict)
 
 
 @dataclass

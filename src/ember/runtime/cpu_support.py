@@ -306,7 +306,8 @@ def launcher(address: int, instance: dict):
     builds the argument vector (data pointers, then this use's sizes, strides and constants)."""
     static = list(instance["static"])
     units = int(instance["units"])
-    threads = threads_for(int(instance["points"]), units)
+    # A tuned thread count (ember/tune) wins over the rule.
+    threads = int(instance.get("threads") or threads_for(int(instance["points"]), units))
     n_tensors = int(instance["tensors"])
 
     def launch(*tensors) -> None:

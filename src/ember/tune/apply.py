@@ -1,0 +1,67 @@
+"""Compile-time use of the tuning database: after codegen, each kernel with a tuned answer for
+this device is generated again with its best checked configuration.
+
+Cost without tuning: nothing when neither database file exists (a ``stat`` per file), else one
+indexed query per graph for all of its kernels.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from ember import config
+from ember.report.records import GraphRecord
+from ember.schedule.plan import KernelPlan
+from ember.targets import GeneratedKernels, Target
+from ember.tune.db import LayeredTuningDB
+
+_OPEN: dict[tuple[str, str], LayeredTuningDB] = {}
+
+
+def tuning_db(cache_root: Path) -> LayeredTuningDB:
+    """The layered database for ``cache_root`` (one per process and path pair)."""
+    user, shared = config.tuning_db_path(cache_root), config.tuning_shared_path()
+    key = (str(user), str(shared))
+    if key not in _OPEN:
+        _OPEN[key] = LayeredTuningDB(user, shared)
+    return _OPEN[key]
+
+
+def forget_open() -> None:
+    for db in _OPEN.values():
+        db.close()
+    _OPEN.clear()
+
+
+def tuning_stamp(cache_root: Path) -> str:
+    """Part of the compiled-program cache key: a program compiled before tuning is not reused after."""
+    if not config.tuning_enabled():
+        return ""
+    db = tuning_db(cache_root)
+    return db.stamp() if db.exists() else ""
+
+
+def apply_tuned(kernels: GeneratedKernels, plan: KernelPlan, target: Target, cache_root: Path,
+                record: GraphRecord) -> GeneratedKernels:
+    """``kernels`` with every tuned kernel replaced by its best checked configuration."""
+    if not kernels.by_step or target.language is None or not config.tuning_enabled():
+        return kernels
+    db = tuning_db(cache_root)
+    if not db.exists():
+        return kernels
+    from ember.tune.device import device_key
+    from ember.tune.kernels import generate
+
+    choices = db.choices([ks.name for ks in kernels.by_step.values()], device_key(target.device_type))
+    if not choices:
+        return kernels
+    groups = {g.index: g for g in plan.fused()}
+    for index, ks in list(kernels.by_step.items()):
+        choice = choices.get(ks.name)
+        if choice is None:
+            continue
+        tuned = ks if not choice.config else generate(groups[index], target, choice.config)
+        kernels.by_step[index] = tuned
+        record.tuned[ks.name] = {"kernel": tuned.name, "config": choice.config, "ms": choice.ms,
+                                 "default_ms": choice.default_ms, "gain": choice.gain, "source": choice.source}
+    return kernels

@@ -1,0 +1,135 @@
+"""Tuning one fused group's kernel: the default and the model's best candidates, each checked
+against the default's output on fresh random inputs, then timed; everything recorded."""
+
+from __future__ import annotations
+
+import os
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from ember.codegen.kernel_source import KernelSource
+from ember.schedule.plan import FusedGroup
+from ember.targets import Target
+from ember.tune.db import Result, TuningDB
+from ember.tune.device import fingerprint
+from ember.tune.measure import KernelRun, mismatch, time_ms
+from ember.tune.space import Candidate, cpu_candidates, triton_candidates
+
+
+def generate(group: FusedGroup, target: Target, config: dict[str, int]) -> KernelSource:
+    """``group``'s kernel for ``target`` with ``config`` overriding the generator's rules."""
+    if target.language == "triton":
+        from ember.codegen.triton_kernel import generate_triton
+        return generate_triton(group, interpret=target.interpret, config=config or None)
+    from ember.codegen.cpu_kernel import generate_cpu
+    return generate_cpu(group, config or None)
+
+
+def label(group: FusedGroup) -> str:
+    """What a kernel computes, briefly: its ops and the group's shape."""
+    ops = [getattr(n.target, "__name__", str(n.target)).split(".")[0] for n in group.nodes]
+    shown = ",".join(dict.fromkeys(ops))
+    shown = shown if len(shown) <= 48 else shown[:45] + "..."
+    val = group.outputs[0].meta.get("val") if group.outputs else None
+    shape = "x".join(str(s) for s in val.shape) if isinstance(val, torch.Tensor) else "?"
+    return f"{shown} [{shape}]"
+
+
+def candidates(group: FusedGroup, target: Target) -> list[Candidate]:
+    if target.language == "triton":
+        sms = int(fingerprint("cuda").get("sms", 132)) if target.runs_on_cuda else 132
+        return triton_candidates(group, target.interpret, sms)
+    return cpu_candidates(group, torch.get_num_threads())
+
+
+@dataclass
+class KernelTuning:
+    """What tuning one kernel found."""
+
+    kernel: str  # the default kernel's name: the database key
+    label: str
+    default_ms: float | None = None
+    best_ms: float | None = None
+    best_config: dict[str, int] = field(default_factory=dict)
+    tried: int = 0
+    failed: int = 0
+    cached: bool = False  # answered by the database, nothing measured
+    error: str = ""
+    failures: list[str] = field(default_factory=list)
+
+    @property
+    def gain(self) -> float | None:
+        return self.default_ms / self.best_ms if self.default_ms and self.best_ms else None
+
+
+def tune_group(group: FusedGroup, target: Target, kernel_dir: Path, db: TuningDB, device: str,
+               top: int = 4, per_candidate_s: float = 0.2, force: bool = False) -> KernelTuning:
+    """Tune ``group``'s kernel unless ``db`` already has results for it on ``device``."""
+    default = generate(group, target, {})
+    out = KernelTuning(default.name, label(group))
+    if not force:
+        known = db.results(default.name, device)
+        if known:
+            return _from_db(out, known)
+    # The model's best ``top`` distinct candidates (configs that generate the default kernel
+    # again, or the same kernel as an earlier one, are skipped).
+    seen = {default.name}
+    chosen: list[tuple[dict[str, int], KernelSource]] = []
+    for cand in candidates(group, target):
+        try:
+            ks = generate(group, target, cand.config)
+        except Exception as err:  # noqa: BLE001 - a config the generator rejects is a failed candidate
+            out.failures.append(f"{cand.config}: {type(err).__name__}: {err}")
+            continue
+        if ks.name in seen:
+            continue
+        seen.add(ks.name)
+        chosen.append((cand.config, ks))
+        if len(chosen) >= top:
+            break
+    if target.language == "numba":
+        from ember.runtime.kernels import compile_cpu_kernels
+        failed = compile_cpu_kernels([default], kernel_dir)
+        if failed:
+            out.error = next(iter(failed.values()))
+            return out
+    run = KernelRun(default, target, kernel_dir, seed=int.from_bytes(os.urandom(4), "little"))
+    reference = run.outputs_of(default, candidate=False)
+    scratch = run.fresh_outputs()
+    launch_default = run.launcher(default)
+    out.default_ms = time_ms(lambda: launch_default(scratch), run.device, per_candidate_s)
+    stamp = time.time()
+    results = [Result(default.name, device, {}, out.default_ms, "ok", "", out.label, stamp)]
+    for config, ks in chosen:
+        out.tried += 1
+        try:
+            why = mismatch(reference, run.outputs_of(ks, candidate=True))
+        except Exception as err:  # noqa: BLE001 - a candidate that cannot run is failed, not fatal
+            why = f"{type(err).__name__}: {str(err)[:300]}"
+        if why:
+            out.failed += 1
+            out.failures.append(f"{config}: {why}")
+            results.append(Result(default.name, device, config, None, "failed", why, out.label, stamp))
+            continue
+        launch = run.launcher(ks)
+        ms = time_ms(lambda launch=launch: launch(scratch), run.device, per_candidate_s)
+        results.append(Result(default.name, device, config, ms, "ok", "", out.label, stamp))
+    db.record(results, fingerprint(target.device_type))
+    best = min((r for r in results if not r.failed), key=lambda r: r.ms)
+    out.best_ms, out.best_config = best.ms, best.config
+    return out
+
+
+def _from_db(out: KernelTuning, known: list[Result]) -> KernelTuning:
+    out.cached = True
+    ok = [r for r in known if not r.failed]
+    out.tried = len(known) - 1
+    out.failed = len(known) - len(ok)
+    default = next((r for r in ok if not r.config), None)
+    out.default_ms = default.ms if default else None
+    if ok:
+        out.best_ms, out.best_config = ok[0].ms, ok[0].config
+    return out

@@ -1,0 +1,141 @@
+"""One generated kernel run on its own: inputs from its graph's shapes, the check of a candidate
+against the default configuration's output, and timing.
+
+Every candidate is checked before it may be chosen: the default kernel and the candidate run on
+the same fresh random inputs (new for every kernel), and every output must match within the
+dtype's tolerance (NaN where the reference has NaN). Outputs start as NaN (float) or a sentinel,
+so a candidate that skips elements fails too. Timing: on CUDA ``triton.testing.do_bench`` with
+a CUDA graph when available (launch noise removed), else its plain form; on CPU the median of
+``perf_counter`` timings after a warm-up.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import statistics
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import torch
+
+from ember.codegen.kernel_source import KernelSource
+from ember.targets import Target
+
+# Test seam: called as hook(kernel, outputs) after a *candidate* (not the reference) runs; a test
+# corrupts outputs here to show that a wrong candidate is rejected and recorded as failed.
+_OUTPUT_HOOKS: list[Callable[[KernelSource, list[torch.Tensor]], None]] = []
+
+
+@contextlib.contextmanager
+def candidate_output_hook(hook: Callable[[KernelSource, list[torch.Tensor]], None]) -> Iterator[None]:
+    _OUTPUT_HOOKS.append(hook)
+    try:
+        yield
+    finally:
+        _OUTPUT_HOOKS.remove(hook)
+
+
+def _tolerance(dtype: torch.dtype) -> tuple[float, float]:
+    if dtype in (torch.bfloat16,):
+        return 2e-2, 2e-2
+    if dtype == torch.float16:
+        return 5e-3, 5e-3
+    return 1e-4, 1e-5  # float32: a different block size sums in a different order
+
+
+class KernelRun:
+    """Arguments and launching for kernels of one group (default and candidates share the arguments)."""
+
+    def __init__(self, default: KernelSource, target: Target, kernel_dir: Path, seed: int) -> None:
+        self.target, self.kernel_dir = target, kernel_dir
+        self.device = torch.device("cuda" if target.runs_on_cuda else "cpu")
+        gen = torch.Generator().manual_seed(seed)
+        self.inputs = [self._input(a.meta["val"], gen) for a in default.args[:default.n_inputs]]
+        self.n_outputs = len(default.args) - default.n_inputs
+        self.out_meta = [a.meta["val"] for a in default.args[default.n_inputs:]]
+
+    def _input(self, val: torch.Tensor, gen: torch.Generator) -> torch.Tensor:
+        storage = _storage_numel(val)
+        if val.dtype.is_floating_point:
+            base = torch.randn(storage, generator=gen).to(val.dtype)
+        elif val.dtype == torch.bool:
+            base = torch.rand(storage, generator=gen) < 0.5
+        else:
+            base = torch.randint(0, 2, (storage,), generator=gen).to(val.dtype)
+        return base.to(self.device).as_strided(tuple(val.shape), tuple(val.stride()))
+
+    def fresh_outputs(self) -> list[torch.Tensor]:
+        outs = []
+        for val in self.out_meta:
+            fill = float("nan") if val.dtype.is_floating_point else (True if val.dtype == torch.bool else 77)
+            base = torch.full((_storage_numel(val),), fill, dtype=val.dtype, device=self.device)
+            outs.append(base.as_strided(tuple(val.shape), tuple(val.stride())))
+        return outs
+
+    def launcher(self, ks: KernelSource) -> Callable[[list[torch.Tensor]], None]:
+        """A function running ``ks`` (and its partial-result kernels) into the given outputs."""
+        if ks.backend == "cpu":
+            fn = self.target.load(ks, self.kernel_dir)
+            return lambda outs: fn(*self.inputs, *outs)
+        fns = [(self.target.load(k, self.kernel_dir), k) for k in ks.launch_order()]
+        workspace = (torch.empty(ks.workspace, dtype=torch.float32, device=self.device) if ks.workspace else None)
+
+        def run(outs: list[torch.Tensor]) -> None:
+            extra = [workspace] if workspace is not None else []
+            for fn, k in fns:
+                fn[(k.grid,)](*self.inputs, *outs, *extra, **k.meta)
+        return run
+
+    def outputs_of(self, ks: KernelSource, candidate: bool) -> list[torch.Tensor]:
+        outs = self.fresh_outputs()
+        self.launcher(ks)(outs)
+        if self.device.type == "cuda":
+            torch.cuda.synchronize()
+        if candidate:
+            for hook in list(_OUTPUT_HOOKS):
+                hook(ks, outs)
+        return outs
+
+
+def _storage_numel(val: torch.Tensor) -> int:
+    if val.numel() == 0:
+        return 1
+    return 1 + sum((size - 1) * stride for size, stride in zip(val.shape, val.stride()) if size > 0)
+
+
+def mismatch(reference: list[torch.Tensor], got: list[torch.Tensor]) -> str:
+    """Why ``got`` differs from ``reference`` ("" when every output matches)."""
+    for i, (ref, out) in enumerate(zip(reference, got)):
+        if ref.dtype.is_floating_point:
+            rtol, atol = _tolerance(ref.dtype)
+            if not torch.allclose(out.float(), ref.float(), rtol=rtol, atol=atol, equal_nan=True):
+                bad = ~torch.isclose(out.float(), ref.float(), rtol=rtol, atol=atol, equal_nan=True)
+                return (f"output {i}: {int(bad.sum())} of {ref.numel()} elements differ "
+                        f"(max abs diff {float((out.float() - ref.float()).abs().nan_to_num(float('inf')).max()):.3g})")
+        elif not torch.equal(out, ref):
+            return f"output {i}: {int((out != ref).sum())} of {ref.numel()} elements differ"
+    return ""
+
+
+def time_ms(run: Callable[[], None], device: torch.device, budget_s: float = 0.2) -> float:
+    """The median time of ``run`` in milliseconds."""
+    if device.type == "cuda":
+        from triton.testing import do_bench
+        try:
+            from triton.testing import do_bench_cudagraph
+            with torch.cuda.stream(torch.cuda.Stream()):
+                return float(do_bench_cudagraph(run, rep=max(10, int(budget_s * 1000))))
+        except Exception:  # noqa: BLE001 - capture not possible here: plain event timing
+            return float(do_bench(run, warmup=5, rep=max(10, int(budget_s * 1000))))
+    run()  # warm-up (first call may load or compile)
+    t0 = time.perf_counter()
+    run()
+    once = max(time.perf_counter() - t0, 1e-7)
+    reps = int(min(200, max(3, budget_s / once)))
+    samples = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        run()
+        samples.append(time.perf_counter() - t0)
+    return statistics.median(samples) * 1e3
