@@ -6,6 +6,8 @@ against eager bf16, both against eager fp32, in one fresh process:
 
     PYTHONPATH=src python benchmarks/scripts/gpu_bart_grads.py            # about 2 minutes on an H100
     PYTHONPATH=src python benchmarks/scripts/gpu_bart_grads.py --small    # the size that passed
+    PYTHONPATH=src python benchmarks/scripts/gpu_bart_grads.py --after gpt2,llama,t5 --only defaults
+                                                    # other zoo models first, as in the failing run
 
 Variants (each a fresh compile):
   defaults          Ember as gpu_correctness runs it
@@ -14,6 +16,7 @@ Variants (each a fresh compile):
                     was overwritten between the forward and the backward (a memory hazard, not math)
   no split          split reductions off (split_target_programs=0)
   no first-call pool  EMBER_FIRST_CALL_POOL=0 (first calls allocate from the default pool)
+  no workspace clearing  EMBER_CLEAR_WORKSPACES=0 (cuBLAS workspaces kept after first calls)
   cudagraphs off    no CUDA-graph runner at all (no first-call pool either)
 
 Prints, per variant: the number of gradients worse than max(4 x eager's error, 3e-2) and the first
@@ -33,7 +36,7 @@ import torch
 
 import ember
 from ember import config
-from ember.bench.check import _no_dropout, _rel, acceptable
+from ember.bench.check import _no_dropout, _rel, acceptable, run_seed_step
 from ember.bench.models import get_case, make_batches, primary_tensor
 
 FLOOR = 3e-2
@@ -116,6 +119,7 @@ VARIANTS = [
     ("saved check", {}, {}, {}, True),
     ("no split", {}, {}, {"split_target_programs": 0}, False),
     ("no first-call pool", {}, {"EMBER_FIRST_CALL_POOL": "0"}, {}, False),
+    ("no workspace clearing", {}, {"EMBER_CLEAR_WORKSPACES": "0"}, {}, False),
     ("cudagraphs off", {"cudagraphs": False}, {}, {}, False),
 ]
 
@@ -124,6 +128,8 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--small", action="store_true", help="the small config (passed on the H100)")
     parser.add_argument("--only", default=None, help="run one variant by name")
+    parser.add_argument("--after", default="", help="comma-separated zoo models to run first in this process, "
+                        "as gpu_correctness.py zoo does (e.g. gpt2,llama,t5)")
     parser.add_argument("--cpu-dry-run", action="store_true", help="check this script on the CPU (target cpu)")
     args = parser.parse_args()
     if args.cpu_dry_run:
@@ -137,6 +143,14 @@ def main() -> int:
     torch.backends.cudnn.allow_tf32 = False
     print(f"bart {'small' if args.small else 'full (bart-base, batch 4, source 512, target 128)'}, "
           f"bf16 autocast, torch {torch.__version__}, {torch.cuda.get_device_name()}")
+    for name in filter(None, args.after.split(",")):
+        t0 = time.perf_counter()
+        torch._dynamo.reset()
+        run_seed_step(name, lambda m: ember.compile(m), device="cuda", batch=4, small=args.small,
+                      autocast=torch.bfloat16)
+        torch._dynamo.reset()
+        torch.cuda.empty_cache()
+        print(f"ran {name} first [{time.perf_counter() - t0:.0f} s]")
     failed_defaults = False
     for name, options, env, patch, check in VARIANTS:
         if args.only and name != args.only:
