@@ -26,11 +26,14 @@ few by parameter order (encoder and decoder apart). Exit status 1 if the default
 from __future__ import annotations
 
 import argparse
+import contextlib
 import copy
 import os
 import sys
 import time
 import traceback
+import weakref
+from collections.abc import Callable, Iterator
 
 import torch
 
@@ -48,6 +51,9 @@ class SavedCheck:
     def __init__(self) -> None:
         self.saved = 0
         self.changed: list[str] = []
+        # (index, weak reference, checksum at save) for the call audit; weak, so that the
+        # CUDA-graph runner's reference counts (is somebody holding an output?) stay as they are
+        self.live: list[tuple[int, weakref.ref, torch.Tensor]] = []
 
     @staticmethod
     def _sum(t: torch.Tensor) -> torch.Tensor:
@@ -58,7 +64,9 @@ class SavedCheck:
         self.saved += 1
         if not t.is_floating_point() or t.numel() == 0:
             return (t, None, self.saved)
-        return (t, self._sum(t), self.saved)
+        before = self._sum(t)
+        self.live.append((self.saved, weakref.ref(t), before))
+        return (t, before, self.saved)
 
     def unpack(self, packed: object) -> torch.Tensor:
         t, before, k = packed
@@ -79,7 +87,8 @@ def step(case, model, inputs, target, amp: bool, hooks: SavedCheck | None = None
     loss.backward()
 
 
-def run(small: bool, options: dict, env: dict, patch: dict, check: bool, device: str = "cuda"
+def run(small: bool, options: dict, env: dict, patch: dict, check: bool, device: str = "cuda",
+        setup: Callable[[], contextlib.AbstractContextManager] | None = None
         ) -> tuple[list[str], SavedCheck | None, int]:
     torch._dynamo.reset()
     saved_env = {k: os.environ.get(k) for k in env}
@@ -94,7 +103,9 @@ def run(small: bool, options: dict, env: dict, patch: dict, check: bool, device:
         step(case, ref, inputs, target, amp=False)
         step(case, eager, inputs, target, amp=True)
         hooks = SavedCheck() if check else None
-        with config.patch(**patch):
+        global AUDIT
+        AUDIT = hooks
+        with config.patch(**patch), (setup() if setup is not None else contextlib.nullcontext()):
             step(case, ember.compile(ours, **options), inputs, target, amp=True, hooks=hooks)
         if device == "cuda":
             torch.cuda.synchronize()
@@ -114,13 +125,79 @@ def run(small: bool, options: dict, env: dict, patch: dict, check: bool, device:
                 os.environ[k] = v
 
 
-VARIANTS = [
-    ("defaults", {}, {}, {}, False),
-    ("saved check", {}, {}, {}, True),
-    ("no split", {}, {}, {"split_target_programs": 0}, False),
-    ("no first-call pool", {}, {"EMBER_FIRST_CALL_POOL": "0"}, {}, False),
-    ("no workspace clearing", {}, {"EMBER_CLEAR_WORKSPACES": "0"}, {}, False),
-    ("cudagraphs off", {"cudagraphs": False}, {}, {}, False),
+AUDIT: SavedCheck | None = None  # the saved-tensor check the call audit reads
+
+
+@contextlib.contextmanager
+def audit_runner_calls() -> Iterator[None]:
+    """After every CUDA-graph runner call and every backward node: re-check every tensor saved so
+    far, and name the first call after which one changed (the call that wrote over it)."""
+    from ember.runtime.cudagraphs.runner import CudaGraphRunner
+
+    original = CudaGraphRunner.__call__
+    seen: set[int] = set()
+
+    def sweep(where: str) -> None:
+        if AUDIT is None:
+            return
+        torch.cuda.synchronize()
+        for k, ref, before in AUDIT.live:
+            t = ref()
+            if k not in seen and t is not None and not torch.equal(SavedCheck._sum(t), before):
+                seen.add(k)
+                print(f"    #{k} {tuple(t.shape)} ptr {t.data_ptr():#x} changed {where}")
+
+    def audited(self, args):  # noqa: ANN001, ANN202
+        phase = "first" if self.calls == 0 else ("replay" if self.g is not None else "capture")
+        sweep(f"before {self.title} call {self.calls + 1} (eager code between graphs)")
+        out = original(self, args)
+        sweep(f"by {self.title} call {self.calls} ({phase}); status: {self.status[:160]}")
+        return out
+
+    CudaGraphRunner.__call__ = audited
+    try:
+        yield
+    finally:
+        CudaGraphRunner.__call__ = original
+
+
+@contextlib.contextmanager
+def runner_without(method: str) -> Iterator[None]:
+    """A CUDA-graph backend whose ``method`` does nothing (release_cached: no empty_cache after first calls)."""
+    from ember.runtime.cudagraphs.device import CudaBackend
+
+    original = getattr(CudaBackend, method)
+    setattr(CudaBackend, method, lambda self, *a, **k: 0)
+    try:
+        yield
+    finally:
+        setattr(CudaBackend, method, original)
+
+
+@contextlib.contextmanager
+def no_cudnn_attention() -> Iterator[None]:
+    before = torch.backends.cuda.cudnn_sdp_enabled()
+    torch.backends.cuda.enable_cudnn_sdp(False)
+    try:
+        yield
+    finally:
+        torch.backends.cuda.enable_cudnn_sdp(before)
+
+
+# name, compile options, environment, config.patch, saved-tensor check, context around the step
+VARIANTS: list[tuple[str, dict, dict, dict, bool, Callable | None]] = [
+    ("defaults", {}, {}, {}, False, None),
+    ("saved check", {}, {}, {}, True, None),
+    ("call audit", {}, {}, {}, True, audit_runner_calls),
+    ("no split", {}, {}, {"split_target_programs": 0}, False, None),
+    ("no first-call pool", {}, {"EMBER_FIRST_CALL_POOL": "0"}, {}, False, None),
+    ("no workspace clearing", {}, {"EMBER_CLEAR_WORKSPACES": "0"}, {}, False, None),
+    ("no presize", {}, {"EMBER_POOL_PRESIZE": "0"}, {}, False, None),
+    ("no pooled inputs", {}, {"EMBER_POOLED_INPUTS": "0"}, {}, False, None),
+    ("no cache release", {}, {}, {}, True, lambda: runner_without("release_cached")),
+    ("no cudnn attention", {}, {}, {}, True, no_cudnn_attention),
+    ("cudagraphs off+check", {"cudagraphs": False}, {}, {}, True, None),
+    ("cudagraphs off", {"cudagraphs": False}, {}, {}, False, None),
 ]
 
 
@@ -152,12 +229,12 @@ def main() -> int:
         torch.cuda.empty_cache()
         print(f"ran {name} first [{time.perf_counter() - t0:.0f} s]")
     failed_defaults = False
-    for name, options, env, patch, check in VARIANTS:
+    for name, options, env, patch, check, setup in VARIANTS:
         if args.only and name != args.only:
             continue
         t0 = time.perf_counter()
         try:
-            bad, hooks, n = run(args.small, options, env, patch, check)
+            bad, hooks, n = run(args.small, options, env, patch, check, setup=setup)
         except Exception:  # noqa: BLE001 - report and go on with the next variant
             print(f"{name:20s} error\n{traceback.format_exc(limit=4)}")
             continue
