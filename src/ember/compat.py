@@ -8,6 +8,7 @@ touches ``torch._C`` or ``torch._guards``; passes and the runtime import from he
 
 from __future__ import annotations
 
+import functools
 import logging
 from collections.abc import Sequence
 from typing import Any
@@ -22,6 +23,16 @@ log = logging.getLogger("ember.compat")
 def storage_use_count(cdata: int) -> int:
     """How many references the C++ side holds to the storage with handle ``cdata``."""
     return torch._C._storage_Use_Count(cdata)
+
+
+@functools.cache
+def storage_object_refs() -> int:
+    """References a storage's Python object adds to its use count once ``untyped_storage()`` has
+    made one (PyTorch keeps that object for the storage's life): the use count of a storage that
+    one tensor and that object refer to, less the tensor's one. Measured once per process, so a
+    release that counts differently is followed, not assumed."""
+    t = torch.empty(1)
+    return storage_use_count(t.untyped_storage()._cdata) - 1
 
 
 def set_version_counters(tensors: Sequence[torch.Tensor], versions: Sequence[int]) -> None:

@@ -77,6 +77,7 @@ class FakeGraphs(CudaBackend):
         self.captured = 0
         self.recovered = False
         self.pools: list[object] = []
+        self.graphs: list[_FakeGraph] = []
 
     def new_pool(self, device: torch.device, shared: bool) -> object:
         return object()
@@ -114,6 +115,7 @@ class FakeGraphs(CudaBackend):
         torch.set_rng_state(rng)
         graph = _FakeGraph(run, list(inputs), outputs)
         graph.pool_memory = made
+        self.graphs.append(graph)
         return graph, outputs
 
     def replay(self, graph: object, args: list) -> None:
@@ -129,6 +131,11 @@ class FakeGraphs(CudaBackend):
 
     def recover(self, device: torch.device) -> None:
         self.recovered = True
+
+    def refs_to(self, storage_cdata: int) -> int:
+        # Unlike a CUDA graph, the stand-in keeps its graphs' outputs (detached) to write into.
+        return sum(1 for g in self.graphs for x in g.outputs
+                   if isinstance(x, torch.Tensor) and x.untyped_storage()._cdata == storage_cdata)
 
 
 def fake_runner(program: Callable[[list], object], backend: FakeGraphs | None = None) -> CudaGraphRunner:

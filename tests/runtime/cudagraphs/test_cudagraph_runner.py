@@ -594,3 +594,59 @@ def test_a_host_input_that_changes_between_calls_is_never_captured() -> None:
         x = torch.randn(4)
         torch.testing.assert_close(runner([x, torch.tensor(i + 1)])[0], x * (i + 1))
     assert runner.captures == 0 and "capture deferred: input 1 is a host tensor" in runner.status
+
+
+# -- one graph called once per layer --------------------------------------------------------------
+
+
+class _AttentionLayer(nn.Module):
+    """A layer whose graph returns views (q, k, v) of one projection's output, as attention does."""
+
+    def __init__(self, d: int) -> None:
+        super().__init__()
+        self.q, self.k, self.v, self.o = (nn.Linear(d, d) for _ in range(4))
+        self.norm = nn.LayerNorm(d)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, t, d = x.shape
+
+        def heads(y: torch.Tensor) -> torch.Tensor:
+            return y.view(b, t, 2, d // 2).transpose(1, 2)
+
+        a = nn.functional.scaled_dot_product_attention(heads(self.q(x)), heads(self.k(x)), heads(self.v(x)))
+        return self.norm(x + torch.tanh(self.o(a.transpose(1, 2).reshape(b, t, d))))
+
+
+class _LayerPerGraph(nn.Module):
+    """Every layer a graph of its own, all layers one compiled frame: the frame's graph runs once
+    per layer and step (BART's layers on the GPU), its earlier calls' activations still held."""
+
+    def __init__(self, layers: int = 6, d: int = 16) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList(_AttentionLayer(d) for _ in range(layers))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for layer in self.layers:
+            x = layer(x)
+            torch._dynamo.graph_break()
+        return x
+
+
+@pytest.mark.parametrize("steps", [1, 3])
+def test_a_graph_called_once_per_layer_never_overwrites_saved_activations(steps: int) -> None:
+    torch.manual_seed(0)
+    base = _LayerPerGraph()
+    x = torch.randn(2, 5, 16)
+    ref = copy.deepcopy(base)
+    (ref(x) ** 2).sum().backward()
+    torch._dynamo.reset()
+    model = copy.deepcopy(base)
+    compiled = ember.compile(model, target="aten")
+    with instrument(cudagraph_device=FakeGraphs(), capture_rule=lambda *a, **k: None):
+        for _ in range(steps):
+            model.zero_grad()
+            (compiled(x) ** 2).sum().backward()
+    statuses = [g.cudagraph for g in compiled._ember_backend.log.graphs]
+    assert any(s.startswith("captured") for s in statuses), statuses
+    for (name, p), pr in zip(model.named_parameters(), ref.parameters()):
+        torch.testing.assert_close(p.grad, pr.grad, rtol=1e-4, atol=1e-5, msg=lambda m, n=name: f"{n}: {m}")

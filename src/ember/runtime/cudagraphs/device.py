@@ -114,6 +114,11 @@ class CudaBackend:
         """Replay ``graph``; ``args`` are this call's inputs (the graph reads their addresses)."""
         graph.replay()  # type: ignore[attr-defined]
 
+    def refs_to(self, storage_cdata: int) -> int:
+        """References this backend itself keeps to a storage (a CUDA graph keeps none: it holds
+        addresses, not tensors)."""
+        return 0
+
     def on_device(self, t: torch.Tensor) -> bool:
         """Whether the graph reads and writes ``t``'s memory (host tensors are read at capture)."""
         return t.device.type == "cuda"

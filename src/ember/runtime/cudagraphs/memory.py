@@ -91,7 +91,7 @@ class OutputGroup:
     nbytes: int
     members: list[int]  # slot indices
     own: StorageWeakRef
-    own_base: int = 0  # references to ``own`` that are not the caller's (the CPU stand-in's)
+    own_base: int = 0  # references to ``own`` that are not the caller's (recording.GraphRecorder._baseline)
     lo: int = 0  # byte range the members cover
     hi: int = 0
     copy: bool = False

@@ -234,13 +234,21 @@ class GraphRecorder:
             slots.append(Slot("pool", meta_of(leaf), k, leaf.storage_offset()))
         for grp in groups:
             grp.copy = final or any(m in self.copy_leaves for m in grp.members)
-            # The leaves about to be handed out refer to the storage, each once, and so do the
-            # bases of those that are views; anything else (the backend, a Python storage object
-            # PyTorch keeps) is the baseline.
-            holders = {id(leaves[j]) for j in grp.members}
-            holders |= {id(leaves[j]._base) for j in grp.members if leaves[j]._is_view()}
-            grp.own_base = compat.storage_use_count(grp.own.cdata) - len(holders)
+            grp.own_base = self._baseline(grp, [leaves[j] for j in grp.members])
         return slots, groups, container
+
+    def _baseline(self, grp: OutputGroup, members: list[torch.Tensor]) -> int:
+        """References to a group's storage that are not the caller's: the storage's Python object
+        and whatever the backend itself keeps, never more. What else refers to the storage right
+        after the capture (the leaves about to be handed out and the bases of views among them,
+        but also the program's intermediate views, alive until Python's cycle collector or a
+        frame lets them go) is not counted in: a baseline that took a transient reference in
+        let a replay overwrite an output autograd had saved once that reference was gone (a
+        layer's graph called once per layer, its earlier calls' activations held)."""
+        expected = compat.storage_object_refs() + self.backend.refs_to(grp.own.cdata)
+        holders = {id(t) for t in members} | {id(t._base) for t in members if t._is_view()}
+        measured = compat.storage_use_count(grp.own.cdata) - len(holders)
+        return min(expected, measured)  # fewer than expected: count the caller's refs, never miss one
 
     def _first_outputs(self, g: CapturedGraph, outputs: object, refs: list) -> object:
         """Run the graph just captured and hand out the capture's own output tensors."""
