@@ -62,7 +62,15 @@ def compile(model: Callable, **options: Any) -> Callable:  # noqa: A001 - mirror
     start_workers_early(model, backend.options)  # their start-up overlaps the user's code and Dynamo
     compiled = optimize(model, backend)
     compiled._ember_backend = backend
+    if backend.options.warm_start and isinstance(compiled, torch_module()):
+        from ember.capture.warm_start import install
+        install(compiled, model, backend)  # a new process loads what an earlier one compiled
     return compiled
+
+
+def torch_module() -> type:
+    import torch
+    return torch.nn.Module
 
 
 def explain(model: Callable, *args: Any, **kwargs: Any) -> Any:

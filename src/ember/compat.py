@@ -103,3 +103,54 @@ def recompile_limit_name() -> str:
 def functorch_config() -> Any:
     """AOTAutograd's config module (settings patched per compile)."""
     return torch._functorch.config
+
+
+# -- warm start (capture/warm_start.py): torch's ahead-of-time compile of a whole-graph frame --------
+
+def aot_compile_api() -> Any:
+    """torch's ``aot_compile`` pieces a warm start uses, as one namespace; raises ImportError (with
+    the missing name) on a torch without them."""
+    import types
+
+    from torch._dynamo import aot_compile as aot  # noqa: F401 - the module must exist
+    from torch._dynamo.aot_compile import AOTCompiledFunction, aot_compile_fullgraph
+    from torch._dynamo.aot_compile_types import SerializableCallable
+    from torch._dynamo.guards import CheckFunctionManager
+    from torch._dynamo.hooks import Hooks
+    from torch._functorch._aot_autograd.aot_autograd_result import deserialize_bundled_cache_entry
+    from torch._functorch._aot_autograd.autograd_cache import AOTAutogradCache
+    from torch._functorch._aot_autograd.schemas import AOTAutogradCacheInfo
+    from torch._inductor.output_code import OutputCode
+    for name in ("force_autograd_cache", "bundled_autograd_cache", "force_non_lazy_backward_lowering"):
+        if not hasattr(torch._functorch.config, name):
+            raise ImportError(f"torch._functorch.config.{name}")
+    return types.SimpleNamespace(
+        AOTCompiledFunction=AOTCompiledFunction, aot_compile_fullgraph=aot_compile_fullgraph,
+        SerializableCallable=SerializableCallable, Hooks=Hooks, OutputCode=OutputCode,
+        unserializable_guards=tuple(CheckFunctionManager.UNSUPPORTED_SERIALIZATION_GUARD_TYPES),
+        deserialize_bundled_cache_entry=deserialize_bundled_cache_entry, AOTAutogradCache=AOTAutogradCache,
+        AOTAutogradCacheInfo=AOTAutogradCacheInfo)
+
+
+def bundled_entry_mode(api: Any) -> Any:
+    """While active, AOTAutograd builds its bundled cache entry for each compile (the forward/backward
+    split, its runtime metadata and each compiled graph's OutputCode) WITHOUT looking in or writing
+    to its own on-disk cache: the entry travels only inside Ember's warm-start file, under Ember's
+    key. (A lookup there could return a program compiled for other Ember options, or Inductor's.)"""
+    import contextlib
+    import dataclasses
+    import time
+    import uuid
+    from unittest import mock
+
+    def try_load(mod: Any, args: Any, aot_config: Any, *rest: Any, **kw: Any) -> tuple[None, Any]:
+        info = api.AOTAutogradCacheInfo(f"ember-{uuid.uuid4().hex}", time.time_ns(), forward_symints=[])
+        return None, dataclasses.replace(aot_config, cache_info=info)
+
+    stack = contextlib.ExitStack()
+    stack.enter_context(torch._functorch.config.patch({
+        "force_autograd_cache": True, "bundled_autograd_cache": True, "force_non_lazy_backward_lowering": True}))
+    stack.enter_context(mock.patch.object(api.AOTAutogradCache, "try_load", staticmethod(try_load)))
+    stack.enter_context(mock.patch.object(api.AOTAutogradCache, "_write_to_local_cache",
+                                          staticmethod(lambda key, content: None)))
+    return stack

@@ -143,6 +143,9 @@ class Options:
                                "weights) once per parameter version (passes/freeze.py)", "EMBER_FREEZE")
     channels_last: bool = _item(True, "GPU targets: convolutional graphs run in channels_last (passes/layout.py; "
                                       "off: eager's NCHW everywhere)", "EMBER_LAYOUT", false_words=("nchw",))
+    warm_start: bool = _item(False, "an nn.Module captured as one graph is saved with Dynamo's guards and Ember's "
+                                    "programs; a new process loads it instead of tracing again "
+                                    "(capture/warm_start.py)", "EMBER_WARM_START")
     progress: bool | None = _item(None, "one updating line on stderr while a compile runs longer than about 2 s "
                                         "(report/progress.py); unset: on when stderr is a terminal",
                                   "EMBER_PROGRESS", "bool")

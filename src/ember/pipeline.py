@@ -36,7 +36,7 @@ from ember.passes.freeze import static_input_indices
 from ember.passes.layout import layout_summary, report_output_strides
 from ember.report import progress
 from ember.report.records import GraphRecord
-from ember.runtime.artifacts import ProgramStore, graph_key, restore_record, stored_program
+from ember.runtime.artifacts import ProgramStore, StoredProgram, graph_key, restore_record, stored_program
 from ember.runtime.cache_folder import usable_options
 from ember.runtime.cudagraphs.rules import cudagraph_blocker, read_only_inputs
 from ember.runtime.cudagraphs.runner import CudaGraphRunner
@@ -65,6 +65,7 @@ class GraphJob:
     slug: str  # its folder under the debug dir
     level: int  # DEBUG level
     cache_problem: str = ""  # why the cache folder cannot be used ("" when it can)
+    stored: StoredProgram | None = None  # the program as the cache keeps it (loaded or built)
 
     def dump(self, name: str, text: str) -> None:
         if self.options.debug_dir:
@@ -125,7 +126,7 @@ def _compile(job: GraphJob, reference: fx.GraphModule | None) -> CompiledGraph:
         # (with a debug folder or DEBUG set the user wants every stage: compile, do not look up)
         run = run_stage("cache_load", record, _load_cached, job, store, key)
         if run is not None:
-            return _replay_stage(job, run, blocker, read_only, reference)
+            return _keep(job, _replay_stage(job, run, blocker, read_only, reference), blocker, read_only)
 
     run_stage("passes", record, _passes_stage, job)
     plan = run_stage("schedule", record, _schedule_stage, job)
@@ -133,9 +134,32 @@ def _compile(job: GraphJob, reference: fx.GraphModule | None) -> CompiledGraph:
     pending = run_stage("kernel_compile", record, _kernel_compile_stage, job, kernels)
     _record_plan(record, plan, kernels)
     program = run_stage("program", record, _program_stage, job, plan, kernels)
+    job.stored = stored_program(program.source.text, [(ks.name, ks.module_source()) for ks in program.kernels],
+                                program.source.namespace["_consts"], program.source.attrs, job.record)
     if store is not None and key is not None:
-        _save(job, store, key, program, kernels)
-    return _replay_stage(job, program.run, blocker, read_only, reference, pending)
+        _save(job, store, key)
+    return _keep(job, _replay_stage(job, program.run, blocker, read_only, reference, pending), blocker, read_only)
+
+
+def _keep(job: GraphJob, graph: CompiledGraph, blocker: str | None, read_only: frozenset[int]) -> CompiledGraph:
+    """Note on the compiled graph what relinking it elsewhere needs (capture/warm_start.py)."""
+    graph.saved = {"program": job.stored, "blocker": blocker, "read_only": sorted(read_only)}
+    return graph
+
+
+def link_stored(stored: StoredProgram, attrs: dict[str, object], options: Options, record: GraphRecord,
+                target: Target, blocker: str | None, read_only: frozenset[int]) -> CompiledGraph:
+    """A program a previous process compiled (``CompiledGraph.saved``), linked again with its kernels
+    and the graph attributes it reads (``attrs``: name in the program -> value), wrapped as
+    ``_compile`` wraps a fresh one (CUDA-graph replay where the rule allowed it)."""
+    options, cache_problem = usable_options(options)
+    job = GraphJob(None, [], options, record, target, debug_folder(record.title), config.debug_level(),  # type: ignore[arg-type]
+                   cache_problem, stored)
+    run = _link(job, stored.text, stored.kernels, stored.consts, attrs)
+    restore_record(record, stored.record)
+    record.target = target.name
+    record.program = stored.text
+    return _keep(job, _replay_stage(job, run, blocker, read_only, None), blocker, read_only)
 
 
 # -- stages --------------------------------------------------------------------------------------
@@ -265,6 +289,7 @@ def _load_cached(job: GraphJob, store: ProgramStore, key: str) -> Callable[[list
     except Exception:  # noqa: BLE001 - a stale or damaged entry: rebuild it
         store.discard(key)
         return None
+    job.stored = hit
     restore_record(job.record, hit.record)
     report_output_strides(job.record.kind, job.record.layout)
     job.record.cache = "hit"
@@ -273,11 +298,9 @@ def _load_cached(job: GraphJob, store: ProgramStore, key: str) -> Callable[[list
     return run
 
 
-def _save(job: GraphJob, store: ProgramStore, key: str, program: LinkedProgram, kernels: GeneratedKernels) -> None:
-    kept = [(ks.name, ks.module_source()) for ks in program.kernels]
-    consts = program.source.namespace["_consts"]
-    saved = store.save(key, stored_program(program.source.text, kept, consts, program.source.attrs, job.record),
-                       job.record.title)
+def _save(job: GraphJob, store: ProgramStore, key: str) -> None:
+    assert job.stored is not None
+    saved = store.save(key, job.stored, job.record.title)
     job.record.cache = "stored" if saved else f"not stored: {store.error}"
 
 

@@ -133,6 +133,9 @@ class EmberBackend:
         # torch._dynamo.optimize enters this around every call of the compiled model (what
         # ember.compile uses; torch.compile(backend=...) does not pass it on).
         self.backend_ctx_ctor = self.shape_policy
+        # Set by a warm start's compile (capture/warm_start.py): wraps each compiled graph so that
+        # AOTAutograd's bundled cache entry can carry it to the next process.
+        self.output_wrapper: Callable[[Callable, fx.GraphModule, GraphRecord], Callable] | None = None
 
     @property
     def static_budget(self) -> int:
@@ -206,7 +209,7 @@ class EmberBackend:
                 if _symbolic_inputs(graph, "val") or any(is_symbolic(x) for x in inputs):
                     compiled = _run_as_captured(graph, record)
                     self.programs.append((record, compiled.ember_graph))
-                    return compiled
+                    return self.output_wrapper(compiled, graph, record) if self.output_wrapper else compiled
                 # AOTAutograd calls compilers with its fake mode active; Ember's compile works on
                 # real constants (folding, cache keys) and enters the graph's fake mode where it needs it.
                 # A backward compiled when autograd first reaches it has a progress scope of its own.
@@ -217,7 +220,7 @@ class EmberBackend:
                 # Training graphs share the model's pool; an inference graph gets a pool of its own,
                 # measured, pre-sized and released the same way (runtime/cudagraphs/pool.py).
                 share_pool(compiled, self.graph_pool if kind != "inference" else GraphPool(training=False))
-                return compiled
+                return self.output_wrapper(compiled, graph, record) if self.output_wrapper else compiled
             return compiler
 
         # The frame's target, resolved once: its graphs (forward, backward) compile for it.

@@ -55,6 +55,8 @@ class CompileLog:
     rewrites: Counter = field(default_factory=Counter)  # Dynamo-graph rewrites before AOTAutograd -> count
     # Frames Dynamo stopped compiling (its recompile limit): they run eagerly from then on.
     gave_up: list[str] = field(default_factory=list)
+    # What the warm start did (capture/warm_start.py): loaded, compiled and saved, or why it is off.
+    warm_start: list[str] = field(default_factory=list)
 
     def stage_totals(self) -> dict[str, float]:
         """Ember's compile time per stage, summed over all graphs."""

@@ -65,6 +65,10 @@ class CompiledGraph:
     # workers build (runtime/precompile.py), so the next graph compiles meanwhile.
     before_first_call: Callable[[], None] | None = None
     after_first_call: Callable[[float], None] | None = None  # told the first run's seconds
+    # What a warm start needs to link this program again in a new process without its graph
+    # (capture/warm_start.py): the stored program and the replay rule's decision. None when the
+    # graph ran as captured (an internal error, dynamic shapes).
+    saved: dict | None = None
 
     def __call__(self, args: list) -> object:
         self.calls += 1

@@ -1,0 +1,311 @@
+"""Warm start: a new process runs a model Ember compiled before without tracing it again.
+
+``ember.compile(model, warm_start=True)`` (or ``EMBER_WARM_START=1``). For an ``nn.Module`` whose
+``forward`` Dynamo captures as ONE graph, the first call of each input signature goes through
+torch's ahead-of-time compile (``torch._dynamo.aot_compile.aot_compile_fullgraph``): Dynamo's
+guards and bytecode plus Ember's backend result (capture/warm_artifact.py: AOTAutograd's
+forward/backward split and Ember's programs) are saved in ``<cache>/warm_start/<key>.ember-warm``.
+A later process computes the same key, loads that file, checks Dynamo's saved guards and the
+traced sources, and runs: no Dynamo trace, no AOTAutograd, no Ember stage.
+
+What keeps a stale program out:
+- The file's key: Ember's version and source digest, torch/triton/Python versions, the tuning
+  database's stamp, the device's name, Ember's options, the model's class and a hash of the source
+  files of every module class in it, every parameter's and buffer's name/shape/dtype/device/
+  requires_grad, the training flags, the inputs' shapes/strides/dtypes/devices/requires_grad,
+  grad mode and autocast state.
+- Dynamo's guards, saved with the frame and checked on every call (tensor shapes, dtypes, devices,
+  strides of inputs and parameters, module types, grad mode, global torch state). torch drops the
+  guards it cannot serialise (guards on module globals, ID_MATCH and the like, listed in
+  ``CheckFunctionManager.UNSUPPORTED_SERIALIZATION_GUARD_TYPES``); the key stands in for those it can
+  (sources, module classes), not for the *value* of a module global the forward reads.
+- The source of every function Dynamo traced, checked against the file's checksums on load.
+- A damaged or unreadable file: a warning, the file removed, a fresh compile.
+
+A forward Dynamo cannot capture whole (a graph break), a module with forward hooks, ``check=True``,
+``debug_dir``, ``cache=False`` or a torch without this API: today's path, and ``explain`` says why.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import inspect
+import io
+import json
+import os
+import sys
+import tempfile
+import time
+import warnings
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+
+MAGIC = b"EMBERWARM1\n"
+SUFFIX = ".ember-warm"
+
+
+def unavailable(model: object, options: Any) -> str | None:
+    """Why ``model`` cannot warm start with ``options`` (None: it can)."""
+    from ember import config
+    if not isinstance(model, torch.nn.Module):
+        return "only an nn.Module's forward warm starts"
+    if model._forward_hooks or model._forward_pre_hooks or model._backward_hooks or model._backward_pre_hooks:
+        return "the module has hooks (a warm start compiles forward, not the hooks around it)"
+    if not options.cache:
+        return "cache=False"
+    if options.check or options.debug_dir or config.debug_level():
+        return "check, debug_dir or DEBUG ask for every stage"
+    try:
+        from ember.capture import warm_artifact  # noqa: F401 - needs torch's aot_compile API
+    except ImportError as err:
+        return f"this torch has no ahead-of-time compile API ({err})"
+    return None
+
+
+def _global_hooks() -> bool:
+    m = torch.nn.modules.module
+    return bool(m._global_forward_hooks or m._global_forward_pre_hooks or m._global_backward_hooks
+                or m._global_backward_pre_hooks)
+
+
+def _value_signature(x: object) -> str:
+    if isinstance(x, torch.Tensor):
+        return f"T{x.dtype}{tuple(x.shape)}{x.stride()}{x.device}{int(x.requires_grad)}"
+    if isinstance(x, (list, tuple)):
+        return f"{type(x).__name__}[{','.join(_value_signature(v) for v in x)}]"
+    if isinstance(x, dict):
+        return "{" + ",".join(f"{k!r}:{_value_signature(v)}" for k, v in x.items()) + "}"
+    if x is None or isinstance(x, (bool, int, float, str)):
+        return repr(x)[:200]
+    return type(x).__qualname__
+
+
+def call_key(args: tuple, kwargs: dict) -> str:
+    """What selects a saved frame before its guards are checked: the inputs and global modes."""
+    autocast = [(d, torch.get_autocast_dtype(d)) for d in ("cpu", "cuda") if torch.is_autocast_enabled(d)]
+    return f"{_value_signature(args)}|{_value_signature(kwargs)}|grad={torch.is_grad_enabled()}|{autocast}"
+
+
+_FILE_HASHES: dict[tuple[str, float], str] = {}
+
+
+def _file_hash(path: str | None) -> str:
+    if not path or not os.path.exists(path):
+        return "?"
+    stamp = (path, os.path.getmtime(path))
+    if stamp not in _FILE_HASHES:
+        _FILE_HASHES[stamp] = hashlib.sha256(Path(path).read_bytes()).hexdigest()[:16]
+    return _FILE_HASHES[stamp]
+
+
+def _class_source(cls: type) -> str:
+    try:
+        path = inspect.getsourcefile(cls)
+    except (TypeError, OSError):
+        path = None
+    return f"{cls.__module__}.{cls.__qualname__}@{_file_hash(path)}"
+
+
+def _device_name(args: tuple, kwargs: dict, model: torch.nn.Module) -> str:
+    tensors = [t for t in (*args, *kwargs.values(), *model.parameters(), *model.buffers()) if isinstance(t, torch.Tensor)]
+    for t in tensors:
+        if t.device.type == "cuda":
+            return torch.cuda.get_device_name(t.device)
+    return "cpu"
+
+
+def model_key(model: torch.nn.Module, options: Any, ckey: str, args: tuple, kwargs: dict) -> tuple[str, dict]:
+    """The file key (see the module docstring) and its parts, for the file's readable header."""
+    from ember.runtime.artifacts import _versions
+    from ember.tune.apply import tuning_stamp
+    opts = {k: v for k, v in vars(options).items() if k not in ("progress", "debug_dir", "cache_dir")}
+    parts = {
+        "versions": f"{_versions()} python {sys.version.split()[0]}",
+        "device": _device_name(args, kwargs, model),
+        "tuning": tuning_stamp(options.cache_root()),
+        "options": repr(sorted(opts.items())),
+        "model": _class_source(type(model)),
+        "classes": sorted({_class_source(type(m)) for m in model.modules()}),
+        "state": [f"{n}:{_value_signature(t)}" for n, t in (*model.named_parameters(), *model.named_buffers())],
+        "training": [m.training for m in model.modules()],
+        "call": ckey,
+    }
+    digest = hashlib.sha256(json.dumps(parts, sort_keys=True, default=str).encode()).hexdigest()
+    return digest, parts
+
+
+class WarmStart:
+    """The compiled module's ``forward`` with warm starts (see the module docstring)."""
+
+    def __init__(self, model: torch.nn.Module, backend: Any, dynamo_forward: Callable, off: str | None) -> None:
+        self.model = model
+        self.backend = backend
+        self.dynamo_forward = dynamo_forward
+        self.entries: list[tuple[str, Any]] = []  # (call key, torch's AOTCompiledFunction)
+        self.off = off
+        if off:
+            self.note(f"off: {off}")
+
+    def note(self, line: str) -> None:
+        self.backend.log.warm_start.append(line)
+
+    def folder(self) -> Path:
+        return Path(self.backend.options.cache_root()) / "warm_start"
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        if self.off or _global_hooks():
+            return self.dynamo_forward(*args, **kwargs)
+        ckey = call_key(args, kwargs)
+        for key, fn in self.entries:
+            if key == ckey and fn.guard_check(self.model, *args, **kwargs):
+                return fn.fn(self.model, *args, **kwargs)
+        if len(self.entries) >= max(1, self.backend.options.max_recompiles):
+            return self.dynamo_forward(*args, **kwargs)  # Dynamo's recompiles and dynamic shapes take over
+        with self.backend.shape_policy():
+            fn = self._load_or_compile(ckey, args, kwargs)
+        if fn is None:
+            return self.dynamo_forward(*args, **kwargs)
+        self.entries.append((ckey, fn))
+        return fn.fn(self.model, *args, **kwargs)
+
+    # -- load ----------------------------------------------------------------------------------
+
+    def _load_or_compile(self, ckey: str, args: tuple, kwargs: dict) -> Any:
+        key, parts = model_key(self.model, self.backend.options, ckey, args, kwargs)
+        path = self.folder() / f"{key[:40]}{SUFFIX}"
+        if path.exists():
+            start = time.perf_counter()
+            try:
+                fn = self._load(path, args, kwargs)
+            except Exception as err:  # noqa: BLE001 - damaged, truncated or from elsewhere: compile afresh
+                warnings.warn(f"ember: the warm-start file {path} cannot be used ({type(err).__name__}: "
+                              f"{str(err)[:300]}); compiling afresh", RuntimeWarning, stacklevel=4)
+                path.unlink(missing_ok=True)
+                self.note(f"damaged file removed ({type(err).__name__}); compiled afresh")
+            else:
+                if fn is not None:
+                    self.note(f"loaded {path.name} in {time.perf_counter() - start:.3f} s (no trace)")
+                    return fn
+        return self._compile(path, parts, args, kwargs)
+
+    def _load(self, path: Path, args: tuple, kwargs: dict) -> Any:
+        from ember.capture import warm_artifact as wa
+        blob = path.read_bytes()
+        if not blob.startswith(MAGIC):
+            raise ValueError("not an Ember warm-start file")
+        n = int.from_bytes(blob[len(MAGIC):len(MAGIC) + 8], "little")
+        head = json.loads(blob[len(MAGIC) + 8:len(MAGIC) + 8 + n])
+        data = blob[len(MAGIC) + 8 + n:]
+        if hashlib.sha256(data).hexdigest() != head.get("sha256"):
+            raise ValueError("checksum mismatch")
+        token = wa.LOADING.set(self.backend)
+        try:
+            fn = wa.API.AOTCompiledFunction.deserialize(data, f_globals=_forward_globals(self.model))
+        finally:
+            wa.LOADING.reset(token)
+        changed = _changed_sources(fn)
+        if changed:
+            self.note(f"source changed since {path.name} was saved ({changed}); compiled afresh")
+            return None
+        if not fn.guard_check(self.model, *args, **kwargs):
+            self.note(f"{path.name}: a saved guard fails for this call; compiled afresh")
+            return None
+        return fn
+
+    # -- compile and save -----------------------------------------------------------------------
+
+    def _compile(self, path: Path, parts: dict, args: tuple, kwargs: dict) -> Any:
+        from ember.capture import warm_artifact as wa
+        from ember.compat import bundled_entry_mode
+
+        backend = self.backend
+        dropped: list[str] = []
+
+        def keep(entries: list) -> list[bool]:
+            out = [not (g.is_global or g.guard_type in wa.API.unserializable_guards) for g in entries]
+            dropped.extend(f"{g.guard_type} {g.name}" for g, k in zip(entries, out) if not k)
+            return out
+
+        def serializable_backend(gm: torch.fx.GraphModule, example_inputs: list) -> Any:
+            with bundled_entry_mode(wa.API):
+                return wa.EmberCompiledFrame(backend(gm, example_inputs))
+
+        backend.output_wrapper = wa.EmberOutputCode.wrap
+        try:
+            with torch._dynamo.config.patch(automatic_dynamic_shapes=False, assume_static_by_default=True):
+                fn = wa.API.aot_compile_fullgraph(self.model.forward, (args, kwargs), wa.API.Hooks(guard_filter_fn=keep),
+                                                  serializable_backend)
+        except Exception as err:  # noqa: BLE001 - a graph break, or anything torch's AOT compile refuses
+            self.off = f"no whole-graph capture ({type(err).__name__}: {_first_line(err)})"
+            self.note(f"off: {self.off}; today's path (Dynamo, graph breaks allowed) from now on")
+            return None
+        finally:
+            backend.output_wrapper = None
+        self.note(f"compiled and traced; {len(dropped)} guard(s) torch cannot save were dropped "
+                  f"({', '.join(sorted(set(g.split()[0] for g in dropped)))})" if dropped else "compiled and traced")
+        try:
+            result = wa.API.AOTCompiledFunction.serialize(fn)
+            data = getattr(result, "serialized_data", result)  # torch >= 2.13 wraps the bytes
+            _write(path, data, parts)
+            self.note(f"saved {path.name} ({len(data)} bytes)")
+        except Exception as err:  # noqa: BLE001 - it still runs in this process, just not saved
+            self.note(f"not saved: {type(err).__name__}: {_first_line(err)}")
+        return fn
+
+
+def _first_line(err: BaseException) -> str:
+    text = str(err).strip()
+    return (text.splitlines() or [""])[0][:300]
+
+
+def _forward_globals(model: torch.nn.Module) -> dict:
+    forward = type(model).forward
+    return getattr(forward, "__globals__", {})
+
+
+def _changed_sources(fn: Any) -> str:
+    """The first traced source whose text differs from what the file was saved from ("" if none)."""
+    from torch._dynamo import package
+    try:
+        infos = fn.source_info().inlined_sources
+    except Exception:  # noqa: BLE001
+        return "no source record"
+    for src in infos:
+        module = sys.modules.get(src.module)
+        try:
+            if module is None:
+                import importlib
+                module = importlib.import_module(src.module)
+            text = "".join(package._get_sourcelines(module, src.firstlineno, src.lastlineno))
+            if package._hash_source(text) != src.checksum:
+                return f"{src.module} lines {src.firstlineno}-{src.lastlineno}"
+        except Exception as err:  # noqa: BLE001 - cannot check it: treat as changed
+            return f"{src.module}: {type(err).__name__}"
+    return ""
+
+
+def _write(path: Path, data: bytes, parts: dict) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    head = json.dumps({"sha256": hashlib.sha256(data).hexdigest(), "key": parts}, default=str).encode()
+    buf = io.BytesIO()
+    buf.write(MAGIC)
+    buf.write(len(head).to_bytes(8, "little"))
+    buf.write(head)
+    buf.write(data)
+    with tempfile.NamedTemporaryFile(dir=path.parent, delete=False, prefix=".warm-") as tmp:
+        tmp.write(buf.getvalue())
+    os.replace(tmp.name, path)
+
+
+def install(compiled: torch.nn.Module, model: torch.nn.Module, backend: Any) -> None:
+    """Route the compiled module's calls through a WarmStart (ember.compile(warm_start=True))."""
+    warm = WarmStart(model, backend, compiled.forward, unavailable(model, backend.options))
+    compiled.forward = warm
+    # On the compiled module itself, not (through OptimizedModule's attribute forwarding) on the
+    # user's module: Dynamo saves the module's state with the guards, and a backend cannot be saved.
+    model.__dict__.pop("_ember_backend", None)
+    object.__setattr__(compiled, "_ember_backend", backend)
+    object.__setattr__(compiled, "_ember_warm_start", warm)

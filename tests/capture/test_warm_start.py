@@ -1,0 +1,116 @@
+"""Warm start across processes (capture/warm_start.py): a second process loads what the first saved
+and traces nothing; results equal a cold compile's; every changed guard gives a fresh compile."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+WORKER = Path(__file__).parents[1] / "support" / "warm_worker.py"
+ROOT = Path(__file__).resolve().parents[2]
+
+MODEL = '''
+import torch
+from torch import nn
+
+
+class Net(nn.Module):
+    def __init__(self, hidden):
+        super().__init__()
+        self.fc1 = nn.Linear(6, hidden)
+        self.norm = nn.LayerNorm(hidden)
+        self.fc2 = nn.Linear(hidden, 3)
+
+    def forward(self, x):
+        return self.fc2(torch.relu(self.norm(self.fc1(x))) * 2.0)
+
+
+class Broken(Net):
+    def forward(self, x):
+        y = self.fc1(x)
+        print("a graph break")
+        return self.fc2(torch.relu(self.norm(y)))
+'''
+
+
+def _run(cache: Path, models: Path, mode: str, *variants: str) -> tuple[list[dict], str]:
+    env = {**os.environ, "PYTHONPATH": str(ROOT / "src"), "XDG_CACHE_HOME": str(cache / "xdg")}
+    for name in ("EMBER_STRICT", "EMBER_WARM_START", "EMBER_CACHE_DIR"):
+        env.pop(name, None)
+    proc = subprocess.run([sys.executable, str(WORKER), str(cache), str(models), mode, *variants], env=env,
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    results = json.loads(proc.stdout.strip().splitlines()[-1])
+    for r in results:  # every run is correct, whatever the warm start did
+        assert r["out_err"] < 1e-4 and r["grad_err"] < 1e-4, r
+    return results, proc.stderr
+
+
+def _models(tmp_path: Path, source: str = MODEL) -> Path:
+    folder = tmp_path / "models"
+    folder.mkdir(exist_ok=True)
+    (folder / "warm_model.py").write_text(source)
+    return folder
+
+
+def _loaded(r: dict) -> bool:
+    return any(line.startswith("loaded") for line in r["log"])
+
+
+def _compiled(r: dict) -> bool:
+    return any(line.startswith("compiled and traced") for line in r["log"])
+
+
+@pytest.mark.parametrize("mode", ["infer", "train"])
+def test_second_process_loads_without_tracing(tmp_path: Path, mode: str) -> None:
+    models = _models(tmp_path)
+    (cold,), _ = _run(tmp_path, models, mode)
+    assert _compiled(cold) and any(line.startswith("saved") for line in cold["log"]), cold["log"]
+    assert cold["traced_graphs"] == 1
+    (warm,), _ = _run(tmp_path, models, mode)
+    assert _loaded(warm) and not _compiled(warm), warm["log"]
+    assert warm["traced_graphs"] == 0  # Dynamo traced nothing in this process
+    assert set(warm["caches"]) == {"warm start"}
+    assert warm["out"] == cold["out"] and warm["grads"] == cold["grads"]  # the same program ran
+    if mode == "train":
+        assert len(warm["grads"]) == 6 and len(warm["caches"]) == 2  # forward and backward
+
+
+def test_every_changed_guard_compiles_afresh(tmp_path: Path) -> None:
+    models = _models(tmp_path)
+    _run(tmp_path, models, "train")
+    variants = ("base", "weight_dtype", "weight_shape", "ember_version", "device_name")
+    results, _ = _run(tmp_path, models, "train", *variants)
+    by = {r["variant"]: r for r in results}
+    assert _loaded(by["base"]) and by["base"]["traced_graphs"] == 0
+    for name in variants[1:]:
+        assert _compiled(by[name]) and not _loaded(by[name]), (name, by[name]["log"])
+    # The model's source changed (same class, same file): a fresh compile of the new code.
+    _models(tmp_path, MODEL.replace("* 2.0", "* 3.0"))
+    (changed,), _ = _run(tmp_path, models, "train")
+    assert _compiled(changed) and not _loaded(changed), changed["log"]
+
+
+def test_damaged_file_warns_and_compiles_afresh(tmp_path: Path) -> None:
+    models = _models(tmp_path)
+    _run(tmp_path, models, "infer")
+    (path,) = (tmp_path / "warm_start").glob("*.ember-warm")
+    data = bytearray(path.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    path.write_bytes(bytes(data))
+    (r,), stderr = _run(tmp_path, models, "infer")
+    assert "cannot be used (ValueError: checksum mismatch); compiling afresh" in stderr
+    assert _compiled(r) and any("damaged" in line for line in r["log"])
+
+
+def test_graph_break_falls_back_to_dynamo(tmp_path: Path) -> None:
+    models = _models(tmp_path)
+    (r,), _ = _run(tmp_path, models, "infer", "graph_break")
+    assert any(line.startswith("off: no whole-graph capture") for line in r["log"]), r["log"]
+    assert r["traced_graphs"] == 2  # Dynamo's own path: two graphs around the break
+    assert not list((tmp_path / "warm_start").glob("*.ember-warm"))

@@ -1,0 +1,73 @@
+"""Run in a fresh process by tests/capture/test_warm_start.py: compile a small model with
+``warm_start=True``, run it once (inference, or a training step), and print one JSON line: what
+the warm start did, how many graphs Dynamo traced in this process, the output and gradient sums,
+and the largest difference from eager.
+
+    python warm_worker.py CACHE_DIR MODEL_DIR MODE [VARIANT ...]
+
+MODE is infer or train. MODEL_DIR holds ``warm_model.py`` (the test writes it; a changed source
+is a changed file). Each VARIANT compiles a fresh ember.compile of a changed case in this same
+process: base, weight_dtype, weight_shape, ember_version, device_name, graph_break.
+"""
+
+from __future__ import annotations
+
+import copy
+import importlib
+import json
+import sys
+
+import torch
+from torch._dynamo.utils import counters
+
+import ember
+from ember.capture import warm_start
+
+
+def run(cache_dir: str, mode: str, variant: str) -> dict:
+    import warm_model
+    importlib.reload(warm_model)  # the file may have changed since this process imported it
+    torch.manual_seed(0)
+    hidden = 12 if variant == "weight_shape" else 8
+    model = (warm_model.Broken if variant == "graph_break" else warm_model.Net)(hidden)
+    x = torch.randn(4, 6)
+    if variant == "weight_dtype":
+        model, x = model.double(), x.double()
+    if mode == "infer":
+        model.eval()
+    ref = copy.deepcopy(model)
+    compiled = ember.compile(model, warm_start=True, cache_dir=cache_dir, target="cpu")
+    graphs_before = counters["stats"]["unique_graphs"]
+    if mode == "train":
+        out = compiled(x)
+        out.square().sum().backward()
+        want = ref(x)
+        want.square().sum().backward()
+        grads = {n: p.grad.double().sum().item() for n, p in model.named_parameters()}
+        grad_err = max((p.grad - q.grad).abs().max().item() for p, q in zip(model.parameters(), ref.parameters()))
+    else:
+        with torch.no_grad():
+            out, want = compiled(x), ref(x)
+        grads, grad_err = {}, 0.0
+    return {"variant": variant, "log": compiled._ember_backend.log.warm_start,
+            "traced_graphs": counters["stats"]["unique_graphs"] - graphs_before,
+            "caches": [g.cache for g in compiled._ember_backend.log.graphs],
+            "out": out.double().sum().item(), "grads": grads,
+            "out_err": (out - want).abs().max().item(), "grad_err": grad_err}
+
+
+def main() -> None:
+    cache_dir, model_dir, mode, *variants = sys.argv[1:]
+    sys.path.insert(0, model_dir)
+    results = []
+    for variant in variants or ["base"]:
+        if variant == "ember_version":
+            ember.__version__ = "0.0.0-patched"  # part of the file's key (runtime/artifacts._versions)
+        if variant == "device_name":
+            warm_start._device_name = lambda *a: "another device"  # what a different GPU changes
+        results.append(run(cache_dir, mode, variant))
+    print(json.dumps(results))
+
+
+if __name__ == "__main__":
+    main()
