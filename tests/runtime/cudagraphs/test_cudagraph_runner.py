@@ -650,3 +650,29 @@ def test_a_graph_called_once_per_layer_never_overwrites_saved_activations(steps:
     assert any(s.startswith("captured") for s in statuses), statuses
     for (name, p), pr in zip(model.named_parameters(), ref.parameters()):
         torch.testing.assert_close(p.grad, pr.grad, rtol=1e-4, atol=1e-5, msg=lambda m, n=name: f"{n}: {m}")
+
+
+def _masked_sum(args: list) -> tuple:
+    x, mask = args
+    args.clear()
+    return ((x * mask).sum(1),)
+
+
+def test_an_expanded_input_that_moves_is_copied_one_element_per_broadcast_dim() -> None:
+    runner = fake_runner(_masked_sum)
+    rows = []
+    for k in range(6):  # a new expanded mask (one row repeated) every call, as a broadcast attention mask
+        row = torch.randn(1, 8)
+        rows.append(row)  # keeps every call's memory distinct (the runner decides from addresses)
+        mask = row.expand(3, 8)
+        x = new_batch()
+        (got,) = runner([x, mask])
+        torch.testing.assert_close(got, (x * mask).sum(1))
+        del got
+    assert runner.captures == 1 and runner.replays >= 4, runner.status
+    # Then a mask that is not expanded: the graph's buffer holds one row, so it captures again.
+    mask = torch.randn(3, 8)
+    x = new_batch()
+    (got,) = runner([x, mask])
+    torch.testing.assert_close(got, (x * mask).sum(1))
+    assert "no longer expanded" in runner.status or runner.captures == 2, runner.status

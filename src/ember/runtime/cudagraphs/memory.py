@@ -122,6 +122,45 @@ class CapturedGraph:
     same_calls: list[int] = field(default_factory=list)
     pooled: dict[int, tuple[int, int]] = field(default_factory=dict)  # input -> its buffer's (address, bytes) in the pool
 
+    @property
+    def expanded(self) -> bool:
+        """Whether a copied input's buffer is expanded (replays copy it with ``copy_in``)."""
+        if self._expanded is None:
+            self._expanded = any(broadcast_dims(b) for b in self.buffers)
+        return self._expanded
+
+    _expanded: bool | None = None
+
+
+def broadcast_dims(t: torch.Tensor) -> tuple[int, ...]:
+    """Dimensions along which ``t`` repeats one element (stride 0, size above 1: an expanded tensor)."""
+    return tuple(d for d, (n, st) in enumerate(zip(t.shape, t.stride())) if st == 0 and n > 1)
+
+
+def one_of_each(t: torch.Tensor, dims: tuple[int, ...]) -> torch.Tensor:
+    """``t`` with each of ``dims`` narrowed to its first element: what a copy into an expanded
+    buffer writes (a copy into the buffer itself would write each memory location many times)."""
+    for d in dims:
+        t = t.narrow(d, 0, 1)
+    return t
+
+
+def copy_in(dsts: list[torch.Tensor], srcs: list[torch.Tensor]) -> None:
+    """``torch._foreach_copy_(dsts, srcs)``, where an expanded destination gets one element per
+    broadcast dimension (its source repeats it there too: ``expanded_moved`` checks)."""
+    if any(broadcast_dims(d) for d in dsts):
+        pairs = [(one_of_each(d, dims), one_of_each(x, dims)) for d, x in zip(dsts, srcs)
+                 for dims in (broadcast_dims(d),)]
+        dsts, srcs = [d for d, _ in pairs], [x for _, x in pairs]
+    if dsts:
+        torch._foreach_copy_(dsts, srcs)
+
+
+def copyable(t: torch.Tensor) -> bool:
+    """Whether ``t`` can be copied into a buffer of its own strides: no two elements share memory,
+    except along broadcast dimensions, whose one element ``copy_in`` writes once."""
+    return torch._debug_has_internal_overlap(one_of_each(t, broadcast_dims(t))) == 0
+
 
 def uses(grp: OutputGroup) -> int:
     """References to the group's memory beyond the runner's own."""

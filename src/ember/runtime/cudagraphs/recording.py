@@ -16,7 +16,10 @@ from ember.runtime.cudagraphs.memory import (
     OutputGroup,
     PoolState,
     Slot,
+    broadcast_dims,
     copy_group,
+    copy_in,
+    copyable,
     few,
     meta_of,
     rebase,
@@ -98,9 +101,9 @@ class GraphRecorder:
         statics = set(static)
         dynamic = [i for i in tensors if i not in statics]
         for i in dynamic:
-            if torch._debug_has_internal_overlap(refs[i]) != 0:
-                raise ValueError(f"input {i} moves between calls and has overlapping memory (an expanded "
-                                 "tensor), so it cannot be copied into a static buffer")
+            if not copyable(refs[i]):
+                raise ValueError(f"input {i} moves between calls and has overlapping memory, so it cannot be "
+                                 "copied into a static buffer")
         # A read-only input's buffer is allocated by the capture, in the graph's pool, and freed
         # by the program after its last read: its memory serves the graph's later tensors, as
         # an eager input's would once consumed (mobilenet_v3's 74 MiB input batch sat beside its
@@ -116,7 +119,7 @@ class GraphRecorder:
             buffers = {i: torch.empty_strided(refs[i].shape, refs[i].stride(), dtype=refs[i].dtype,
                                               device=refs[i].device) for i in held}
         if buffers:
-            torch._foreach_copy_(list(buffers.values()), [refs[i] for i in held])
+            copy_in(list(buffers.values()), [refs[i] for i in held])
         inputs = list(refs)
         for i, buf in buffers.items():
             inputs[i] = buf
@@ -159,13 +162,15 @@ class GraphRecorder:
                 refs[i] = weak[i]() if weak[i] is not None else None
         after = [version_of(w()) if w is not None and w() is not None else b for w, b in zip(weak, before)]
         mutated = {i for i in tensors if before[i] is None or before[i] != after[i]}
+        if any(broadcast_dims(refs[i]) for i in dynamic if i in mutated and refs[i] is not None):
+            raise ValueError("the program writes an expanded input that moves between calls")
         slots, groups, container = self._outputs(outputs, weak, stores, final)
         for i in pooled:  # copy targets on the pool's memory, which the allocator may hand out again
             ptr, nbytes = places[i]
             buffers[i] = torch.empty(0, dtype=refs[i].dtype, device=device).set_(
                 self.backend.view(ptr, nbytes, device, state), 0, refs[i].shape, refs[i].stride())
         if pooled:  # the first replay follows at once (_first_outputs)
-            torch._foreach_copy_([buffers[i] for i in pooled], [refs[i] for i in pooled])
+            copy_in([buffers[i] for i in pooled], [refs[i] for i in pooled])
         g = CapturedGraph(graph, state, static, static_ptrs, dynamic, [buffers[i] for i in dynamic],
                    [k for k, i in enumerate(dynamic) if i in mutated],
                    [i for i in static if i in mutated and before[i] is not None],

@@ -74,7 +74,9 @@ from ember.runtime.cudagraphs.device import CudaBackend
 from ember.runtime.cudagraphs.memory import (
     CapturedGraph,
     PoolState,
+    broadcast_dims,
     copy_group,
+    copy_in,
     few,
     is_held,
     overwrite_hazards,
@@ -183,6 +185,12 @@ class CudaGraphRunner(GraphRecorder):
         if g.static_idx and [args[i].data_ptr() for i in g.static_idx] != g.static_ptrs:
             return self._moved(g, args)
         self.transient = 0
+        if g.expanded:
+            spread = [i for i, b in zip(g.dynamic_idx, g.buffers)
+                      if set(broadcast_dims(b)) - set(broadcast_dims(args[i]))]
+            if spread:  # the buffer holds one element where this input has many
+                self.next_static = [i for i in g.static_idx if i not in g.sources]
+                return f"input {few(spread)} is no longer expanded as when captured"
         # Every group, copied ones too: an output handed out before its group became a copy
         # may still be held, and the replay would overwrite it.
         held = [k for k, grp in enumerate(g.groups) if is_held(grp)]
@@ -276,7 +284,10 @@ class CudaGraphRunner(GraphRecorder):
         refs = list(args)
         args.clear()
         if g.dynamic_idx:
-            torch._foreach_copy_(g.buffers, [refs[i] for i in g.dynamic_idx])
+            if g.expanded:
+                copy_in(g.buffers, [refs[i] for i in g.dynamic_idx])
+            else:
+                torch._foreach_copy_(g.buffers, [refs[i] for i in g.dynamic_idx])
         self.backend.replay(g.graph, refs)
         self.replays += 1
         if g.writeback:
