@@ -139,13 +139,24 @@ def bundled_entry_mode(api: Any) -> Any:
     key. (A lookup there could return a program compiled for other Ember options, or Inductor's.)"""
     import contextlib
     import dataclasses
+    import inspect
     import time
     import uuid
     from unittest import mock
 
-    def try_load(mod: Any, args: Any, aot_config: Any, *rest: Any, **kw: Any) -> tuple[None, Any]:
-        info = api.AOTAutogradCacheInfo(f"ember-{uuid.uuid4().hex}", time.time_ns(), forward_symints=[])
-        return None, dataclasses.replace(aot_config, cache_info=info)
+    # torch 2.14's try_load returns (compiled or None, the config carrying the cache info); older
+    # releases return the compiled function or None and set the info on the config in place.
+    returns_config = "tuple" in str(inspect.signature(api.AOTAutogradCache.try_load).return_annotation)
+
+    def try_load(mod: Any, args: Any, aot_config: Any, *rest: Any, **kw: Any) -> Any:
+        try:
+            info = api.AOTAutogradCacheInfo(f"ember-{uuid.uuid4().hex}", time.time_ns(), forward_symints=[])
+        except TypeError:  # a release whose cache info has no forward_symints
+            info = api.AOTAutogradCacheInfo(f"ember-{uuid.uuid4().hex}", time.time_ns())
+        if returns_config:
+            return None, dataclasses.replace(aot_config, cache_info=info)
+        aot_config.cache_info = info
+        return None
 
     stack = contextlib.ExitStack()
     stack.enter_context(torch._functorch.config.patch({

@@ -168,8 +168,17 @@ class WarmStart:
             fn = self._load_or_compile(ckey, args, kwargs)
         if fn is None:
             return self.dynamo_forward(*args, **kwargs)
+        try:
+            out = fn.fn(self.model, *args, **kwargs)
+        except Exception as err:  # noqa: BLE001 - never fail where today's path works
+            # A torch whose internals differ from what the warm start was written against fails
+            # here, before the program runs: warn once and take today's path for good.
+            self.off = f"the warm-start program failed on its first call ({type(err).__name__}: {str(err)[:200]})"
+            self.note(f"off: {self.off}")
+            warnings.warn(f"ember: {self.off}; compiling without warm start", RuntimeWarning, stacklevel=2)
+            return self.dynamo_forward(*args, **kwargs)
         self.entries.append((ckey, fn))
-        return fn.fn(self.model, *args, **kwargs)
+        return out
 
     # -- load ----------------------------------------------------------------------------------
 
