@@ -162,6 +162,7 @@ def _ember_whole_step(model: nn.Module, optimizer: torch.optim.Optimizer, loss_f
         return whole(*inputs, target)
 
     step.explain = whole.explain  # type: ignore[attr-defined]
+    step.whole_step = whole  # type: ignore[attr-defined]
     return step
 
 
