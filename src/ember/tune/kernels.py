@@ -18,7 +18,7 @@ from ember.schedule.plan import FusedGroup
 from ember.targets import Target
 from ember.tune.db import Result, TuningDB, config_text
 from ember.tune.device import fingerprint
-from ember.tune.measure import KernelRun, mismatch, time_ms
+from ember.tune.measure import KernelRun, mismatch, time_interleaved_ms
 from ember.tune.space import Candidate, cpu_candidates, triton_candidates
 
 
@@ -132,10 +132,9 @@ def tune_group(group: FusedGroup, target: Target, kernel_dir: Path, db: TuningDB
     scratch = run.fresh_outputs()
     stamp = time.time()
     results: list[Result] = []
-    if "{}" not in done:
-        launch_default = run.launcher(default)
-        out.default_ms = time_ms(lambda: launch_default(scratch), run.device, per_candidate_s)
-        results.append(Result(default.name, device, {}, out.default_ms, "ok", "", out.label, stamp))
+    # The default is always timed, beside the candidates that pass (measure.time_interleaved_ms):
+    # they are compared with each other, so load from elsewhere must not fall on one of them only.
+    passed: list[tuple[dict[str, int], KernelSource]] = [({}, default)]
     for config, ks in chosen:
         if deadline is not None and time.perf_counter() >= deadline:
             results.append(incomplete_marker(default.name, device, out.label, stamp))
@@ -151,9 +150,13 @@ def tune_group(group: FusedGroup, target: Target, kernel_dir: Path, db: TuningDB
             out.failures.append(f"{config}: {why}")
             results.append(Result(default.name, device, config, None, "failed", why, out.label, stamp))
             continue
-        launch = run.launcher(ks)
-        ms = time_ms(lambda launch=launch: launch(scratch), run.device, per_candidate_s)
+        passed.append((config, ks))
+    launches = [run.launcher(ks) for _, ks in passed]
+    times = time_interleaved_ms([lambda launch=launch: launch(scratch) for launch in launches], run.device,
+                                per_candidate_s * len(passed))
+    for (config, _), ms in zip(passed, times):
         results.append(Result(default.name, device, config, ms, "ok", "", out.label, stamp))
+    out.default_ms = times[0]
     if not out.incomplete:
         db.forget(default.name, device, INCOMPLETE)
     db.record(results, fingerprint(target.device_type))

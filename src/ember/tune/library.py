@@ -27,7 +27,7 @@ from ember.passes.library_sites import LibrarySite, TensorSig
 from ember.tune.db import Result, TuningDB
 from ember.tune.device import fingerprint
 from ember.tune.kernels import KernelTuning
-from ember.tune.measure import _OUTPUT_HOOKS, _storage_numel, mismatch, time_ms
+from ember.tune.measure import _OUTPUT_HOOKS, _storage_numel, mismatch, time_interleaved_ms
 
 aten = torch.ops.aten
 mkldnn = torch.ops.mkldnn
@@ -138,9 +138,9 @@ def _config(site: LibrarySite, impl: str) -> dict:
 
 def tune_site(site: LibrarySite, db: TuningDB, device: str, per_candidate_s: float = 0.2,
               deadline: float | None = None) -> KernelTuning:
-    """Check and time every implementation of ``site`` (the rule's first) and record them.
-    Stops before a candidate once ``deadline`` (a ``perf_counter`` time) has passed; what was
-    measured is recorded and the site marked incomplete, to be finished by a later run."""
+    """Check every implementation of ``site`` (the rule's first), time those that pass together,
+    and record them. Stops before a candidate once ``deadline`` (a ``perf_counter`` time) has
+    passed; what was measured is recorded and the site marked incomplete, finished by a later run."""
     from ember.tune.kernels import INCOMPLETE, incomplete_marker, measured_configs
     out = KernelTuning(site.key, site.label)
     done = measured_configs(db, site.key, device)
@@ -148,11 +148,12 @@ def tune_site(site: LibrarySite, db: TuningDB, device: str, per_candidate_s: flo
     ref = reference(site, ops)
     stamp = time.time()
     results: list[Result] = []
+    passed: list[tuple[dict, Callable[[], torch.Tensor]]] = []
     for impl in site.impls:
         config = _config(site, impl)
-        if config_key(config) in done:
-            continue
-        if deadline is not None and time.perf_counter() >= deadline and (results or done):
+        if config and config_key(config) in done:
+            continue  # measured by a run the budget cut short (the rule is timed again, beside the rest)
+        if deadline is not None and time.perf_counter() >= deadline and passed:
             results.append(incomplete_marker(site.key, device, out.label, stamp))
             out.incomplete = True
             break
@@ -170,7 +171,11 @@ def tune_site(site: LibrarySite, db: TuningDB, device: str, per_candidate_s: flo
             out.failures.append(f"{impl}: {why}")
             results.append(Result(site.key, device, config, None, "failed", why, out.label, stamp))
             continue
-        ms = time_ms(lambda run=run: run(), torch.device("cpu"), per_candidate_s)
+        passed.append((config, run))
+    # Timed together, in turn (measure.time_interleaved_ms): a site's candidates are compared with
+    # each other, so load from elsewhere must not fall on one of them only.
+    times = time_interleaved_ms([run for _, run in passed], torch.device("cpu"), per_candidate_s * len(passed))
+    for (config, _), ms in zip(passed, times):
         results.append(Result(site.key, device, config, ms, "ok", "", out.label, stamp))
     if not out.incomplete:
         db.forget(site.key, device, INCOMPLETE)
