@@ -198,7 +198,6 @@ def summary_table(report: TuneReport):
                 ("from the shared database" if k.source == "shared" else "from your database") if k.cached else "incomplete: the budget ran out" if k.incomplete else "")
         table.add_row(k.label, f"{k.default_ms:.4f}" if k.default_ms else "-", f"{k.best_ms:.4f}" if k.best_ms else "-",
                       f"{k.gain:.2f}x" if k.gain else "-", _best_text(k), f"{k.tried}/{k.failed}", note)
-    table.caption = answered_line(report)
     return table
 
 
