@@ -9,7 +9,10 @@ Per model (training, bf16 autocast, the registry's default batch, SGD with momen
      best candidates of each kernel (every candidate checked against the default's output on
      fresh random inputs) within ``--budget`` seconds, into a fresh tuning database;
   3. tuned Ember: compile again (the database now answers), time the same steps;
-  4. a second tune of the same model: must finish in seconds (everything in the database).
+  4. a second tune of the same model: must finish in seconds when the first one finished
+     (everything in the database); a kernel the first tune's budget cut short (the budget is
+     checked between one kernel's candidates) is finished by the second, so then it takes longer:
+     the ``cut`` column counts those kernels and the ones never reached.
 Both arms start from the same weights and batches; the first losses must agree (bf16 tolerance).
 Prints a table (untuned ms, tuned ms, speedup, tuning seconds, kernels measured / tuned-in-use,
 candidates rejected) and writes JSON with the device and versions. Expected runtime: about
@@ -115,6 +118,7 @@ def run_model(name: str, budget: float, steps: int, warmup: int, cache: Path, to
         "loss_agrees": abs(loss_u - loss_t) <= 2e-2 * max(1.0, abs(loss_u)),
         "collect_s": collect_s, "tune_s": report.seconds, "kernels": len(report.kernels),
         "measured": len(report.measured), "skipped_budget": report.skipped,
+        "incomplete": sum(k.incomplete for k in report.kernels),
         "candidates": sum(k.tried for k in report.measured), "rejected": sum(k.failed for k in report.measured),
         "errors": [k.error for k in report.kernels if k.error][:5],
         "tuned_in_use": sum(tuned_in_use), "second_tune_s": second_s,
@@ -148,13 +152,14 @@ def main() -> int:
         print(json.dumps(rows[-1], default=str), flush=True)
     print(f"\n{describe('cuda')}")
     print(f"{'model':10s} {'untuned ms':>10s} {'tuned ms':>9s} {'speedup':>8s} {'tune s':>7s} "
-          f"{'measured':>8s} {'in use':>6s} {'rejected':>8s} {'2nd tune s':>10s} loss ok")
+          f"{'measured':>8s} {'in use':>6s} {'rejected':>8s} {'cut':>4s} {'2nd tune s':>10s} loss ok")
     for r in rows:
         if "error" in r:
             print(f"{r['model']:10s} ERROR {r['error']}")
             continue
         print(f"{r['model']:10s} {r['untuned_ms']:10.2f} {r['tuned_ms']:9.2f} {r['speedup']:8.3f} {r['tune_s']:7.1f} "
-              f"{r['measured']:8d} {r['tuned_in_use']:6d} {r['rejected']:8d} {r['second_tune_s']:10.1f} {r['loss_agrees']}")
+              f"{r['measured']:8d} {r['tuned_in_use']:6d} {r['rejected']:8d} {r['incomplete'] + r['skipped_budget']:4d} "
+              f"{r['second_tune_s']:10.1f} {r['loss_agrees']}")
     ok = [r["speedup"] for r in rows if "speedup" in r]
     if ok:
         print(f"geomean speedup tuned/untuned: {statistics.geometric_mean(ok):.3f}")

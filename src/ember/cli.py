@@ -120,11 +120,14 @@ def _parser() -> argparse.ArgumentParser:
     x.add_argument("--device", default="auto", type=_device, help="auto|cuda|cpu")
     x.add_argument("--html", metavar="PATH", help="also write the report as HTML")
 
-    t = sub.add_parser("tune", help="tune a model's generated kernels for this machine (ember/tune/)",
+    t = sub.add_parser("tune", help="tune a model's generated kernels and library choices for this machine "
+                       "(ember/tune/)",
                        description="Compile MODEL (a registry name or a script defining `model` and "
-                       "`example_inputs`), then time the best candidate configurations of its generated kernels, "
-                       "each checked against the default's output, within --budget seconds; results go to the "
-                       "tuning database, which later compiles use.")
+                       "`example_inputs`), then time the library implementations of its convolutions and linear "
+                       "layers (CPU inference) and the best candidate configurations of its generated kernels, "
+                       "each checked against a reference, within --budget seconds; results go to the "
+                       "tuning database, which later compiles use. What the database or the shared one "
+                       "(EMBER_TUNING_SHARED) already answers is not measured again.")
     t.add_argument("model", nargs="?", metavar="MODEL|script.py")
     t.add_argument("--device", default="auto", type=_device, help="auto|cuda|cpu")
     t.add_argument("--budget", type=float, default=300.0, help="seconds of tuning (default 300)")

@@ -213,8 +213,8 @@ class Settings:
     whole_step_warmup: int = _item(3, "optimizer steps a whole-step program runs uncaptured on CUDA before it "
                                       "captures (PyTorch's whole-network capture recipe warms up)",
                                    "EMBER_WHOLE_STEP_WARMUP")
-    tuning: bool = _item(True, "compile uses the tuning database's configurations (ember tune); off: the fixed "
-                               "block-size rules only", "EMBER_TUNING")
+    tuning: bool = _item(True, "compile uses the tuning database's kernel configurations and library choices "
+                               "(ember tune); off: the fixed rules only", "EMBER_TUNING")
     tuning_db: str | None = _item(None, "the user's tuning database (default <cache_dir>/tuning.sqlite)",
                                   "EMBER_TUNING_DB", "path")
     tuning_shared: str | None = _item(None, "a read-only tuning database a team or project ships; the user's own "

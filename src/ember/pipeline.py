@@ -174,8 +174,10 @@ def _passes_stage(job: GraphJob) -> fx.GraphModule:
         if job.level >= 3:
             print(f"# ember: {record.title} after {result.name}\n{result.graph_after}")
 
+    from ember.tune.apply import library_chooser
     context = PassContext(record.kind, job.target.name, static_input_indices(), job.options.freeze,
-                          job.options.channels_last, list(job.example_inputs))
+                          job.options.channels_last, list(job.example_inputs),
+                          library_chooser(job.target, job.options.cache_root(), record))
     run_passes(job.gm, passes_for(context), on_result=on_pass,
                keep_text=job.level >= 3 or bool(job.options.debug_dir))
     record.layout = layout_summary(job.gm)

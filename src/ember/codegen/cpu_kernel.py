@@ -97,7 +97,8 @@ class CpuWriter(CpuReductions):
 
     def __init__(self, group: FusedGroup, config: dict[str, int] | None = None) -> None:
         super().__init__(group)
-        # Tuned overrides (ember/tune/space.py): "blk" points per column unit, "threads".
+        # Tuned overrides (ember/tune/space.py): "blk" points per column unit, "threads", "chunk"
+        # (units per piece of the parallel split; runtime/cpu_support.py drive_chunked).
         self.config = dict(config or {})
         self._check_supported()
         self.tensors = list(group.inputs) + list(group.outputs)
@@ -353,8 +354,9 @@ class CpuWriter(CpuReductions):
         kernel_name = f"ember_cpu_{digest}"
         instance = {"kernel": kernel_name, "static": self.static, "units": units, "points": points,
                     "tensors": len(self.tensors)}
-        if "threads" in self.config:
-            instance["threads"] = self.config["threads"]
+        for key in ("threads", "chunk"):  # tuned: thread count, units per piece dealt to threads in turn
+            if key in self.config:
+                instance[key] = self.config[key]
         trailer = INSTANCE_MARKER + json.dumps(instance, separators=(",", ":")) + "\n"
         name = f"{kernel_name}_{hashlib.sha256(trailer.encode()).hexdigest()[:8]}"
         ops = "\n".join(f"#   {node_source(n)}" for n in self.group.nodes)

@@ -25,6 +25,7 @@ from ember.passes.cpu_library import lower_cpu_library_calls
 from ember.passes.fold_conv import fold_conv_affine
 from ember.passes.freeze import mark_frozen
 from ember.passes.layout import to_channels_last
+from ember.passes.library_sites import Choose
 from ember.targets import BY_NAME
 
 GraphPass = Callable[[fx.GraphModule], int]
@@ -43,6 +44,7 @@ class PassContext:
     freeze: bool = True
     channels_last: bool = True  # Options.channels_last
     example_inputs: list | None = None  # what AOTAutograd passed (the backward's carry saved strides)
+    library_choice: Choose | None = None  # tuned library implementations per site (tune/apply.py)
 
     @property
     def freezing(self) -> bool:
@@ -70,7 +72,14 @@ def passes_for(context: PassContext) -> list[GraphPass]:
     if context.freezing:
         def mark_frozen_parameters(gm: fx.GraphModule) -> int:
             return mark_frozen(gm, context.static_inputs)
-        passes += [mark_frozen_parameters, fold_conv_affine, lower_cpu_library_calls, eliminate_dead_code]
+        library = lower_cpu_library_calls
+        if context.library_choice is not None:
+            choose = context.library_choice
+
+            def library(gm: fx.GraphModule) -> int:
+                return lower_cpu_library_calls(gm, choose)
+            library.__name__ = lower_cpu_library_calls.__name__  # the pass keeps its name in reports
+        passes += [mark_frozen_parameters, fold_conv_affine, library, eliminate_dead_code]
     return passes
 
 

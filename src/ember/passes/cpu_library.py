@@ -14,6 +14,11 @@ oneDNN has native bf16 kernels (AVX512-BF16 / AMX); frozen weight (and bias), 2-
 transposed; linear = ``addmm(bias, X, t(W))`` or ``mm(X, t(W))`` with 2-D X. A post-op is fused
 when the op's only user is one of ``_UNARY`` (through one view for linear) or, for
 convolutions, an ``add`` of a same-shape tensor optionally followed by ReLU.
+
+The rule (oneDNN for both) is the default. A chooser (``choose``, from the tuning database:
+tune/apply.py) may pick another implementation per site (passes/library_sites.py): ATen's op as
+captured, or for float32 linear layers MKL's packed GEMM (``mkl._mkl_linear``); the epilogue then
+stays in the graph as its own kernel.
 """
 
 from __future__ import annotations
@@ -23,6 +28,7 @@ import torch.fx as fx
 
 from ember.passes.freeze import is_frozen
 from ember.passes.graph_edit import add_node, fake_mode_of, refresh_metadata
+from ember.passes.library_sites import Choose, LibrarySite, tensor_sig
 
 aten = torch.ops.aten
 mkldnn = torch.ops.mkldnn
@@ -59,7 +65,26 @@ def _same_dtype(*nodes: object) -> bool:
     return len(dtypes) == 1 and dtypes <= _library_dtypes()
 
 
-def _conv(graph: fx.Graph, mode: object, conv: fx.Node) -> bool:
+def _val_sig(node: object):
+    return tensor_sig(node.meta["val"]) if isinstance(node, fx.Node) else None
+
+
+def _unary_name(node: fx.Node) -> str:
+    if node.target == aten.gelu.default:
+        return "gelu:" + node.kwargs.get("approximate", node.args[1] if len(node.args) > 1 else "none")
+    return _UNARY.get(node.target, _LINEAR_UNARY.get(node.target, str(node.target)))
+
+
+def _conv_site(conv: fx.Node, chain: list[fx.Node], unary: str, other: fx.Node | None) -> LibrarySite:
+    x, weight, bias, stride, padding, dilation, _, _, groups = conv.args
+    epilogue = ("add" + ("+relu" if unary == "relu" else "")) if other is not None else \
+        (_unary_name(chain[-1]) if unary != "none" else "none")
+    return LibrarySite("conv", _val_sig(x), _val_sig(weight), _val_sig(bias),
+                       (tuple(stride), tuple(padding), tuple(dilation), groups), epilogue, _val_sig(other),
+                       x_is_graph_input=x.op == "placeholder", impls=("onednn", "aten"))
+
+
+def _conv(graph: fx.Graph, mode: object, conv: fx.Node, choose: Choose | None = None) -> bool:
     x, weight, bias, stride, padding, dilation, transposed, _, groups = conv.args
     wval = weight.meta.get("val")
     if (transposed or not is_frozen(weight) or (bias is not None and not is_frozen(bias))
@@ -80,6 +105,8 @@ def _conv(graph: fx.Graph, mode: object, conv: fx.Node) -> bool:
             after = _only_user(user)
             if after is not None and after.target == aten.relu.default:
                 chain, unary = [conv, user, after], "relu"
+    if choose is not None and choose(_conv_site(conv, chain, unary, other)) == "aten":
+        return False  # the tuned choice: ATen's convolution, the epilogue a kernel of its own
     with graph.inserting_before(chain[-1]):
         packed = add_node(graph, mode, mkldnn._reorder_convolution_weight.default,
                           (weight, list(padding), list(stride), list(dilation), groups, list(x.meta["val"].shape)),
@@ -100,7 +127,12 @@ def _conv(graph: fx.Graph, mode: object, conv: fx.Node) -> bool:
     return True
 
 
-def _linear(graph: fx.Graph, mode: object, node: fx.Node) -> bool:
+def _linear_impls(x: fx.Node) -> tuple[str, ...]:
+    mkl = torch.backends.mkl.is_available() and x.meta["val"].dtype == torch.float32
+    return ("onednn", "mkl", "aten") if mkl else ("onednn", "aten")
+
+
+def _linear(graph: fx.Graph, mode: object, node: fx.Node, choose: Choose | None = None) -> bool:
     if node.target == aten.addmm.default:
         if len(node.args) != 3 or node.kwargs:
             return False
@@ -129,6 +161,15 @@ def _linear(graph: fx.Graph, mode: object, node: fx.Node) -> bool:
     last = chain[-1]
     if unary == "gelu":
         algo = last.kwargs.get("approximate", last.args[1] if len(last.args) > 1 else "none")
+    if choose is not None:
+        site = LibrarySite("linear", _val_sig(x), _val_sig(weight), _val_sig(bias), (),
+                           f"gelu:{algo}" if unary == "gelu" else unary, impls=_linear_impls(x))
+        impl = choose(site)
+        if impl == "aten":
+            return False  # the tuned choice: addmm / mm as captured, the epilogue a kernel of its own
+        if impl == "mkl" and "mkl" in site.impls:
+            _mkl_linear(graph, mode, node, x, weight, bias)
+            return True
     with graph.inserting_before(last):
         new = add_node(graph, mode, mkldnn._linear_pointwise.default,
                        (x, weight, bias, unary, [], algo))
@@ -138,6 +179,20 @@ def _linear(graph: fx.Graph, mode: object, node: fx.Node) -> bool:
     return True
 
 
+def _mkl_linear(graph: fx.Graph, mode: object, node: fx.Node, x: fx.Node, weight: fx.Node,
+                bias: fx.Node | None) -> None:
+    """``node`` (addmm / mm of a frozen weight) -> MKL's GEMM with the weight packed once; its users
+    (a view, an epilogue) are left as they are."""
+    batch = x.meta["val"].shape[0]
+    with graph.inserting_before(node):
+        # The packed weight's shape is MKL's business; only mkl._mkl_linear reads it.
+        packed = add_node(graph, mode, torch.ops.mkl._mkl_reorder_linear_weight.default, (weight, batch),
+                          frozen=True, val=weight.meta["val"])
+        new = add_node(graph, mode, torch.ops.mkl._mkl_linear.default, (x, packed, weight, bias, batch))
+    node.replace_all_uses_with(new)
+    graph.erase_node(node)
+
+
 def _replace_chain(graph: fx.Graph, chain: list[fx.Node], new: fx.Node) -> None:
     """``chain`` (first op .. its last fused user, each the only user of the one before) -> ``new``."""
     chain[-1].replace_all_uses_with(new)
@@ -145,9 +200,9 @@ def _replace_chain(graph: fx.Graph, chain: list[fx.Node], new: fx.Node) -> None:
         graph.erase_node(n)
 
 
-def lower_cpu_library_calls(gm: fx.GraphModule) -> int:
+def lower_cpu_library_calls(gm: fx.GraphModule, choose: Choose | None = None) -> int:
     """Rewrite float32 (and, where the CPU has native bf16, bfloat16) convolutions and linear
-    layers with frozen weights into oneDNN calls."""
+    layers with frozen weights into oneDNN calls (or what ``choose`` picks per site)."""
     mode = fake_mode_of(gm)
     if mode is None or not available():
         return 0
@@ -159,9 +214,9 @@ def lower_cpu_library_calls(gm: fx.GraphModule) -> int:
         if node.op != "call_function":
             continue
         if node.target == aten.convolution.default:
-            lowered += _conv(graph, mode, node)
+            lowered += _conv(graph, mode, node, choose)
         elif node.target in (aten.addmm.default, aten.mm.default):
-            lowered += _linear(graph, mode, node)
+            lowered += _linear(graph, mode, node, choose)
     if lowered:
         refresh_metadata(gm, mode)
         _keep_output_layouts(graph, mode, output, before)

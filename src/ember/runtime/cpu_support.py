@@ -287,7 +287,22 @@ def drive(kernel, units, threads, argv):
             _call_kernel(kernel, lo, hi, addr)
 
 
-__all__ = ["KERNEL_SIGNATURE", "PARALLEL_MIN", "SCRATCH", "STACK_BLOCK", "drive", "launcher", "threads_for", "erf32", "erf64", "exp32", "exp64", "tanh32", "tanh64",
+@numba.njit(parallel=True, nogil=True, cache=True)
+def drive_chunked(kernel, units, threads, chunk, argv):
+    """``drive`` with the units cut into pieces of ``chunk`` dealt to the threads in turn (thread
+    t runs pieces t, t + threads, ...): a tuned alternative to one contiguous share per thread
+    where units cost unequal time or the shares' memory contends."""
+    addr = argv.ctypes.data
+    if units <= 0:
+        return
+    pieces = (units + chunk - 1) // chunk
+    for t in prange(threads):
+        for piece in range(t, pieces, threads):
+            lo = piece * chunk
+            _call_kernel(kernel, lo, min(lo + chunk, units), addr)
+
+
+__all__ = ["KERNEL_SIGNATURE", "PARALLEL_MIN", "SCRATCH", "STACK_BLOCK", "drive", "drive_chunked", "launcher", "threads_for", "erf32", "erf64", "exp32", "exp64", "tanh32", "tanh64",
            "_bf16_to_f32", "_f32_to_bf16", "_fmax", "_fmin", "_i32_as_f32", "_i64_as_f64", "_p_f32", "_p_f64", "_p_i16",
            "_p_i32", "_p_i64", "_p_i8", "_p_u16", "_p_u8", "_round_bf16", "_scratch_f32", "_scratch_f64", "_stack_f32", "_stack_f64", "_stack_i16", "_stack_i32", "_stack_i64", "_stack_i8", "_stack_u8"]
 
@@ -309,11 +324,16 @@ def launcher(address: int, instance: dict):
     # A tuned thread count (ember/tune) wins over the rule.
     threads = int(instance.get("threads") or threads_for(int(instance["points"]), units))
     n_tensors = int(instance["tensors"])
+    chunk = int(instance.get("chunk") or 0)  # a tuned parallel chunking (units per piece)
 
     def launch(*tensors) -> None:
         if len(tensors) != n_tensors:
             raise TypeError(f"CPU kernel takes {n_tensors} tensors, got {len(tensors)}")
-        drive(address, units, threads, np.array([t.data_ptr() for t in tensors] + static, dtype=np.int64))
+        argv = np.array([t.data_ptr() for t in tensors] + static, dtype=np.int64)
+        if chunk and threads > 1:
+            drive_chunked(address, units, threads, chunk, argv)
+        else:
+            drive(address, units, threads, argv)
 
     launch.units, launch.threads = units, threads
     return launch

@@ -47,6 +47,8 @@ EXTERN_OPS = {
     torch.ops.mkldnn._convolution_pointwise.default, torch.ops.mkldnn._convolution_pointwise.binary,
     torch.ops.mkldnn._linear_pointwise.default,
 }
+if torch.backends.mkl.is_available():  # MKL's packed GEMM, a tuned choice for linear layers (passes/cpu_library.py)
+    EXTERN_OPS.add(torch.ops.mkl._mkl_linear.default)
 
 REDUCTION_OPS = {aten.sum.dim_IntList, aten.amax.default, aten.amin.default, aten.mean.dim, aten.sum.default}
 

@@ -1,5 +1,7 @@
 """Compile-time use of the tuning database: after codegen, each kernel with a tuned answer for
-this device is generated again with its best checked configuration.
+this device is generated again with its best checked configuration; during the passes, each
+convolution / linear layer with a tuned answer gets its measured-best library implementation
+(``library_chooser``).
 
 Cost without tuning: nothing when neither database file exists (a ``stat`` per file), else one
 indexed query per graph for all of its kernels.
@@ -7,9 +9,12 @@ indexed query per graph for all of its kernels.
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
 from pathlib import Path
 
 from ember import config
+from ember.passes.library_sites import Choose, LibrarySite
 from ember.report.records import GraphRecord
 from ember.schedule.plan import KernelPlan
 from ember.targets import GeneratedKernels, Target
@@ -65,3 +70,47 @@ def apply_tuned(kernels: GeneratedKernels, plan: KernelPlan, target: Target, cac
         record.tuned[ks.name] = {"kernel": tuned.name, "config": choice.config, "ms": choice.ms,
                                  "default_ms": choice.default_ms, "gain": choice.gain, "source": choice.source}
     return kernels
+
+
+# ``ember tune`` collects the library sites of the model it compiles through this seam.
+_SITE_COLLECTORS: list[list[LibrarySite]] = []
+
+
+@contextlib.contextmanager
+def collecting_sites() -> Iterator[list[LibrarySite]]:
+    """Every library site the passes meet while this is active (compiles must not hit the cache)."""
+    found: list[LibrarySite] = []
+    _SITE_COLLECTORS.append(found)
+    try:
+        yield found
+    finally:
+        _SITE_COLLECTORS.remove(found)
+
+
+def library_chooser(target: Target, cache_root: Path, record: GraphRecord) -> Choose | None:
+    """The chooser of library implementations for one graph's passes, or None (the rules) when
+    tuning is off or there is neither a database nor a collector."""
+    if target.device_type != "cpu" or not config.tuning_enabled():
+        return None
+    db = tuning_db(cache_root)
+    if not db.exists() and not _SITE_COLLECTORS:
+        return None
+    from ember.tune.device import device_key
+    device = device_key("cpu")
+
+    def choose(site: LibrarySite) -> str | None:
+        for found in _SITE_COLLECTORS:
+            found.append(site)
+        if not db.exists():
+            return None
+        choice = db.choices([site.key], device).get(site.key)
+        if choice is None:
+            return None
+        impl = choice.config.get("impl", site.impls[0])
+        if impl not in site.impls:
+            return None  # an answer this Ember cannot emit here (another version's candidate)
+        record.tuned[site.key] = {"kernel": site.key, "label": site.label, "kind": "library",
+                                  "config": choice.config, "ms": choice.ms, "default_ms": choice.default_ms,
+                                  "gain": choice.gain, "source": choice.source}
+        return impl
+    return choose

@@ -30,7 +30,7 @@ CREATE TABLE IF NOT EXISTS results (
     device TEXT NOT NULL,      -- tune.device.device_key
     config TEXT NOT NULL,      -- canonical JSON of the overrides; '{}' is the default config
     ms REAL,                   -- median time; NULL for a failed candidate
-    status TEXT NOT NULL,      -- 'ok' or 'failed'
+    status TEXT NOT NULL,      -- 'ok', 'failed', or 'incomplete' (the marker of a kernel the budget cut short)
     detail TEXT NOT NULL DEFAULT '',
     label TEXT NOT NULL DEFAULT '',   -- what the kernel computes, for people
     tuned_at REAL NOT NULL,
@@ -172,6 +172,15 @@ class TuningDB:
                 conn.execute("INSERT OR REPLACE INTO devices VALUES (?, ?)",
                              (rows[0][1], json.dumps(fingerprint, sort_keys=True)))
         return len(rows)
+
+    def forget(self, kernel: str, device: str, config: dict) -> None:
+        """Delete one row (the marker of an interrupted kernel, once its candidates are all measured)."""
+        if self.read_only or not self.path.exists():
+            return
+        conn = self._connect()
+        with self._transaction(conn):
+            conn.execute("DELETE FROM results WHERE kernel = ? AND device = ? AND config = ?",
+                         (kernel, device, config_text(config)))
 
     @staticmethod
     def _transaction(conn: sqlite3.Connection):

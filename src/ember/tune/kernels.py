@@ -1,5 +1,8 @@
 """Tuning one fused group's kernel: the default and the model's best candidates, each checked
-against the default's output on fresh random inputs, then timed; everything recorded."""
+against the default's output on fresh random inputs, then timed; everything recorded.
+
+A deadline stops the candidates of one kernel too: what was measured is recorded with an
+``incomplete`` marker row, and a later run measures only the candidates still missing."""
 
 from __future__ import annotations
 
@@ -13,9 +16,9 @@ import torch
 from ember.codegen.kernel_source import KernelSource
 from ember.schedule.plan import FusedGroup
 from ember.targets import Target
-from ember.tune.db import Result, TuningDB
+from ember.tune.db import Result, TuningDB, config_text
 from ember.tune.device import fingerprint
-from ember.tune.measure import KernelRun, mismatch, time_ms
+from ember.tune.measure import KernelRun, mismatch, time_interleaved_ms
 from ember.tune.space import Candidate, cpu_candidates, triton_candidates
 
 
@@ -57,6 +60,9 @@ class KernelTuning:
     tried: int = 0
     failed: int = 0
     cached: bool = False  # answered by the database, nothing measured
+    source: str = ""  # where a cached answer came from: "user" or "shared"
+    incomplete: bool = False  # the budget ran out between this kernel's candidates
+    kind: str = "kernel"  # "kernel" (a generated kernel's configuration) or "library" (an implementation choice)
     error: str = ""
     failures: list[str] = field(default_factory=list)
 
@@ -65,15 +71,38 @@ class KernelTuning:
         return self.default_ms / self.best_ms if self.default_ms and self.best_ms else None
 
 
+# The marker row of a kernel whose candidates the budget cut short (never a choice: not 'ok').
+INCOMPLETE: dict = {"_incomplete": 1}
+
+
+def incomplete_marker(kernel: str, device: str, label_text: str, stamp: float) -> Result:
+    return Result(kernel, device, INCOMPLETE, None, "incomplete", "the tuning budget ran out", label_text, stamp)
+
+
+def is_complete(known: list[Result]) -> bool:
+    return bool(known) and not any(r.status == "incomplete" for r in known)
+
+
+def measured_configs(db: TuningDB, kernel: str, device: str) -> set[str]:
+    """The configurations of ``kernel`` already measured (checked or failed) in ``db``."""
+    return {config_text(r.config) for r in db.results(kernel, device) if r.status != "incomplete"}
+
+
 def tune_group(group: FusedGroup, target: Target, kernel_dir: Path, db: TuningDB, device: str,
-               top: int = 4, per_candidate_s: float = 0.2, force: bool = False) -> KernelTuning:
-    """Tune ``group``'s kernel unless ``db`` already has results for it on ``device``."""
+               top: int = 4, per_candidate_s: float = 0.2, force: bool = False,
+               deadline: float | None = None) -> KernelTuning:
+    """Tune ``group``'s kernel unless ``db`` already has complete results for it on ``device``.
+    Stops between candidates once ``deadline`` (a ``perf_counter`` time) has passed."""
     default = generate(group, target, {})
     out = KernelTuning(default.name, label(group))
-    if not force:
+    done: set[str] = set()
+    if force:
+        db.forget(default.name, device, INCOMPLETE)
+    else:
         known = db.results(default.name, device)
-        if known:
-            return _from_db(out, known)
+        if is_complete(known):
+            return from_db(out, known, "user")
+        done = {config_text(r.config) for r in known if r.status != "incomplete"}
     # The model's best ``top`` distinct candidates (configs that generate the default kernel
     # again, or the same kernel as an earlier one, are skipped).
     seen = {default.name}
@@ -87,6 +116,8 @@ def tune_group(group: FusedGroup, target: Target, kernel_dir: Path, db: TuningDB
         if ks.name in seen:
             continue
         seen.add(ks.name)
+        if config_text(cand.config) in done:
+            continue  # measured by an earlier run the budget cut short
         chosen.append((cand.config, ks))
         if len(chosen) >= top:
             break
@@ -99,11 +130,16 @@ def tune_group(group: FusedGroup, target: Target, kernel_dir: Path, db: TuningDB
     run = KernelRun(default, target, kernel_dir, seed=int.from_bytes(os.urandom(4), "little"))
     reference = run.outputs_of(default, candidate=False)
     scratch = run.fresh_outputs()
-    launch_default = run.launcher(default)
-    out.default_ms = time_ms(lambda: launch_default(scratch), run.device, per_candidate_s)
     stamp = time.time()
-    results = [Result(default.name, device, {}, out.default_ms, "ok", "", out.label, stamp)]
+    results: list[Result] = []
+    # The default is always timed, beside the candidates that pass (measure.time_interleaved_ms):
+    # they are compared with each other, so load from elsewhere must not fall on one of them only.
+    passed: list[tuple[dict[str, int], KernelSource]] = [({}, default)]
     for config, ks in chosen:
+        if deadline is not None and time.perf_counter() >= deadline:
+            results.append(incomplete_marker(default.name, device, out.label, stamp))
+            out.incomplete = True
+            break
         out.tried += 1
         try:
             why = mismatch(reference, run.outputs_of(ks, candidate=True))
@@ -114,17 +150,27 @@ def tune_group(group: FusedGroup, target: Target, kernel_dir: Path, db: TuningDB
             out.failures.append(f"{config}: {why}")
             results.append(Result(default.name, device, config, None, "failed", why, out.label, stamp))
             continue
-        launch = run.launcher(ks)
-        ms = time_ms(lambda launch=launch: launch(scratch), run.device, per_candidate_s)
+        passed.append((config, ks))
+    launches = [run.launcher(ks) for _, ks in passed]
+    times = time_interleaved_ms([lambda launch=launch: launch(scratch) for launch in launches], run.device,
+                                per_candidate_s * len(passed))
+    for (config, _), ms in zip(passed, times):
         results.append(Result(default.name, device, config, ms, "ok", "", out.label, stamp))
+    out.default_ms = times[0]
+    if not out.incomplete:
+        db.forget(default.name, device, INCOMPLETE)
     db.record(results, fingerprint(target.device_type))
-    best = min((r for r in results if not r.failed), key=lambda r: r.ms)
-    out.best_ms, out.best_config = best.ms, best.config
+    ok = [r for r in db.results(default.name, device) if not r.failed]
+    if ok:
+        out.best_ms, out.best_config = ok[0].ms, ok[0].config
+        out.default_ms = next((r.ms for r in ok if not r.config), out.default_ms)
     return out
 
 
-def _from_db(out: KernelTuning, known: list[Result]) -> KernelTuning:
-    out.cached = True
+def from_db(out: KernelTuning, known: list[Result], source: str) -> KernelTuning:
+    """``out`` filled from a database's complete results (nothing measured)."""
+    out.cached, out.source = True, source
+    known = [r for r in known if r.status != "incomplete"]
     ok = [r for r in known if not r.failed]
     out.tried = len(known) - 1
     out.failed = len(known) - len(ok)

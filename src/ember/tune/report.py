@@ -19,12 +19,18 @@ def tuning_section(graphs: Sequence[GraphRecord]) -> Section:
         for default, t in g.tuned.items():
             gain = f"{t['gain']:.2f}x" if t.get("gain") else "-"
             default_ms = f"{t['default_ms']:.4f}" if t.get("default_ms") else "-"
-            rows.append([g.title, default, _config(t["config"]), default_ms, f"{t['ms']:.4f}", gain, t["source"]])
+            library = t.get("kind") == "library"
+            what = t.get("label", default) if library else default
+            config = _config(t["config"]) if t["config"] or not library else "the rule (oneDNN)"
+            rows.append([g.title, what, config, default_ms, f"{t['ms']:.4f}", gain, t["source"]])
     kernels = sum(g.kernels for g in graphs)
     if not rows:
-        return Section("Tuning", [f"No tuned choice used: all {kernels} kernel(s) use the generator's rules "
-                                  "(`ember tune` measures and stores better configurations)."])
-    lines = [f"{len(rows)} of {kernels} kernel(s) compiled with a configuration from the tuning database; "
-             "gain is the measured default time over the tuned time on this device."]
-    return Section("Tuning", lines, [Table(["graph", "kernel", "config", "default ms", "tuned ms", "gain", "from"],
-                                           rows, numeric_from=3)])
+        return Section("Tuning", [f"No tuned choice used: all {kernels} kernel(s) use the generator's rules and "
+                                  "every library call the fixed rule (`ember tune` measures and stores better "
+                                  "configurations and implementations)."])
+    library = sum(t.get("kind") == "library" for g in graphs for t in g.tuned.values())
+    lines = [f"{len(rows) - library} of {kernels} kernel(s) compiled with a configuration from the tuning database, "
+             f"{library} library call(s) with a measured implementation choice; gain is the measured time of the "
+             "default (the rules) over the tuned choice's on this device."]
+    return Section("Tuning", lines, [Table(["graph", "kernel / library call", "config", "default ms", "tuned ms",
+                                            "gain", "from"], rows, numeric_from=3)])

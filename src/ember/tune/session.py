@@ -1,11 +1,14 @@
-"""``ember tune``: compile a model, collect its generated kernels, tune them within a time budget.
+"""``ember tune``: compile a model, collect its generated kernels and library choices, tune them
+within a time budget.
 
 The model is a bench registry name or a Python script that defines ``model`` and
 ``example_inputs`` (or ``make_model()`` and ``make_inputs()``). Compiling it once (training:
-forward and backward) collects every fused group with the target it was generated for; kernels
-the database already has results for cost nothing, the rest are tuned largest first (bytes
-moved) until the budget is spent. Results go to the user's tuning database, which the next
-compile uses.
+forward and backward) collects every fused group with the target it was generated for, and
+every convolution / linear layer whose library implementation may be chosen (CPU inference).
+What the user's database or the shared read-only one already answers costs nothing; the rest is
+tuned, library choices first, largest first, until the budget is spent (checked between the
+candidates of one kernel too). Results go to the user's tuning database, which the next compile
+uses.
 """
 
 from __future__ import annotations
@@ -13,18 +16,22 @@ from __future__ import annotations
 import contextlib
 import runpy
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from ember.passes.library_sites import LibrarySite
 from ember.schedule.plan import FusedGroup
 from ember.targets import BY_NAME, Target
+from ember.tune.apply import collecting_sites
 from ember.tune.db import TuningDB
 from ember.tune.device import describe, device_key
-from ember.tune.kernels import KernelTuning, generate, tune_group
+from ember.tune.kernels import KernelTuning, from_db, generate, is_complete, tune_group
+from ember.tune.kernels import label as kernel_label
+from ember.tune.library import tune_site
 from ember.tune.space import _group_bytes
 
 
@@ -44,6 +51,14 @@ class TuneReport:
 def collect_groups(model: Callable, inputs: tuple, train: bool, target: str = "auto",
                    loss: Callable[[Any], torch.Tensor] | None = None) -> list[tuple[FusedGroup, Target]]:
     """Every fused group Ember generates a kernel for when compiling ``model`` on ``inputs``."""
+    return collect_work(model, inputs, train, target, loss)[0]
+
+
+def collect_work(model: Callable, inputs: tuple, train: bool, target: str = "auto",
+                 loss: Callable[[Any], torch.Tensor] | None = None
+                 ) -> tuple[list[tuple[FusedGroup, Target]], list[LibrarySite]]:
+    """What compiling ``model`` on ``inputs`` leaves to tune: every fused group Ember generates a
+    kernel for, and every convolution / linear layer with a choice of library implementations."""
     import ember
     from ember.instruments import instrument
 
@@ -56,7 +71,7 @@ def collect_groups(model: Callable, inputs: tuple, train: bool, target: str = "a
                 found.extend((g, tgt) for g in artifact.fused())
 
     compiled = ember.compile(model, target=target, cache=False)
-    with instrument(after=after):
+    with instrument(after=after), collecting_sites() as sites:
         grad = torch.enable_grad() if train else torch.no_grad()
         with grad:
             out = compiled(*inputs)
@@ -64,13 +79,34 @@ def collect_groups(model: Callable, inputs: tuple, train: bool, target: str = "a
                 from ember.bench.models import primary_tensor
                 value = loss(out) if loss is not None else primary_tensor(out).float().sum()
                 value.backward()
-    return found
+    distinct = list({site.key: site for site in sites if len(site.impls) > 1}.values())
+    return found, distinct
+
+
+def _answered(name: str, device: str, db: TuningDB, shared: TuningDB | None) -> tuple[str, list] | None:
+    """("user" | "shared", results) when a database holds complete results for ``name``; the
+    user's database decides alone once it has any entry (as compile does)."""
+    known = db.results(name, device)
+    if known:
+        return ("user", known) if is_complete(known) else None
+    if shared is not None:
+        try:
+            theirs = shared.results(name, device)
+        except Exception:  # noqa: BLE001 - an unreadable shared file answers nothing
+            return None
+        if is_complete(theirs):
+            return "shared", theirs
+    return None
 
 
 def tune_groups(groups: list[tuple[FusedGroup, Target]], db: TuningDB, kernel_dir: Path, budget_s: float,
-                top: int = 4, force: bool = False, progress: bool = True) -> TuneReport:
-    """Tune every distinct kernel of ``groups`` (largest first) until ``budget_s`` is spent."""
+                top: int = 4, force: bool = False, progress: bool = True, sites: Sequence[LibrarySite] = (),
+                shared: TuningDB | None = None) -> TuneReport:
+    """Tune the library choice of every site in ``sites`` (largest weight first), then every
+    distinct kernel of ``groups`` (largest first), until ``budget_s`` is spent. What ``db`` or the
+    read-only ``shared`` database already answers is reported, not measured (unless ``force``)."""
     start = time.perf_counter()
+    deadline = start + budget_s
     dev_type = groups[0][1].device_type if groups else "cpu"
     report = TuneReport(describe(dev_type), budget_s)
     distinct: dict[str, tuple[FusedGroup, Target]] = {}
@@ -80,26 +116,46 @@ def tune_groups(groups: list[tuple[FusedGroup, Target]], db: TuningDB, kernel_di
         except Exception:  # noqa: BLE001 - a group the generator rejects ran through ATen: nothing to tune
             continue
         distinct.setdefault(name, (group, target))
-    order = sorted(distinct.values(), key=lambda gt: -_group_bytes(gt[0]))
+    order = sorted(distinct.items(), key=lambda item: -_group_bytes(item[1][0]))
+    site_order = sorted(sites, key=lambda s: -_site_work(s))
     bar = _progress(progress)
     with bar:
-        task = bar.add_task("tuning kernels", total=len(order))
-        for group, target in order:
-            spent = time.perf_counter() - start
-            device = device_key(target.device_type)
-            if spent >= budget_s and (force or not db.results(generate(group, target, {}).name, device)):
+        task = bar.add_task("tuning", total=len(order) + len(site_order))
+        work = [(site.key, site.label, site, None) for site in site_order] + \
+            [(name, None, group, target) for name, (group, target) in order]
+        for name, site_label, what, target in work:
+            device = device_key(target.device_type if target is not None else "cpu")
+            answer = None if force else _answered(name, device, db, shared)
+            if answer is not None:
+                text = site_label if site_label is not None else kernel_label(what)
+                result = from_db(KernelTuning(name, text, kind="library" if target is None else "kernel"),
+                                 answer[1], answer[0])
+            elif time.perf_counter() >= deadline:
                 report.skipped += 1
                 bar.advance(task)
                 continue
-            try:
-                result = tune_group(group, target, kernel_dir, db, device, top=top, force=force)
-            except Exception as err:  # noqa: BLE001 - one kernel's trouble never stops the run
-                from ember.tune.kernels import label
-                result = KernelTuning(generate(group, target, {}).name, label(group), error=f"{type(err).__name__}: {err}")
+            else:
+                try:
+                    if target is None:
+                        result = tune_site(what, db, device, deadline=deadline)
+                        result.kind = "library"
+                    else:
+                        result = tune_group(what, target, kernel_dir, db, device, top=top, force=force,
+                                            deadline=deadline)
+                except Exception as err:  # noqa: BLE001 - one kernel's trouble never stops the run
+                    text = site_label if site_label is not None else kernel_label(what)
+                    result = KernelTuning(name, text, error=f"{type(err).__name__}: {err}")
             report.kernels.append(result)
-            bar.update(task, advance=1, description=f"tuning kernels ({result.label[:40]})")
+            bar.update(task, advance=1, description=f"tuning ({result.label[:40]})")
     report.seconds = time.perf_counter() - start
     return report
+
+
+def _site_work(site: LibrarySite) -> int:
+    """Roughly a site's multiply-adds (the order sites are tuned in: biggest first)."""
+    import math
+    out = math.prod(site.x[0]) if site.op == "linear" else math.prod(site.x[0][2:])
+    return out * math.prod(site.weight[0][:1]) * (math.prod(site.weight[0][1:]) if site.op == "conv" else 1)
 
 
 def _progress(enabled: bool):
@@ -121,21 +177,43 @@ class _NoProgress(contextlib.nullcontext):
         pass
 
 
+def _best_text(k: KernelTuning) -> str:
+    if k.best_ms is None:
+        return "-"
+    if not k.best_config:
+        return "the rule" if k.kind == "library" else "default"
+    return ", ".join(f"{key}={v}" for key, v in sorted(k.best_config.items()))
+
+
 def summary_table(report: TuneReport):
-    """A rich table: kernel, default ms, best ms, gain, candidates tried/failed."""
+    """A rich table: kernel or library site, default ms, best ms, gain, best choice, candidates tried/failed."""
     from rich.table import Table
-    table = Table(title=f"ember tune on {report.device}: {len(report.kernels)} kernel(s) in {report.seconds:.1f} s "
-                        f"(budget {report.budget_s:.0f} s)", title_justify="left")
-    for col, justify in (("kernel", "left"), ("default ms", "right"), ("best ms", "right"), ("gain", "right"),
-                         ("tried/failed", "right"), ("", "left")):
+    table = Table(title=f"ember tune on {report.device}: {len(report.kernels)} kernel(s) and library choice(s) in "
+                        f"{report.seconds:.1f} s (budget {report.budget_s:.0f} s)", title_justify="left")
+    for col, justify in (("kernel / library site", "left"), ("default ms", "right"), ("best ms", "right"),
+                         ("gain", "right"), ("best", "left"), ("tried/failed", "right"), ("", "left")):
         table.add_column(col, justify=justify)  # type: ignore[arg-type]
     for k in sorted(report.kernels, key=lambda k: -(k.default_ms or 0)):
-        note = "error: " + k.error[:60] if k.error else "from database" if k.cached else ""
+        note = ("error: " + k.error[:60] if k.error else
+                ("from the shared database" if k.source == "shared" else "from your database") if k.cached else "incomplete: the budget ran out" if k.incomplete else "")
         table.add_row(k.label, f"{k.default_ms:.4f}" if k.default_ms else "-", f"{k.best_ms:.4f}" if k.best_ms else "-",
-                      f"{k.gain:.2f}x" if k.gain else "-", f"{k.tried}/{k.failed}", note)
-    if report.skipped:
-        table.caption = f"{report.skipped} kernel(s) not tuned: the budget ran out (run `ember tune` again to go on)"
+                      f"{k.gain:.2f}x" if k.gain else "-", _best_text(k), f"{k.tried}/{k.failed}", note)
     return table
+
+
+def answered_line(report: TuneReport) -> str:
+    """What the databases answered and what the budget left, in one line ("" when nothing to say)."""
+    shared = sum(k.cached and k.source == "shared" for k in report.kernels)
+    mine = sum(k.cached and k.source != "shared" for k in report.kernels)
+    parts = []
+    if mine or shared:
+        parts.append(f"{mine + shared} answered without measuring: {mine} by your database, {shared} by the shared "
+                     "(read-only) database")
+    incomplete = sum(k.incomplete for k in report.kernels)
+    if report.skipped or incomplete:
+        parts.append(f"{report.skipped} not tuned and {incomplete} cut short: the budget ran out "
+                     "(run `ember tune` again to go on)")
+    return "; ".join(parts)
 
 
 def load_model(spec: str, device: torch.device, mode: str, batch: int | None, small: bool
@@ -171,6 +249,8 @@ def run_cli(args: Any) -> int:
     options = config.Options.from_env()
     db_path = Path(args.db) if args.db else config.tuning_db_path(options.cache_root())
     db = TuningDB(db_path)
+    shared_path = config.tuning_shared_path()
+    shared = TuningDB(shared_path, read_only=True) if shared_path is not None and shared_path.exists() else None
     if args.export_path or args.import_path:
         if args.import_path:
             n = db.import_from(args.import_path)
@@ -188,20 +268,35 @@ def run_cli(args: Any) -> int:
     autocast = (torch.autocast(device.type, dtype=torch.bfloat16) if args.precision == "bf16"
                 else contextlib.nullcontext())
     t0 = time.perf_counter()
-    with autocast:
-        groups = collect_groups(model, inputs, args.mode == "train", args.target, loss)
+    # The compiles that collect the work use this database's choices (as a later compile will).
+    with autocast, config.patch(tuning_db=str(db_path)):
+        groups, sites = collect_work(model, inputs, args.mode == "train", args.target, loss)
     console.print(f"compiled {args.model} ({args.mode}) in {time.perf_counter() - t0:.1f} s: "
-                  f"{len(groups)} generated kernel use(s); tuning database {db_path} "
+                  f"{len(groups)} generated kernel use(s), {len(sites)} library choice(s); tuning database "
+                  f"{db_path}{f' over the shared {shared_path}' if shared is not None else ''} "
                   f"(device {device_key(device.type)})")
-    if not groups:
-        console.print("nothing to tune: no generated kernels (see `ember explain`)")
+    if not groups and not sites:
+        console.print("nothing to tune: no generated kernels and no library choices (see `ember explain`)")
         return 0
-    report = tune_groups(groups, db, options.kernel_dir(), args.budget, top=args.top, force=args.force,
-                         progress=console.is_terminal)
+    report = tune_groups([], db, options.kernel_dir(), args.budget, top=args.top, force=args.force,
+                         progress=console.is_terminal, sites=sites, shared=shared)
+    if any(k.best_config for k in report.kernels):
+        # A library call that is not the rule any more leaves its epilogue to a generated kernel:
+        # compile again with the new choices to tune the kernels the program will really run.
+        with autocast, config.patch(tuning_db=str(db_path)):
+            groups = collect_groups(model, inputs, args.mode == "train", args.target, loss)
+    rest = tune_groups(groups, db, options.kernel_dir(), max(0.0, args.budget - report.seconds), top=args.top,
+                       force=args.force, progress=console.is_terminal, shared=shared)
+    report.kernels += rest.kernels
+    report.skipped += rest.skipped
+    report.seconds += rest.seconds
     console.print(summary_table(report))
     measured = report.measured
     if measured:
         failed = sum(k.failed for k in measured)
-        console.print(f"measured {len(measured)} kernel(s), {sum(k.tried for k in measured)} candidate(s) checked, "
-                      f"{failed} rejected (wrong result or error: recorded as failed, never used)")
+        console.print(f"measured {len(measured)} kernel(s) and library choice(s), {sum(k.tried for k in measured)} "
+                      f"candidate(s) checked, {failed} rejected (wrong result or error: recorded as failed, never used)")
+    line = answered_line(report)
+    if line:
+        console.print(line)
     return 0

@@ -3,7 +3,9 @@
 A configuration is a dict of overrides of the generator's block-size rules:
   Triton (codegen/triton_kernel.py)  XBLOCK, RBLOCK (looped reductions), SPLIT_PROGRAMS (looped
                                      float32 reductions), num_warps, num_stages
-  numba  (codegen/cpu_kernel.py)     blk (points per work unit of column layouts), threads
+  numba  (codegen/cpu_kernel.py)     blk (points per work unit of column layouts), threads, chunk
+                                     (units per piece of the parallel split, pieces dealt to the
+                                     threads in turn; default: one contiguous share per thread)
 ``{}`` is the default (the rules). The model estimates each candidate's time from the bytes the
 kernel moves, how many programs/units run in parallel (occupancy, waves, thread balance) and a
 register-pressure/idle-lane penalty per tile; only the best few by this estimate are timed.
@@ -114,8 +116,14 @@ def cpu_candidates(group: FusedGroup, threads: int) -> list[Candidate]:
         configs = [{"blk": b, "threads": t} for b in blks for t in thread_options]
     else:
         configs = [{"threads": t} for t in thread_options]
-    out = []
     base_units = w.units()
+    if threads > 1:
+        # Parallel chunking: pieces of a quarter / a sixteenth of a thread's share, dealt in turn.
+        share = -(-base_units // threads)
+        for div in (4, 16):
+            if share // div >= 1 and base_units >= 4 * threads:
+                configs.append({"threads": threads, "chunk": max(1, share // div)})
+    out = []
     for c in configs:
         units = base_units
         if "blk" in c:
@@ -124,7 +132,16 @@ def cpu_candidates(group: FusedGroup, threads: int) -> list[Candidate]:
         t = max(1, min(c["threads"], units))
         per = -(-units // t)
         balance = per * t / max(units, 1)
+        if "chunk" in c:
+            pieces = -(-units // c["chunk"])
+            balance = -(-pieces // t) * c["chunk"] * t / max(units, 1)
         est = nbytes / (CPU_BANDWIDTH_PER_THREAD * t) * balance + per * CPU_UNIT_COST \
             + (CPU_PARALLEL_COST if t > 1 else 0.0)
         out.append(Candidate(c, est))
-    return sorted(out, key=lambda c: c.estimate_s)
+    ranked = sorted(out, key=lambda c: c.estimate_s)
+    # The model takes units as equal in cost, so it cannot see what chunking is for: the best
+    # chunked candidate is always among the first two, to be timed.
+    chunked = next((i for i, c in enumerate(ranked) if "chunk" in c.config), None)
+    if chunked is not None and chunked > 1:
+        ranked.insert(1, ranked.pop(chunked))
+    return ranked

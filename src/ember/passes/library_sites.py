@@ -1,0 +1,86 @@
+"""One convolution or linear layer the CPU library pass may lower, described as data.
+
+A ``LibrarySite`` is what the choice between library implementations depends on: the op, the
+shapes, strides and dtypes of its operands, its parameters and the elementwise epilogue the
+rule would fuse. Its ``key`` (a hash of that description) is the tuning database's key for the
+choice; ``impls`` are the implementations Ember can emit for it, the fixed rule's first:
+
+  linear  onednn  mkldnn._linear_pointwise, epilogue (ReLU, GELU) fused as a oneDNN post-op
+          mkl     mkl._mkl_linear with the weight packed once (frozen); epilogue a separate kernel
+          aten    addmm / mm as captured (MKL through ATen); epilogue a separate kernel
+  conv    onednn  mkldnn._convolution_pointwise with the weight reordered once, post-ops fused
+          aten    aten.convolution as captured; epilogue a separate kernel
+
+A pass asks a chooser (``Choose``) for each site; ``None`` keeps the rule.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+TensorSig = tuple[tuple[int, ...], tuple[int, ...], str]  # shape, stride, dtype name
+
+
+def tensor_sig(val: torch.Tensor) -> TensorSig:
+    return tuple(val.shape), tuple(val.stride()), str(val.dtype).removeprefix("torch.")
+
+
+def _channels_last_sig(sig: TensorSig) -> TensorSig:
+    shape, _, dtype = sig
+    if len(shape) != 4:
+        return sig
+    n, c, h, w = shape
+    return shape, (h * w * c, 1, w * c, c), dtype
+
+
+@dataclass(frozen=True)
+class LibrarySite:
+    op: str  # "linear" or "conv"
+    x: TensorSig
+    weight: TensorSig
+    bias: TensorSig | None
+    params: tuple  # conv: (stride, padding, dilation, groups); linear: ()
+    epilogue: str  # "none", "relu", "gelu:none", "gelu:tanh", "hardswish", ..., "add", "add+relu"
+    other: TensorSig | None = None  # the added tensor of an "add" epilogue
+    x_is_graph_input: bool = False  # a convolution's input that keeps the caller's layout
+    impls: tuple[str, ...] = ()
+
+    def describe(self) -> dict:
+        return {"op": self.op, "x": self.x, "weight": self.weight, "bias": self.bias, "params": self.params,
+                "epilogue": self.epilogue, "other": self.other, "x_is_graph_input": self.x_is_graph_input}
+
+    @property
+    def key(self) -> str:
+        """The tuning database's key of this choice (independent of which impls exist)."""
+        text = json.dumps(self.describe(), sort_keys=True, default=list)
+        return f"library-{self.op}-{hashlib.sha256(text.encode()).hexdigest()[:16]}"
+
+    @property
+    def label(self) -> str:
+        dtype = self.x[2]
+        epi = "" if self.epilogue == "none" else f" +{self.epilogue}"
+        if self.op == "linear":
+            (m, k), n = self.x[0], self.weight[0][0]
+            return f"linear {m}x{k}->{n}{epi} ({dtype})"
+        shape = "x".join(map(str, self.x[0]))
+        co, _, kh, kw = self.weight[0]
+        stride, _, _, groups = self.params
+        extra = f" s{stride[0]}" + (f" g{groups}" if groups != 1 else "")
+        return f"conv {shape} {kh}x{kw}->{co}{extra}{epi} ({dtype})"
+
+    def measured_x(self) -> TensorSig:
+        """The input layout the program will feed: a convolution's input inside a network is
+        channels_last (oneDNN's convolutions return it), whatever the captured strides say."""
+        return _channels_last_sig(self.x) if self.op == "conv" and not self.x_is_graph_input else self.x
+
+    def measured_other(self) -> TensorSig | None:
+        return _channels_last_sig(self.other) if self.other is not None and self.op == "conv" else self.other
+
+
+# A chooser: the implementation to emit for a site, or None for the fixed rule.
+Choose = Callable[[LibrarySite], "str | None"]

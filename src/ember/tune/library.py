@@ -1,0 +1,197 @@
+"""Tuning a library choice: which implementation a convolution or linear layer runs as.
+
+For one ``LibrarySite`` (passes/library_sites.py) every implementation Ember can emit is built
+on fresh random operands (the site's shapes, strides and dtypes; weights scaled by 1/sqrt(fan-in)
+so outputs are O(1)), with its weight prepared as the program would (packed / reordered once,
+outside the timing), and run with the epilogue the rule would fuse: as a oneDNN post-op where
+the implementation fuses it, else as the ATen op after it (what a separate kernel costs).
+
+Every candidate, the rule's included, is checked against a float64 computation of the captured
+ops on the same operands before it may be chosen; a wrong one is recorded as failed. Results go
+to the tuning database under the site's key: ``{}`` is the rule's implementation, ``{"impl": name}``
+another one, so a choice's gain is the rule's time over the chosen one's.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from ember.passes.library_sites import LibrarySite, TensorSig
+from ember.tune.db import Result, TuningDB
+from ember.tune.device import fingerprint
+from ember.tune.kernels import KernelTuning
+from ember.tune.measure import _OUTPUT_HOOKS, _storage_numel, mismatch, time_interleaved_ms
+
+aten = torch.ops.aten
+mkldnn = torch.ops.mkldnn
+
+
+@dataclass(frozen=True)
+class LibraryCandidate:
+    """What the output hooks of tune/measure.py see for a library candidate (``name``, ``source``)."""
+
+    name: str
+    source: str
+
+
+@dataclass
+class Operands:
+    x: torch.Tensor
+    weight: torch.Tensor
+    bias: torch.Tensor | None
+    other: torch.Tensor | None
+
+
+def _tensor(sig: TensorSig, gen: torch.Generator, scale: float = 1.0) -> torch.Tensor:
+    shape, stride, dtype = sig
+    val = torch.empty_strided(shape, stride, device="meta")
+    base = torch.randn(_storage_numel(val), generator=gen) * scale
+    return base.to(getattr(torch, dtype)).as_strided(shape, stride)
+
+
+def operands(site: LibrarySite, seed: int) -> Operands:
+    gen = torch.Generator().manual_seed(seed)
+    fan_in = math.prod(site.weight[0][1:])
+    x = _tensor(site.measured_x(), gen)
+    weight = _tensor(site.weight, gen, 1.0 / math.sqrt(max(fan_in, 1)))
+    bias = _tensor(site.bias, gen, 0.1) if site.bias is not None else None
+    other = _tensor(site.measured_other(), gen) if site.other is not None else None  # type: ignore[arg-type]
+    return Operands(x, weight, bias, other)
+
+
+def _epilogue(site: LibrarySite, y: torch.Tensor, other: torch.Tensor | None) -> torch.Tensor:
+    """The captured epilogue as ATen ops (what runs after an implementation that does not fuse it)."""
+    epi = site.epilogue
+    if epi == "none":
+        return y
+    if epi.startswith("add"):
+        y = y + other
+        return torch.relu(y) if epi == "add+relu" else y
+    if epi.startswith("gelu:"):
+        return F.gelu(y, approximate=epi.split(":", 1)[1])
+    ops = {"relu": torch.relu, "sigmoid": torch.sigmoid, "tanh": torch.tanh, "swish": F.silu,
+           "hardswish": F.hardswish, "hardsigmoid": F.hardsigmoid}
+    return ops[epi](y)
+
+
+def _captured(site: LibrarySite, ops: Operands) -> torch.Tensor:
+    """The ops as captured, in ATen (no prepared weight, no fused epilogue)."""
+    if site.op == "linear":
+        wt = ops.weight.t()
+        y = torch.addmm(ops.bias, ops.x, wt) if ops.bias is not None else torch.mm(ops.x, wt)
+    else:
+        stride, padding, dilation, groups = site.params
+        y = aten.convolution(ops.x, ops.weight, ops.bias, list(stride), list(padding), list(dilation), False,
+                             [0, 0], groups)
+    return _epilogue(site, y, ops.other)
+
+
+def reference(site: LibrarySite, ops: Operands) -> torch.Tensor:
+    """The captured ops in float64: what every candidate is checked against."""
+    wide = Operands(*(t.double() if t is not None else None for t in (ops.x, ops.weight, ops.bias, ops.other)))
+    return _captured(site, wide).to(ops.x.dtype)
+
+
+_UNARY_ATTR = {"relu": "relu", "sigmoid": "sigmoid", "tanh": "tanh", "swish": "swish", "hardswish": "hardswish",
+               "hardsigmoid": "hardsigmoid"}
+
+
+def implementation(site: LibrarySite, impl: str, ops: Operands) -> Callable[[], torch.Tensor]:
+    """A function computing ``site`` (epilogue included) as ``impl`` does, its weight prepared now."""
+    if impl == "aten":
+        return lambda: _captured(site, ops)
+    if site.op == "linear" and impl == "mkl":
+        batch = site.x[0][0]
+        packed = torch.ops.mkl._mkl_reorder_linear_weight(ops.weight, batch)
+
+        def run_mkl() -> torch.Tensor:
+            y = torch.ops.mkl._mkl_linear(ops.x, packed, ops.weight, ops.bias, batch)
+            return _epilogue(site, y, ops.other)
+        return run_mkl
+    if site.op == "linear" and impl == "onednn":
+        epi = site.epilogue
+        unary, algo = ("gelu", epi.split(":", 1)[1]) if epi.startswith("gelu:") else (epi, "")
+        return lambda: mkldnn._linear_pointwise(ops.x, ops.weight, ops.bias, unary, [], algo)
+    if site.op == "conv" and impl == "onednn":
+        stride, padding, dilation, groups = (list(p) if isinstance(p, tuple) else p for p in site.params)
+        packed = mkldnn._reorder_convolution_weight(ops.weight, padding, stride, dilation, groups, list(site.x[0]))
+        if site.epilogue.startswith("add"):
+            unary = "relu" if site.epilogue == "add+relu" else None
+            return lambda: mkldnn._convolution_pointwise.binary(ops.x, ops.other, packed, ops.bias, padding, stride,
+                                                               dilation, groups, "add", 1.0, unary, [], "")
+        attr = _UNARY_ATTR.get(site.epilogue, "none")
+        return lambda: mkldnn._convolution_pointwise(ops.x, packed, ops.bias, padding, stride, dilation, groups,
+                                                     attr, [], "")
+    raise ValueError(f"no implementation {impl!r} for a {site.op} site")
+
+
+def _config(site: LibrarySite, impl: str) -> dict:
+    return {} if impl == site.impls[0] else {"impl": impl}
+
+
+def tune_site(site: LibrarySite, db: TuningDB, device: str, per_candidate_s: float = 0.2,
+              deadline: float | None = None) -> KernelTuning:
+    """Check every implementation of ``site`` (the rule's first), time those that pass together,
+    and record them. Stops before a candidate once ``deadline`` (a ``perf_counter`` time) has
+    passed; what was measured is recorded and the site marked incomplete, finished by a later run."""
+    from ember.tune.kernels import INCOMPLETE, incomplete_marker, measured_configs
+    out = KernelTuning(site.key, site.label)
+    done = measured_configs(db, site.key, device)
+    ops = operands(site, int.from_bytes(os.urandom(4), "little"))
+    ref = reference(site, ops)
+    stamp = time.time()
+    results: list[Result] = []
+    passed: list[tuple[dict, Callable[[], torch.Tensor]]] = []
+    for impl in site.impls:
+        config = _config(site, impl)
+        if config and config_key(config) in done:
+            continue  # measured by a run the budget cut short (the rule is timed again, beside the rest)
+        if deadline is not None and time.perf_counter() >= deadline and passed:
+            results.append(incomplete_marker(site.key, device, out.label, stamp))
+            out.incomplete = True
+            break
+        out.tried += bool(config)
+        try:
+            run = implementation(site, impl, ops)
+            got = run()
+            for hook in list(_OUTPUT_HOOKS):
+                hook(LibraryCandidate(f"{site.key}:{impl}", f"library impl={impl} {site.label}"), [got])
+            why = mismatch([ref], [got])
+        except Exception as err:  # noqa: BLE001 - an implementation that cannot run here is failed, not fatal
+            why = f"{type(err).__name__}: {str(err)[:300]}"
+        if why:
+            out.failed += 1
+            out.failures.append(f"{impl}: {why}")
+            results.append(Result(site.key, device, config, None, "failed", why, out.label, stamp))
+            continue
+        passed.append((config, run))
+    # Timed together, in turn (measure.time_interleaved_ms): a site's candidates are compared with
+    # each other, so load from elsewhere must not fall on one of them only.
+    times = time_interleaved_ms([run for _, run in passed], torch.device("cpu"), per_candidate_s * len(passed))
+    for (config, _), ms in zip(passed, times):
+        results.append(Result(site.key, device, config, ms, "ok", "", out.label, stamp))
+    if not out.incomplete:
+        db.forget(site.key, device, INCOMPLETE)
+    db.record(results, fingerprint("cpu"))
+    return _summary(out, db.results(site.key, device))
+
+
+def _summary(out: KernelTuning, known: list[Result]) -> KernelTuning:
+    ok = [r for r in known if not r.failed]
+    default = next((r for r in ok if not r.config), None)
+    out.default_ms = default.ms if default else None
+    if ok:
+        out.best_ms, out.best_config = ok[0].ms, ok[0].config
+    return out
+
+
+def config_key(config: dict) -> str:
+    from ember.tune.db import config_text
+    return config_text(config)
