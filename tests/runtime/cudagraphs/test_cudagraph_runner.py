@@ -661,7 +661,7 @@ def _masked_sum(args: list) -> tuple:
 def test_an_expanded_input_that_moves_is_copied_one_element_per_broadcast_dim() -> None:
     runner = fake_runner(_masked_sum)
     rows = []
-    for k in range(6):  # a new expanded mask (one row repeated) every call, as a broadcast attention mask
+    for _ in range(6):  # a new expanded mask (one row repeated) every call, as a broadcast attention mask
         row = torch.randn(1, 8)
         rows.append(row)  # keeps every call's memory distinct (the runner decides from addresses)
         mask = row.expand(3, 8)
