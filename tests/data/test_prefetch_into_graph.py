@@ -126,7 +126,8 @@ def _copied_in(backend: ember.EmberBackend) -> int:
                if "(frame 0/0)" in record.title and graph.run.g is not None)
 
 
-def test_training_through_ember_compile_equals_eager_and_reads_batches_in_place(cuda_graphs_on_cpu) -> None:
+@pytest.mark.usefixtures("cuda_graphs_on_cpu")
+def test_training_through_ember_compile_equals_eager_and_reads_batches_in_place() -> None:
     torch._dynamo.reset()
     g = torch.Generator().manual_seed(1)
     data = torch.utils.data.TensorDataset(torch.randn(34, 8, generator=g), torch.randint(0, 3, (34,), generator=g))
