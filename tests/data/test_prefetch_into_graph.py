@@ -183,6 +183,10 @@ def test_a_batch_kept_past_its_pass_is_left_to_its_holder() -> None:
     got = [model(x).clone() for x in fetcher]  # a new pass while `kept` lies in a slot
     assert torch.equal(kept, saved) and fetcher.slots.renewed == 1
     assert all(torch.equal(a, torch.relu(x @ model.w)) for a, x in zip(got, items))
+    got = [model(x).clone() for x in fetcher]  # a third pass: the new slots, read in place
+    assert all(torch.equal(a, torch.relu(x @ model.w)) for a, x in zip(got, items))
+    children = fetcher.router.children.values()
+    assert len(children) == 2 and all(c.captures == 1 and c.calls == 4 and c.g.dynamic_idx == [] for c in children)
 
 
 def test_into_rejects_what_it_cannot_route_and_warns_for_a_whole_step_program() -> None:

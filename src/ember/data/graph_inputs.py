@@ -255,6 +255,14 @@ class SlotRouter:
             child = self.children[(key, k)] = _child(runner, k)
         return child
 
+    def forget(self) -> None:
+        """New slots (the old ones were left to a holder): new children capture graphs that read
+        them; the old children's graphs are replayed no more."""
+        for child in self.children.values():
+            if child.g is not None:
+                child.g.state.retire(child.g)
+        self.children.clear()
+
     def detach(self) -> None:
         for runner in self.runners.values():
             if getattr(runner.route, "__self__", None) is self:

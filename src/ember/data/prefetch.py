@@ -285,6 +285,8 @@ class PrefetchIterator(Iterator):
         owner = object()
         if router is not None and router.slots.claim(owner):
             self._slots = stage.slots = router.slots
+            if router.slots.sets is None and router.children:
+                router.forget()  # the slots were left to a holder: new ones, new graphs
             self._slots.enabled = router.refresh()
         elif router is not None:
             warn_once("another pass over this prefetcher is running: this one copies into new tensors")
