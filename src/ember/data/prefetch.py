@@ -32,6 +32,7 @@ from typing import Any
 
 import torch
 
+from ember.data.graph_inputs import GraphInputSlots, SlotRouter, runners_of, warn_once, whole_step_note
 from ember.data.tree import map_tensors, tensors_of
 
 __all__ = ["DevicePrefetcher", "PrefetchIterator", "PrefetchStats", "prefetch", "resolve_device"]
@@ -75,20 +76,57 @@ class _Stage:
         self.pin = device.type == "cuda" if pin_memory is None else pin_memory
         self.stream = torch.cuda.Stream(device) if device.type == "cuda" else None
         self._mean_std: dict[torch.dtype, tuple[torch.Tensor, torch.Tensor]] = {}
+        self.slots: GraphInputSlots | None = None  # into=: the graph input slots this pass writes
+        # Nothing but the copy to the device: a host batch can go straight into a slot.
+        self.copy_only = transform is None and not channels_last and dtype is None and normalize is None
 
-    def __call__(self, batch: Any) -> tuple[Any, torch.cuda.Event | None]:
+    def __call__(self, batch: Any, stop: threading.Event) -> tuple[Any, torch.cuda.Event | None, int | None] | None:
+        """(device batch, its event, its slot or None); None: the pass stopped while waiting for a slot."""
         if self.stream is None:
-            return self._apply(batch), None
+            return self._staged(batch, stop)
         with torch.cuda.device(self.device):
             if any(t.device.type == "cuda" for t in tensors_of(batch)):
                 # Device tensors made by the loader (a GPU decode) on this thread's stream: the
                 # transforms read them on the side stream, after they are written.
                 self.stream.wait_stream(torch.cuda.current_stream(self.device))
             with torch.cuda.stream(self.stream):
-                out = self._apply(batch)
-                event = torch.cuda.Event()
-                event.record(self.stream)
-        return out, event
+                staged = self._staged(batch, stop)
+        return staged
+
+    def _staged(self, batch: Any, stop: threading.Event) -> tuple[Any, torch.cuda.Event | None, int | None] | None:
+        slots = self.slots
+        if slots is None or not slots.enabled:
+            if slots is not None:
+                slots.fresh += 1
+            return self._event(self._apply(batch), None)
+        if slots.sets is not None and self.copy_only and slots.fits(batch):
+            sources = [self._pinned(t) for t in tensors_of(batch)]  # straight from the host into the slot
+            out = batch
+        else:
+            out = self._apply(batch)
+            if slots.sets is None and not slots.make(out):
+                slots.enabled = False  # not a batch a graph can read in place: new tensors, as without into
+            if not slots.enabled or not slots.fits(out):
+                slots.fresh += 1
+                return self._event(out, None)
+            sources = list(tensors_of(out))
+        k = slots.acquire(stop)
+        if k is None:
+            return None
+        slots.wait_released(k, self.stream)  # the step that read slot k is done with it
+        return self._event(slots.fill(k, out, sources), k)
+
+    def _event(self, out: Any, slot: int | None) -> tuple[Any, torch.cuda.Event | None, int | None]:
+        if self.stream is None:
+            return out, None, slot
+        event = torch.cuda.Event()
+        event.record(self.stream)
+        return out, event, slot
+
+    def _pinned(self, t: torch.Tensor) -> torch.Tensor:
+        if self.pin and t.device.type == "cpu" and self.device.type == "cuda" and not t.is_pinned():
+            return t.pin_memory()
+        return t
 
     def _apply(self, batch: Any) -> Any:
         out = map_tensors(self._tensor, batch)
@@ -176,47 +214,82 @@ def _produce_batches(source: Iterator, stage: _Stage, out: queue.Queue, stop: th
             return
         t1 = time.perf_counter()
         try:
-            staged = stage(batch)
+            staged = stage(batch, stop)
         except BaseException as err:  # noqa: BLE001
             _put(out, stop, (_ERROR, err))
             return
         del batch
+        if staged is None:  # stopped while waiting for a free slot
+            return
         stats.fetch.append(t1 - t0)
         stats.stage.append(time.perf_counter() - t1)
         if not _put(out, stop, (_BATCH, staged)):
+            if staged[2] is not None and stage.slots is not None:
+                stage.slots.give_back(staged[2])
             return
         del staged
 
 
-def _drain(q: queue.Queue) -> None:
+def _drain(q: queue.Queue) -> list[int]:
+    """Empty the queue; the slots of the batches in it."""
+    slots = []
     while True:
         try:
-            q.get_nowait()
+            kind, value = q.get_nowait()
         except queue.Empty:
-            return
+            return slots
+        if kind == _BATCH and value[2] is not None:
+            slots.append(value[2])
+
+
+class _Held:
+    """The slot of the batch the loop holds, and the loop's stream (for the finalizer)."""
+
+    def __init__(self) -> None:
+        self.slot: int | None = None
+        self.stream: torch.cuda.Stream | None = None
 
 
 def _shutdown(stop: threading.Event, q: queue.Queue, thread: threading.Thread,
-              stream: torch.cuda.Stream | None) -> None:
+              stream: torch.cuda.Stream | None, slots: GraphInputSlots | None = None,
+              held: _Held | None = None, owner: object = None) -> None:
     stop.set()
-    _drain(q)  # wakes a producer blocked on a full queue
+    unused = _drain(q)  # wakes a producer blocked on a full queue
     if thread is not threading.current_thread():
         thread.join(_JOIN_TIMEOUT_S)
-    _drain(q)
+    unused += _drain(q)
     if stream is not None:
         stream.synchronize()  # no copy of ours is left running into memory about to be reused
+    if slots is not None and held is not None:
+        for k in unused:
+            slots.give_back(k)
+        if held.slot is not None:
+            slots.release(held.slot, held.stream)
+            held.slot = None
+        slots.disown(owner)
 
 
 class PrefetchIterator(Iterator):
     """One pass over the loader, ``depth`` batches ahead (made by ``iter(DevicePrefetcher)``)."""
 
-    def __init__(self, source: Iterable, stage: _Stage, depth: int) -> None:
+    def __init__(self, source: Iterable, stage: _Stage, depth: int, router: SlotRouter | None = None) -> None:
         self.device = stage.device
         self.depth = depth
         self.stats = PrefetchStats()
         self._queue: queue.Queue = queue.Queue(maxsize=depth)
         self._stop = threading.Event()
         self._done = False
+        self._held = _Held()
+        self._router = router
+        self._slots: GraphInputSlots | None = None
+        owner = object()
+        if router is not None and router.slots.claim(owner):
+            self._slots = stage.slots = router.slots
+            if router.slots.sets is None and router.children:
+                router.forget()  # the slots were left to a holder: new ones, new graphs
+            self._slots.enabled = router.refresh()
+        elif router is not None:
+            warn_once("another pass over this prefetcher is running: this one copies into new tensors")
         # iter() in the caller's thread: a DataLoader starts its workers (and installs its signal
         # handler, which only the main thread may) here, and an error in iter() raises here.
         source_iter = iter(source)
@@ -224,7 +297,8 @@ class PrefetchIterator(Iterator):
                                         args=(source_iter, stage, self._queue, self._stop, self.stats))
         del source_iter
         self._thread.start()
-        self._finalizer = weakref.finalize(self, _shutdown, self._stop, self._queue, self._thread, stage.stream)
+        self._finalizer = weakref.finalize(self, _shutdown, self._stop, self._queue, self._thread, stage.stream,
+                                           self._slots, self._held, owner)
         self._finalizer.atexit = False  # at interpreter exit the daemon thread just stops
 
     def __iter__(self) -> PrefetchIterator:
@@ -233,11 +307,18 @@ class PrefetchIterator(Iterator):
     def __next__(self) -> Any:
         if self._done:
             raise StopIteration
+        slots = self._slots
+        if slots is not None:
+            self._release()  # the loop enqueued all its work on the batch it held
+            if self._router is not None and not slots.unusable:
+                slots.enabled = self._router.refresh()  # the model's graphs compile on its first calls
         kind, value = self._queue.get()
         if kind == _BATCH:
-            batch, event = value
+            batch, event, slot = value
+            if slots is not None:
+                self._held.slot = slots.in_flight = slot
             if event is not None:
-                consumer = torch.cuda.current_stream(self.device)
+                consumer = self._held.stream = torch.cuda.current_stream(self.device)
                 consumer.wait_event(event)
                 for t in tensors_of(batch):
                     if t.device == self.device:
@@ -253,7 +334,16 @@ class PrefetchIterator(Iterator):
         """Stop the thread and drop the batches it made ahead (also done on exhaustion, on an
         error and when the iterator is collected)."""
         self._done = True
+        if self._slots is not None:
+            self._release()
         self._finalizer()
+
+    def _release(self) -> None:
+        held = self._held
+        if held.slot is not None and self._slots is not None:
+            held.stream = torch.cuda.current_stream(self.device) if self.device.type == "cuda" else None
+            self._slots.release(held.slot, held.stream)
+            held.slot = None
 
     @property
     def alive(self) -> bool:
@@ -267,7 +357,7 @@ class DevicePrefetcher:
     def __init__(self, loader: Iterable, device: str | int | torch.device | None = None, depth: int = 2,
                  transform: Callable[[Any], Any] | None = None, channels_last: bool = False,
                  dtype: torch.dtype | None = None, normalize: Normalize | None = None,
-                 pin_memory: bool | None = None) -> None:
+                 pin_memory: bool | None = None, into: Any = None) -> None:
         if depth < 1:
             raise ValueError(f"prefetch depth must be at least 1, got {depth}")
         if dtype is not None and not dtype.is_floating_point:
@@ -281,10 +371,27 @@ class DevicePrefetcher:
         self.normalize = normalize
         self.pin_memory = pin_memory
         self._last: weakref.ref[PrefetchIterator] | None = None
+        # into=: batches go into two slots that the model's CUDA graphs read in place (graph_inputs.py).
+        self.router: SlotRouter | None = None
+        self.into_note: str | None = None
+        if into is not None:
+            self.into_note = whole_step_note(into)
+            if self.into_note is not None:
+                warn_once(self.into_note)
+            elif runners_of(into) is None:
+                raise TypeError("prefetch(into=...) takes a model made by ember.compile (or its CUDA-graph "
+                                f"runners), got {type(into).__name__}")
+            else:
+                self.router = SlotRouter(GraphInputSlots(self.device), into)
+
+    @property
+    def slots(self) -> GraphInputSlots | None:
+        """The graph input slots of ``into=`` (None without it)."""
+        return self.router.slots if self.router is not None else None
 
     def __iter__(self) -> PrefetchIterator:
         stage = _Stage(self.device, self.transform, self.channels_last, self.dtype, self.normalize, self.pin_memory)
-        it = PrefetchIterator(self.loader, stage, self.depth)
+        it = PrefetchIterator(self.loader, stage, self.depth, self.router)
         self._last = weakref.ref(it)
         return it
 
@@ -298,13 +405,14 @@ class DevicePrefetcher:
 
     def __repr__(self) -> str:
         return (f"DevicePrefetcher(device={self.device}, depth={self.depth}, dtype={self.dtype}, "
-                f"channels_last={self.channels_last}, normalize={self.normalize is not None})")
+                f"channels_last={self.channels_last}, normalize={self.normalize is not None}, "
+                f"into={self.router is not None})")
 
 
 def prefetch(loader: Iterable, device: str | int | torch.device | None = None, depth: int = 2,
              transform: Callable[[Any], Any] | None = None, channels_last: bool = False,
              dtype: torch.dtype | None = None, normalize: Normalize | None = None,
-             pin_memory: bool | None = None) -> DevicePrefetcher:
+             pin_memory: bool | None = None, into: Any = None) -> DevicePrefetcher:
     """Iterate ``loader``'s batches on ``device``, ``depth`` batches ahead.
 
     ``loader``: any iterable of batches: tensors, or tuples, lists, dicts, named tuples and
@@ -319,6 +427,10 @@ def prefetch(loader: Iterable, device: str | int | torch.device | None = None, d
     4-D image, in the units of the loader's values (uint8 images: 0-255 scale), in float32,
     before the dtype conversion; ``channels_last`` makes images channels_last; ``transform``
     (a callable) gets the whole batch last.
+
+    ``into=model`` (a model made by ``ember.compile``): the batches are copied into two sets of
+    device buffers that the model's CUDA graphs read in place, so a replay copies no input
+    (graph_inputs.py). A batch is then valid until the loop takes the next one.
     """
     return DevicePrefetcher(loader, device=device, depth=depth, transform=transform, channels_last=channels_last,
-                            dtype=dtype, normalize=normalize, pin_memory=pin_memory)
+                            dtype=dtype, normalize=normalize, pin_memory=pin_memory, into=into)

@@ -137,6 +137,9 @@ class CudaGraphRunner(GraphRecorder):
         self.last_reason = ""
         self.disabled: str | None = None
         self.device = torch.device("cuda")
+        # Set by ember.data.prefetch(..., into=model) (data/graph_inputs.py): picks the runner of
+        # this program that reads the batch's buffers in place; None: this one runs the call.
+        self.route: Callable[[CudaGraphRunner, list], CudaGraphRunner | None] | None = None
         self._set_status("waiting for the second call, which is captured and replayed after")
 
     def _set_status(self, text: str) -> None:
@@ -145,6 +148,8 @@ class CudaGraphRunner(GraphRecorder):
             self.on_status(text)
 
     def __call__(self, args: list) -> object:
+        if self.route is not None and (other := self.route(self, args)) is not None:
+            return other(args)
         self.calls += 1
         if self.disabled is not None:
             return self.run(args)
