@@ -143,6 +143,10 @@ class Options:
                                "weights) once per parameter version (passes/freeze.py)", "EMBER_FREEZE")
     channels_last: bool = _item(True, "GPU targets: convolutional graphs run in channels_last (passes/layout.py; "
                                       "off: eager's NCHW everywhere)", "EMBER_LAYOUT", false_words=("nchw",))
+    pad_matmul: str = _item("auto", "GPU targets: pad bf16/fp16 (and TF32) matmul dims that are not a multiple of 16 "
+                                    "bytes with zeros where the rule says it pays (passes/matmul_padding_rule.py); "
+                                    "always: every such matmul; off: none", "EMBER_PAD_MATMUL",
+                            choices=("auto", "always", "off"))
     progress: bool | None = _item(None, "one updating line on stderr while a compile runs longer than about 2 s "
                                         "(report/progress.py); unset: on when stderr is a terminal",
                                   "EMBER_PROGRESS", "bool")
@@ -227,6 +231,9 @@ class Settings:
                                            "tests set False to check both give the same program")
     layout_min_activation_to_weight: float = _item(1.0, "channels_last only where activation bytes reach this "
                                                         "multiple of convolution weight bytes; tests set 0")
+    pad_matmul_min_flops_per_byte: float = _item(128.0, "matmul padding (auto): FLOPs of the matmul per byte the "
+                                                        "padding copies, at least (passes/matmul_padding_rule.py)")
+    pad_matmul_min_gflop: float = _item(1.0, "matmul padding (auto): the smallest matmul padded, in GFLOP")
     # Triton block sizes (codegen/triton_kernel.py); part of the compiled-program cache key.
     persistent_rblock_max: int = _item(2048, "longest reduction done in one block (persistent)")
     loop_rblock: int = _item(16384, "block of a looped reduction; 4.3x faster than 1024 for batch-norm "
