@@ -228,3 +228,23 @@ def test_declines_tiny_and_aligned_and_is_off_on_the_cpu_target() -> None:
     for compiled in (tiny, aligned):
         assert all(not r.get("padded") for r in pad_records(compiled).values())
     assert any("small" in why for why in pad_records(tiny)["forward"]["declined"])
+
+
+def test_compiled_bmm_with_odd_k_matches_eager_with_gradients() -> None:
+    compiled = ember.compile(torch.bmm, target="triton-interpret", pad_matmul="always")
+    a, b = torch.randn(2, 24, 37), torch.randn(2, 37, 40)
+    check_against_eager(compiled, torch.bmm, [a, b])
+    records = pad_records(compiled)
+    assert [p.split(": ", 1)[1] for p in records["forward"]["padded"]] == ["bmm K 37->40"]
+    # grad_a = grad @ b^T has N = 37; grad_b = a^T @ grad has M = 37.
+    assert sorted(p.split(": ", 1)[1] for p in records["backward"]["padded"]) == ["bmm M 37->40", "bmm N 37->40"]
+
+
+def test_pad_zeros_keeps_the_source_layout() -> None:
+    pad_zeros = torch.ops.ember.pad_zeros
+    y = torch.randn(3, 7, 5).transpose(1, 2)  # a batch of transposed matrices
+    out = pad_zeros(y, [3, 8, 8])
+    assert out.stride() == (64, 1, 8)
+    assert torch.equal(out[:, :5, :7], y) and not out[:, 5:].any() and not out[:, :, 7:].any()
+    expanded = torch.randn(1, 5, 7).expand(3, 5, 7)
+    assert pad_zeros(expanded, [3, 8, 8]).is_contiguous()

@@ -14,9 +14,10 @@ import torch
 
 
 def stride_order(x: torch.Tensor) -> list[int]:
-    """``x``'s dimensions from outermost to innermost in memory (ties: the later dim inner), the
-    ``physical_layout`` of ``torch.empty_permuted``."""
-    return sorted(range(x.dim()), key=lambda d: (-x.stride(d), -d))
+    """``x``'s dimensions from outermost to innermost in memory, the ``physical_layout`` of
+    ``torch.empty_permuted``. Ties: the later dim inner. A broadcast dim (stride 0, an expanded
+    batch) goes outermost: its copies are materialised one after the other."""
+    return sorted(range(x.dim()), key=lambda d: (x.stride(d) != 0, -x.stride(d), -d))
 
 
 def _padded_empty(x: torch.Tensor, shape: list[int]) -> torch.Tensor:

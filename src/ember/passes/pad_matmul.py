@@ -31,6 +31,7 @@ import torch
 import torch.fx as fx
 
 from ember.ops.pad_zeros import pad_zeros  # noqa: F401 - registers torch.ops.ember.pad_zeros
+from ember.passes.cleanup import eliminate_dead_code
 from ember.passes.graph_edit import add_node, fake_mode_of
 from ember.passes.matmul_padding_rule import MatmulDims, PaddingDecision, decide, tf32_matmuls
 from ember.schedule.rules import VIEW_OPS
@@ -216,6 +217,7 @@ def pad_unaligned_matmuls(gm: fx.GraphModule, mode: str = "auto", min_flops_per_
     if replaced:
         _refresh_downstream(gm, fake, replaced, captured)
         record["restored_outputs"] = _restore_outputs(gm, fake, output, original_outs)
+        eliminate_dead_code(gm)  # the views of the unpadded arguments no matmul reads any more
     return len(record["padded"])
 
 
