@@ -33,6 +33,7 @@ import torch.fx as fx
 from ember.ops.pad_zeros import pad_zeros  # noqa: F401 - registers torch.ops.ember.pad_zeros
 from ember.passes.cleanup import eliminate_dead_code
 from ember.passes.graph_edit import add_node, fake_mode_of
+from ember.passes.layout import dense_strides
 from ember.passes.matmul_padding_rule import MatmulDims, PaddingDecision, decide, tf32_matmuls
 from ember.schedule.rules import VIEW_OPS
 
@@ -225,8 +226,12 @@ def _copy_cost(padder: _Padder, node: fx.Node, dims: MatmulDims, plan: Callable,
     """Bytes that padding ``node`` to (m, k, n) copies: its arguments into padded buffers, and its
     sliced result back to eager's strides where the caller sees it."""
     total = sum(padder.cost(x, want) for x, want in plan(m, k, n))
+    out = _val(node)
     if (m != dims.m or n != dims.n) and _reaches_output(node):
-        total += 2 * _nbytes(_val(node))
+        # The slice of the padded (contiguous) result: only rows cut off a single matrix keep its strides.
+        sliced = dense_strides((*out.shape[:-2], m, n))
+        if not _same_layout(out, sliced):
+            total += 2 * _nbytes(out)
     return total
 
 
