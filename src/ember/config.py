@@ -146,6 +146,10 @@ class Options:
     warm_start: bool = _item(False, "an nn.Module captured as one graph is saved with Dynamo's guards and Ember's "
                                     "programs; a new process loads it instead of tracing again "
                                     "(capture/warm_start.py)", "EMBER_WARM_START")
+    pad_matmul: str = _item("auto", "GPU targets: pad bf16/fp16 (and TF32) matmul dims that are not a multiple of 16 "
+                                    "bytes with zeros where the rule says it pays (passes/matmul_padding_rule.py); "
+                                    "always: every such matmul; off: none", "EMBER_PAD_MATMUL",
+                            choices=("auto", "always", "off"))
     progress: bool | None = _item(None, "one updating line on stderr while a compile runs longer than about 2 s "
                                         "(report/progress.py); unset: on when stderr is a terminal",
                                   "EMBER_PROGRESS", "bool")
@@ -230,6 +234,9 @@ class Settings:
                                            "tests set False to check both give the same program")
     layout_min_activation_to_weight: float = _item(1.0, "channels_last only where activation bytes reach this "
                                                         "multiple of convolution weight bytes; tests set 0")
+    pad_matmul_min_flops_per_byte: float = _item(128.0, "matmul padding (auto): FLOPs of the matmul per byte the "
+                                                        "padding copies, at least (passes/matmul_padding_rule.py)")
+    pad_matmul_min_gflop: float = _item(1.0, "matmul padding (auto): the smallest matmul padded, in GFLOP")
     # Triton block sizes (codegen/triton_kernel.py); part of the compiled-program cache key.
     persistent_rblock_max: int = _item(2048, "longest reduction done in one block (persistent)")
     loop_rblock: int = _item(16384, "block of a looped reduction; 4.3x faster than 1024 for batch-norm "

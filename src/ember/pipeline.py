@@ -34,6 +34,8 @@ from ember.passes import PassContext, PassResult, passes_for, run_passes
 from ember.passes.attention_seeds import route_attention_seeds
 from ember.passes.freeze import static_input_indices
 from ember.passes.layout import layout_summary, report_output_strides
+from ember.passes.matmul_padding_rule import tf32_matmuls
+from ember.passes.pad_matmul import padding_line, padding_summary
 from ember.report import progress
 from ember.report.records import GraphRecord
 from ember.runtime.artifacts import ProgramStore, StoredProgram, graph_key, restore_record, stored_program
@@ -177,11 +179,15 @@ def _passes_stage(job: GraphJob) -> fx.GraphModule:
     from ember.tune.apply import library_chooser
     context = PassContext(record.kind, job.target.name, static_input_indices(), job.options.freeze,
                           job.options.channels_last, list(job.example_inputs),
-                          library_chooser(job.target, job.options.cache_root(), record))
+                          library_choice=library_chooser(job.target, job.options.cache_root(), record),
+                          pad_matmul=job.options.pad_matmul)
     run_passes(job.gm, passes_for(context), on_result=on_pass,
                keep_text=job.level >= 3 or bool(job.options.debug_dir))
     record.layout = layout_summary(job.gm)
     report_output_strides(record.kind, record.layout)
+    record.matmul_padding = padding_summary(job.gm)
+    if job.level >= 1 and record.matmul_padding.get("padded"):
+        print(f"# ember: {record.title}: {padding_line(record.matmul_padding)}")
     return job.gm
 
 
@@ -271,8 +277,11 @@ def _replay_stage(job: GraphJob, run: Callable[[list], object], blocker: str | N
 def _cache_key(job: GraphJob) -> tuple[ProgramStore | None, str | None]:
     caching = job.options.cache  # the option already holds argument > patch > environment
     store = ProgramStore(job.options.cache_root()) if caching and not job.cache_problem else None
-    # The layout option changes the program: part of the key.
+    # The layout and matmul-padding options change the program: part of the key (padding float32
+    # depends on whether TF32 is allowed).
     key_target = job.target.name if job.options.channels_last else f"{job.target.name}+nchw"
+    if job.target.gpu_code_path:
+        key_target += f"+pad:{job.options.pad_matmul}{'+tf32' if tf32_matmuls() else ''}"
     if store is not None:  # tuned kernels change the program: a database change is a new key
         from ember.tune.apply import tuning_stamp
         key_target += f"+tuning:{tuning_stamp(job.options.cache_root())}"

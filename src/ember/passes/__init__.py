@@ -14,6 +14,7 @@ from dataclasses import dataclass
 import torch
 import torch.fx as fx
 
+from ember.config import settings
 from ember.passes.attention_seeds import route_attention_seeds
 from ember.passes.cleanup import (
     eliminate_common_subexpressions,
@@ -26,6 +27,7 @@ from ember.passes.fold_conv import fold_conv_affine
 from ember.passes.freeze import mark_frozen
 from ember.passes.layout import to_channels_last
 from ember.passes.library_sites import Choose
+from ember.passes.pad_matmul import pad_unaligned_matmuls
 from ember.targets import BY_NAME
 
 GraphPass = Callable[[fx.GraphModule], int]
@@ -45,6 +47,7 @@ class PassContext:
     channels_last: bool = True  # Options.channels_last
     example_inputs: list | None = None  # what AOTAutograd passed (the backward's carry saved strides)
     library_choice: Choose | None = None  # tuned library implementations per site (tune/apply.py)
+    pad_matmul: str = "auto"  # Options.pad_matmul: auto | always | off
 
     @property
     def freezing(self) -> bool:
@@ -59,12 +62,19 @@ class PassContext:
 
 def passes_for(context: PassContext) -> list[GraphPass]:
     """The pass pipeline of one graph: cleanup always; on CUDA backward graphs, the seeds of
-    memory-efficient attention with dropout routed for CUDA graphs; channels_last for convolutional graphs on
-    the GPU targets; freezing, convolution folding and oneDNN library calls for CPU inference
-    graphs whose parameters are known."""
+    memory-efficient attention with dropout routed for CUDA graphs; on the GPU targets, matmul dims
+    padded to cuBLAS's alignment where the rule says it pays, and channels_last for convolutional
+    graphs; freezing, convolution folding and oneDNN library calls for CPU inference graphs whose
+    parameters are known."""
     passes = list(DEFAULT_PASSES)
     if BY_NAME[context.target].runs_on_cuda and context.kind == "backward":
         passes.append(route_attention_seeds)  # memory-efficient attention's dropout seeds, captured or not
+    if context.pad_matmul != "off" and BY_NAME[context.target].gpu_code_path:
+        def pad_matmul_dims(gm: fx.GraphModule) -> int:
+            tuning = settings()
+            return pad_unaligned_matmuls(gm, context.pad_matmul, tuning.pad_matmul_min_flops_per_byte,
+                                         tuning.pad_matmul_min_gflop)
+        passes.append(pad_matmul_dims)
     if context.channels_last and BY_NAME[context.target].gpu_code_path:
         def channels_last_layout(gm: fx.GraphModule) -> int:
             return to_channels_last(gm, context.kind, context.example_inputs)

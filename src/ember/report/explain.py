@@ -30,6 +30,7 @@ from torch.utils._pytree import tree_leaves
 from ember import config
 from ember.capture.backend import EmberBackend, optimize
 from ember.config import Options
+from ember.passes.pad_matmul import padding_line
 from ember.report.graph_breaks import collect_graph_breaks
 from ember.report.host_time import HostTimes, host_time_section, measure_steps
 from ember.report.html import Section, Table, render_html
@@ -193,7 +194,8 @@ class ExplainReport:
         if self.problems():
             out.append(Section("Problems", self.problems(), alert=True))
         out += [self._summary(), self._host_section(), self._times(), self._categories(), self._placement(),
-                self._fusion_section(), self._layout_section(), self._fallbacks(), self._coverage_section(),
+                self._fusion_section(), self._layout_section(), self._padding_section(), self._fallbacks(),
+                self._coverage_section(),
                 tuning_section(self.graphs)]
         return out
 
@@ -226,6 +228,20 @@ class ExplainReport:
             rows += [[g.title, c] for c in g.layout.get("conversions", [])]
         tables = [Table(["graph", "conversion (where)"], rows, numeric_from=2)] if rows else []
         return Section("Memory layout", lines, tables)
+
+    def _padding_section(self) -> Section:
+        ran = [g for g in self.graphs if g.matmul_padding]
+        if not ran:
+            return Section("Matmul padding", ["no matmul padded (the pass runs on the GPU targets; "
+                                              "EMBER_PAD_MATMUL=off turns it off)."])
+        lines = ["Matmul dims that are not a multiple of 16 bytes, padded with zeros so cuBLAS runs its aligned",
+                 "kernels (passes/pad_matmul.py; the rule: passes/matmul_padding_rule.py):"]
+        for g in ran:
+            lines.append(f"{g.title}: {padding_line(g.matmul_padding)}")
+            if g.matmul_padding.get("restored_outputs"):
+                lines.append(f"  {g.matmul_padding['restored_outputs']} graph output(s) copied back to eager's strides")
+            lines += [f"  not padded ({n}x): {why}" for why, n in g.matmul_padding.get("declined", {}).items()]
+        return Section("Matmul padding", lines)
 
     def _summary(self) -> Section:
         kinds = Counter(g.kind for g in self.graphs)

@@ -37,6 +37,7 @@ class GraphRecord:
     # Why this program could not sit inside a whole-step CUDA graph (train/capture.py); None: it can.
     whole_step_blocker: str | None = None
     layout: dict = field(default_factory=dict)  # passes/layout.py: conversions, saved-output strides
+    matmul_padding: dict = field(default_factory=dict)  # passes/pad_matmul.py: what was padded, what declined
     cache: str = ""  # compiled-program cache: hit | stored | miss | off | not cacheable (...)
     compile_note: str = ""  # where the kernel_compile stage went (runtime/precompile.py)
     # Kernels compiled with a tuned configuration (ember/tune/apply.py): default kernel name ->

@@ -37,7 +37,8 @@ from ember.report.records import GraphRecord
 
 SCHEMA = 1
 _RECORD_FIELDS = ("op_classes", "placement", "fallback_reasons", "steps", "fusion_decisions", "kernels", "unique_kernels",
-                  "plan_text", "program", "kernel_sources", "layout", "tuned")
+                  "plan_text", "program", "kernel_sources", "layout", "tuned",
+                  "matmul_padding")
 _SMALL_CONSTANT = 1 << 16  # constant tensors up to this many elements are hashed into the key
 
 

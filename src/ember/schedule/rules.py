@@ -162,6 +162,8 @@ EMBER_OPS = {
     "max_pool2d": "Ember's Triton kernel for overlapping max-pool windows, int8 positions (ops/max_pool.py)",
     "max_pool2d_backward": "Ember's Triton gather kernel for the max-pool gradient (ops/max_pool.py)",
     "reflection_pad2d": "Ember's Triton gather kernel for reflection padding (ops/reflection_pad.py)",
+    "pad_zeros": "a copy into a zero-padded buffer in the source's layout, for an aligned matmul "
+                 "(ops/pad_zeros.py, passes/pad_matmul.py)",
     "reflection_pad2d_backward": "Ember's Triton gather kernel for the reflection-padding gradient, no atomics "
                                  "(ops/reflection_pad.py)",
 }
