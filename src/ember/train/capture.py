@@ -155,6 +155,7 @@ class CudaWholeStep:
                 graph = self._capture(first, last)
             except Exception as err:  # noqa: BLE001 - never fail where eager works
                 self.graphs.clear()
+                self.keeper = self.pool = None  # the reserved segment goes back with the pool
                 self.disabled = f"capture failed ({type(err).__name__}: {str(err).splitlines()[0][:200]})"
                 return self._eager(batch, first, last, self.disabled), False
             self.graphs[phase] = graph
