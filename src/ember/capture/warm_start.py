@@ -178,6 +178,9 @@ class WarmStart:
             warnings.warn(f"ember: {self.off}; compiling without warm start", RuntimeWarning, stacklevel=2)
             return self.dynamo_forward(*args, **kwargs)
         self.entries.append((ckey, fn))
+        from ember.runtime.cpu_background import LOADER
+        for line in LOADER.problems:  # a background load that failed was redone on this thread
+            self.note(f"background CPU load: {line}")
         return out
 
     # -- load ----------------------------------------------------------------------------------
