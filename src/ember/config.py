@@ -223,9 +223,10 @@ class Settings:
                                   "EMBER_TUNING_DB", "path")
     tuning_shared: str | None = _item(None, "a read-only tuning database a team or project ships; the user's own "
                                             "entries win over it", "EMBER_TUNING_SHARED", "path")
-    cpu_background_load: bool = _item(True, "warm start on the CPU target: numba's import and the cached CPU "
-                                            "kernels load on a background thread from ember.compile() "
-                                            "(runtime/cpu_background.py)", "EMBER_CPU_BACKGROUND_LOAD")
+    cpu_background_load: bool = _item(False, "warm start on the CPU target: numba's import and the cached CPU "
+                                             "kernels load on a background thread from ember.compile() (off: no "
+                                             "gain measured on a 2-core CPU; runtime/cpu_background.py)",
+                                      "EMBER_CPU_BACKGROUND_LOAD")
     git_commit: str | None = _item(None, "the commit `ember bench` records, for runs from a copy of the working "
                                          "tree without its .git", "EMBER_GIT_COMMIT", "str")
 

@@ -42,7 +42,7 @@ def test_failing_background_kernel_load_is_redone_on_the_main_thread(tmp_path: P
     cold, log = _run(model, tmp_path, x)
     assert any(line.startswith("saved") for line in log), log
     forget_loaded()  # as in a new process: the kernel is loaded again
-    with config.patch(cpu_background_fault="injected background failure"):
+    with config.patch(cpu_background_load=True, cpu_background_fault="injected background failure"):
         warm, log = _run(model, tmp_path, torch.clone(x))  # loads the file this process saved
     assert any(line.startswith("loaded") for line in log), log
     # The kernel's background job failed (so the background path was taken) and was redone here.
@@ -68,15 +68,15 @@ def test_failing_warm_up_is_recorded_not_raised() -> None:
 
 def test_started_only_for_a_cpu_warm_start() -> None:
     model = Net()
+    assert not cpu_background.wanted(model, config.Options.from_env(warm_start=True, target="cpu"))  # off by default
 
     def options(**kw: object) -> config.Options:
         return config.Options.from_env(**{"warm_start": True, **kw})
 
-    assert cpu_background.wanted(model, options(target="cpu"))
-    assert cpu_background.wanted(model, options(target="auto"))
-    assert not cpu_background.wanted(model, options(target="cpu", warm_start=False))
-    assert not cpu_background.wanted(model, options(target="triton"))
-    assert not cpu_background.wanted(model, options(target="auto", device="cuda"))
-    assert not cpu_background.wanted(nn.Identity(), options(target="auto"))  # no parameters: not known
-    with config.patch(cpu_background_load=False):
-        assert not cpu_background.wanted(model, options(target="cpu"))
+    with config.patch(cpu_background_load=True):
+        assert cpu_background.wanted(model, options(target="cpu"))
+        assert cpu_background.wanted(model, options(target="auto"))
+        assert not cpu_background.wanted(model, options(target="cpu", warm_start=False))
+        assert not cpu_background.wanted(model, options(target="triton"))
+        assert not cpu_background.wanted(model, options(target="auto", device="cuda"))
+        assert not cpu_background.wanted(nn.Identity(), options(target="auto"))  # no parameters: not known

@@ -10,13 +10,20 @@ So with a warm start on the CPU target, ``ember.compile`` starts one background 
 (``LOADER.warm_numba``) that does this work, and while a warm-start file is linked each CPU kernel
 is handed to the same thread (``LOADER.launcher``): the program gets a ``LazyLauncher`` that waits
 for its kernel on the kernel's first launch. The main thread meanwhile reads and deserialises the
-file and starts the program; the first run's oneDNN convolutions create their primitives with the
-GIL released, so the background thread works on the otherwise idle core (resnet18's one CPU kernel
-is its final pooling, after every convolution).
+file and starts the program (resnet18's one CPU kernel is its final pooling, after every
+convolution; ATen's convolutions release the GIL).
 
-Nothing here can make a compile fail: a background job that raises is recorded (``problem``) and
+Nothing here can make a compile fail: a background job that raises is recorded (``problems``) and
 the kernel is then loaded on the main thread, as without this module (which raises as before if
-that fails too). Off with ``EMBER_CPU_BACKGROUND_LOAD=0``.
+that fails too).
+
+Off by default (``EMBER_CPU_BACKGROUND_LOAD=1`` turns it on). Measured on the 2-core CPU with
+``ember bench --first-call`` (benchmarks/results/cpu/2026-11-25_warm_start): no gain. numba's import
+and set-up are Python holding the GIL, the bench calls the model right after ``ember.compile``,
+and the warm first run there is ~0.09 s (oneDNN's primitives are quick at this size): nothing
+overlaps, the work just moves into the first run. It can only pay where the main thread waits
+between ``ember.compile`` and the first call (a data loader's first batch). And a thread that is
+importing while the process forks (data-loader workers) leaves module locks held in the child.
 """
 
 from __future__ import annotations
