@@ -90,12 +90,17 @@ class LazyLauncher:
                     self._fn = fn
         return self._fn
 
+    @property
+    def ready(self) -> Callable | None:
+        """The real launcher once the first launch has resolved it (None before)."""
+        return self._fn
+
     def __call__(self, *tensors: Any) -> None:
         fn = self._fn or self.resolve()
         fn(*tensors)
 
     def __getattr__(self, name: str) -> Any:  # units, threads: the real launcher's
-        if name.startswith("_"):
+        if name.startswith("_") or name == "ready":
             raise AttributeError(name)
         return getattr(self.resolve(), name)
 

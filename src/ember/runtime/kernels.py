@@ -82,7 +82,9 @@ def load_kernel(ks: KernelSource, kernel_dir: Path, interpret: bool) -> Callable
     key = (str(kernel_dir), ks.name, interpret)
     if key in _LOADED:
         fn = _LOADED[key]
-        return getattr(fn, "_fn", None) or fn  # a background-loaded launcher, once it is ready
+        if ks.name.startswith("ember_cpu_"):  # a background-loaded launcher: the real one once it is ready
+            fn = getattr(fn, "ready", None) or fn
+        return fn
     if ks.name.startswith("ember_cpu_"):
         from ember.runtime import cpu_background
         if cpu_background.active():  # a warm start's link: numba loads it meanwhile
