@@ -272,7 +272,8 @@ class WarmStart:
 
         backend.output_wrapper = wa.EmberOutputCode.wrap
         try:
-            with torch._dynamo.config.patch(automatic_dynamic_shapes=False, assume_static_by_default=True):
+            with torch._dynamo.config.patch(automatic_dynamic_shapes=False, assume_static_by_default=True), \
+                    _functions_by_code():
                 fn = wa.API.aot_compile_fullgraph(self.model.forward, (args, kwargs), wa.API.Hooks(guard_filter_fn=keep),
                                                   serializable_backend)
         except Exception as err:  # noqa: BLE001 - a graph break, or anything torch's AOT compile refuses
@@ -326,6 +327,29 @@ def _installed_modules(fn: Any, model: torch.nn.Module) -> dict[str, str]:
         elif ref not in f_globals or ref.startswith("___"):
             raise RuntimeError(f"the traced bytecode reads {ref}, an object Dynamo names by its id in this process")
     return modules
+
+
+def _functions_by_code() -> Any:
+    """While Dynamo saves its guards: a function whose qualified name leads to another object (a
+    decorated method's undecorated original, which ``functools.wraps`` gave its name to the wrapper)
+    is saved by its code, module, defaults and closure, as torch saves a nested function, instead of
+    as missing (torch's "fqn mismatch"), which fails any guard that reads it on load."""
+    from unittest import mock
+
+    from torch._dynamo.guards import GuardsStatePickler
+    original = GuardsStatePickler.reducer_override
+
+    def reducer_override(self: Any, obj: Any) -> Any:
+        if inspect.isfunction(obj) and "<locals>" not in obj.__qualname__ and obj.__module__ in sys.modules:
+            found: Any = sys.modules[obj.__module__]
+            for name in obj.__qualname__.split("."):
+                found = getattr(found, name, None)
+            if found is not obj:
+                return type(self)._unpickle_nested_function, (obj.__code__, obj.__module__, obj.__qualname__,
+                                                              obj.__defaults__, obj.__closure__)
+        return original(self, obj)
+
+    return mock.patch.object(GuardsStatePickler, "reducer_override", reducer_override)
 
 
 def _closure_functions(model: torch.nn.Module) -> dict[str, object]:
