@@ -315,11 +315,12 @@ def _installed_modules(fn: Any, model: torch.nn.Module) -> dict[str, str]:
     (``___module_collections_<id>_c0``): a new process has no such name, so each module among them
     is saved by its import name. Raises if the bytecode needs another such object (not saved then)."""
     import builtins
-    env = fn._artifacts.runtime_env
+    env = getattr(getattr(fn, "_artifacts", None), "runtime_env", None)
     f_globals = _forward_globals(model)
     modules: dict[str, str] = {}
-    for ref in sorted(getattr(env, "external_refs", None) or ()):
-        if ref in env.import_sources or ref in env.used_globals or hasattr(builtins, ref):
+    known = {**(getattr(env, "import_sources", None) or {}), **(getattr(env, "used_globals", None) or {})}
+    for ref in sorted(getattr(env, "external_refs", None) or ()):  # a torch without the record: none
+        if ref in known or hasattr(builtins, ref):
             continue
         value = f_globals.get(ref)
         if isinstance(value, types.ModuleType) and ref.startswith("___"):
@@ -332,15 +333,22 @@ def _installed_modules(fn: Any, model: torch.nn.Module) -> dict[str, str]:
 def _functions_by_code() -> Any:
     """While Dynamo saves its guards: a function whose qualified name leads to another object (a
     decorated method's undecorated original, which ``functools.wraps`` gave its name to the wrapper)
-    is saved by its code, module, defaults and closure, as torch saves a nested function, instead of
-    as missing (torch's "fqn mismatch"), which fails any guard that reads it on load."""
+    is saved by its code, module and defaults, as torch saves a nested function, instead of as
+    missing (torch's "fqn mismatch"), which fails any guard that reads it on load. One with a closure
+    keeps torch's rule (its cells may hold what cannot be saved)."""
+    import contextlib
     from unittest import mock
 
-    from torch._dynamo.guards import GuardsStatePickler
-    original = GuardsStatePickler.reducer_override
+    try:
+        from torch._dynamo.guards import GuardsStatePickler
+        original = GuardsStatePickler.reducer_override
+        GuardsStatePickler._unpickle_nested_function  # noqa: B018 - a torch without it: leave torch's rule
+    except (ImportError, AttributeError):
+        return contextlib.nullcontext()
 
     def reducer_override(self: Any, obj: Any) -> Any:
-        if inspect.isfunction(obj) and "<locals>" not in obj.__qualname__ and obj.__module__ in sys.modules:
+        if (inspect.isfunction(obj) and not obj.__closure__ and "<locals>" not in obj.__qualname__
+                and obj.__module__ in sys.modules):
             found: Any = sys.modules[obj.__module__]
             for name in obj.__qualname__.split("."):
                 found = getattr(found, name, None)
