@@ -19,6 +19,9 @@ What keeps a stale program out:
   guards it cannot serialise (guards on module globals, ID_MATCH and the like, listed in
   ``CheckFunctionManager.UNSUPPORTED_SERIALIZATION_GUARD_TYPES``); the key stands in for those it can
   (sources, module classes), not for the *value* of a module global the forward reads.
+- Identity guards torch cannot save (a code object's or a builtin's id, e.g. transformers' decorated
+  forward and its GELU's builtin): re-checked on every call by what the object is
+  (capture/warm_rechecks.py).
 - The source of every function Dynamo traced, checked against the file's checksums on load.
 - A damaged or unreadable file: a warning, the file removed, a fresh compile.
 
