@@ -64,6 +64,8 @@ def compile(model: Callable, **options: Any) -> Callable:  # noqa: A001 - mirror
     compiled._ember_backend = backend
     if backend.options.warm_start and isinstance(compiled, torch_module()):
         from ember.capture.warm_start import install
+        from ember.runtime.cpu_background import start as start_cpu_background
+        start_cpu_background(model, backend.options)  # numba loads while the warm-start file is read
         install(compiled, model, backend)  # a new process loads what an earlier one compiled
     return compiled
 

@@ -223,10 +223,16 @@ class Settings:
                                   "EMBER_TUNING_DB", "path")
     tuning_shared: str | None = _item(None, "a read-only tuning database a team or project ships; the user's own "
                                             "entries win over it", "EMBER_TUNING_SHARED", "path")
+    cpu_background_load: bool = _item(False, "warm start on the CPU target: numba's import and the cached CPU "
+                                             "kernels load on a background thread from ember.compile() (off: no "
+                                             "gain measured on a 2-core CPU; runtime/cpu_background.py)",
+                                      "EMBER_CPU_BACKGROUND_LOAD")
     git_commit: str | None = _item(None, "the commit `ember bench` records, for runs from a copy of the working "
                                          "tree without its .git", "EMBER_GIT_COMMIT", "str")
 
     # Tuning constants (no environment variable): tests and benchmarks change them with patch().
+    cpu_background_fault: str = _item("", "tests: every background CPU load job raises RuntimeError(this text) "
+                                          "(runtime/cpu_background.py)")
     worker_niceness: int = _item(10, "niceness of the Triton compile workers (runtime/precompile.py)")
     cpu_worker_timeout_s: float = _item(300.0, "seconds a CPU compile worker may take for one kernel before this "
                                                "process compiles it (runtime/cpu_compile.py)")

@@ -15,6 +15,8 @@ WORKER = Path(__file__).parents[1] / "support" / "warm_worker.py"
 ROOT = Path(__file__).resolve().parents[2]
 
 MODEL = '''
+import functools
+
 import torch
 from torch import nn
 
@@ -28,6 +30,32 @@ class Net(nn.Module):
 
     def forward(self, x):
         return self.fc2(torch.relu(self.norm(self.fc1(x))) * 2.0)
+
+
+def passes_through(fn):  # a decorator like transformers' can_return_tuple: the wrapper takes fn's name
+    @functools.wraps(fn)
+    def wrapper(self, *args, **kwargs):
+        return fn(self, *args, **kwargs)
+    return wrapper
+
+
+class Activation(nn.Module):  # holds a builtin, as transformers' GELUActivation does
+    def __init__(self, act):
+        super().__init__()
+        self.act = act
+
+    def forward(self, x):
+        return self.act(x)
+
+
+class Decorated(Net):
+    def __init__(self, hidden, act=torch.nn.functional.gelu):
+        super().__init__(hidden)
+        self.act = Activation(act)
+
+    @passes_through
+    def forward(self, x):
+        return self.fc2(self.act(self.norm(self.fc1(x))))
 
 
 class Broken(Net):
@@ -114,3 +142,21 @@ def test_graph_break_falls_back_to_dynamo(tmp_path: Path) -> None:
     assert any(line.startswith("off: no whole-graph capture") for line in r["log"]), r["log"]
     assert r["traced_graphs"] == 2  # Dynamo's own path: two graphs around the break
     assert not list((tmp_path / "warm_start").glob("*.ember-warm"))
+
+
+def test_identity_guards_are_rechecked(tmp_path: Path) -> None:
+    # Dynamo guards the decorated forward's code and the builtin the activation holds by object
+    # identity, which torch cannot save; Ember re-checks them by what they are (warm_rechecks.py).
+    models = _models(tmp_path)
+    (cold,), _ = _run(tmp_path, models, "train", "decorated")
+    assert any("re-checked by Ember" in line for line in cold["log"]), cold["log"]
+    assert any(line.startswith("saved") for line in cold["log"]), cold["log"]
+    results, _ = _run(tmp_path, models, "train", "decorated", "decorated_other_act")
+    by = {r["variant"]: r for r in results}
+    warm = by["decorated"]
+    assert _loaded(warm) and warm["traced_graphs"] == 0, warm["log"]
+    assert warm["out"] == cold["out"] and warm["grads"] == cold["grads"]
+    # Another builtin in the same attribute: same key, same saved guards, the re-check fails.
+    other = by["decorated_other_act"]
+    assert any("an identity guard fails" in line for line in other["log"]), other["log"]
+    assert _compiled(other) and not _loaded(other)

@@ -7,7 +7,8 @@ and the largest difference from eager.
 
 MODE is infer or train. MODEL_DIR holds ``warm_model.py`` (the test writes it; a changed source
 is a changed file). Each VARIANT compiles a fresh ember.compile of a changed case in this same
-process: base, weight_dtype, weight_shape, ember_version, device_name, graph_break.
+process: base, weight_dtype, weight_shape, ember_version, device_name, graph_break, decorated (a
+decorated forward and a module holding a builtin), decorated_other_act (another builtin there).
 """
 
 from __future__ import annotations
@@ -29,7 +30,11 @@ def run(cache_dir: str, mode: str, variant: str) -> dict:
     importlib.reload(warm_model)  # the file may have changed since this process imported it
     torch.manual_seed(0)
     hidden = 12 if variant == "weight_shape" else 8
-    model = (warm_model.Broken if variant == "graph_break" else warm_model.Net)(hidden)
+    if variant.startswith("decorated"):
+        act = torch.relu if variant == "decorated_other_act" else torch.nn.functional.gelu
+        model = warm_model.Decorated(hidden, act)
+    else:
+        model = (warm_model.Broken if variant == "graph_break" else warm_model.Net)(hidden)
     x = torch.randn(4, 6)
     if variant == "weight_dtype":
         model, x = model.double(), x.double()

@@ -92,6 +92,7 @@ class EmberOutputCode(API.OutputCode):  # type: ignore[misc,name-defined]
         """Link the saved program in this process (called by AOTAutograd when it loads the entry)."""
         from ember.capture.backend import EmberBackend
         from ember.pipeline import link_stored
+        from ember.runtime.cpu_background import kernels_in_background
         from ember.runtime.cudagraphs.runner import GraphPool, share_pool
         from ember.runtime.program import boxed
         from ember.targets import BY_NAME
@@ -103,8 +104,9 @@ class EmberOutputCode(API.OutputCode):  # type: ignore[misc,name-defined]
         attrs = torch.load(io.BytesIO(self.attrs), weights_only=True)
         record = GraphRecord(title=self.title, kind=self.kind, frame="warm start", target=self.target)
         record.cache = "warm start"
-        graph = link_stored(stored, attrs, backend.options, record, BY_NAME[self.target], self.blocker,
-                            frozenset(self.read_only))
+        with kernels_in_background():  # CPU kernels load on runtime/cpu_background.py's thread
+            graph = link_stored(stored, attrs, backend.options, record, BY_NAME[self.target], self.blocker,
+                                frozenset(self.read_only))
         compiled = boxed(graph)
         share_pool(compiled, backend.graph_pool if self.kind != "inference" else GraphPool(training=False))
         backend.log.graphs.append(record)

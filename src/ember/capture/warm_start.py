@@ -19,6 +19,9 @@ What keeps a stale program out:
   guards it cannot serialise (guards on module globals, ID_MATCH and the like, listed in
   ``CheckFunctionManager.UNSUPPORTED_SERIALIZATION_GUARD_TYPES``); the key stands in for those it can
   (sources, module classes), not for the *value* of a module global the forward reads.
+- Identity guards torch cannot save (a code object's or a builtin's id, e.g. transformers' decorated
+  forward and its GELU's builtin): re-checked on every call by what the object is
+  (capture/warm_rechecks.py).
 - The source of every function Dynamo traced, checked against the file's checksums on load.
 - A damaged or unreadable file: a warning, the file removed, a fresh compile.
 
@@ -29,6 +32,7 @@ A forward Dynamo cannot capture whole (a graph break), a module with forward hoo
 from __future__ import annotations
 
 import hashlib
+import importlib
 import inspect
 import io
 import json
@@ -36,12 +40,15 @@ import os
 import sys
 import tempfile
 import time
+import types
 import warnings
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import torch
+
+from ember.capture.warm_rechecks import Rechecks, replaceable
 
 MAGIC = b"EMBERWARM1\n"
 SUFFIX = ".ember-warm"
@@ -144,7 +151,8 @@ class WarmStart:
         self.model = model
         self.backend = backend
         self.dynamo_forward = dynamo_forward
-        self.entries: list[tuple[str, Any]] = []  # (call key, torch's AOTCompiledFunction)
+        # (call key, torch's AOTCompiledFunction, the identity guards Ember re-checks: warm_rechecks.py)
+        self.entries: list[tuple[str, Any, Rechecks]] = []
         self.off = off
         if off:
             self.note(f"off: {off}")
@@ -159,8 +167,9 @@ class WarmStart:
         if self.off or _global_hooks():
             return self.dynamo_forward(*args, **kwargs)
         ckey = call_key(args, kwargs)
-        for key, fn in self.entries:
-            if key == ckey and fn.guard_check(self.model, *args, **kwargs):
+        for key, fn, rechecks in self.entries:
+            if (key == ckey and fn.guard_check(self.model, *args, **kwargs)
+                    and rechecks.failing(self.model, self.model.forward, args, kwargs) is None):
                 return fn.fn(self.model, *args, **kwargs)
         if len(self.entries) >= max(1, self.backend.options.max_recompiles):
             return self.dynamo_forward(*args, **kwargs)  # Dynamo's recompiles and dynamic shapes take over
@@ -168,6 +177,7 @@ class WarmStart:
             fn = self._load_or_compile(ckey, args, kwargs)
         if fn is None:
             return self.dynamo_forward(*args, **kwargs)
+        fn, rechecks = fn
         try:
             out = fn.fn(self.model, *args, **kwargs)
         except Exception as err:  # noqa: BLE001 - never fail where today's path works
@@ -177,7 +187,10 @@ class WarmStart:
             self.note(f"off: {self.off}")
             warnings.warn(f"ember: {self.off}; compiling without warm start", RuntimeWarning, stacklevel=2)
             return self.dynamo_forward(*args, **kwargs)
-        self.entries.append((ckey, fn))
+        self.entries.append((ckey, fn, rechecks))
+        from ember.runtime.cpu_background import LOADER
+        for line in LOADER.problems:  # a background load that failed was redone on this thread
+            self.note(f"background CPU load: {line}")
         return out
 
     # -- load ----------------------------------------------------------------------------------
@@ -208,11 +221,16 @@ class WarmStart:
         n = int.from_bytes(blob[len(MAGIC):len(MAGIC) + 8], "little")
         head = json.loads(blob[len(MAGIC) + 8:len(MAGIC) + 8 + n])
         data = blob[len(MAGIC) + 8 + n:]
-        if hashlib.sha256(data).hexdigest() != head.get("sha256"):
+        rechecks = Rechecks(head.get("rechecks", []))
+        modules = head.get("modules", {})
+        if _checksum(data, rechecks.items, modules) != head.get("sha256"):
             raise ValueError("checksum mismatch")
+        f_globals = {**_forward_globals(self.model), **{name: importlib.import_module(m) for name, m in modules.items()}}
         token = wa.LOADING.set(self.backend)
         try:
-            fn = wa.API.AOTCompiledFunction.deserialize(data, f_globals=_forward_globals(self.model))
+            closure = _closure_functions(self.model)
+            fn = (wa.API.AOTCompiledFunction.deserialize(data, f_globals=f_globals, external_closure_data=closure)
+                  if closure else wa.API.AOTCompiledFunction.deserialize(data, f_globals=f_globals))
         finally:
             wa.LOADING.reset(token)
         changed = _changed_sources(fn)
@@ -222,7 +240,11 @@ class WarmStart:
         if not fn.guard_check(self.model, *args, **kwargs):
             self.note(f"{path.name}: a saved guard fails for this call; compiled afresh")
             return None
-        return fn
+        failed = rechecks.failing(self.model, self.model.forward, args, kwargs)
+        if failed:
+            self.note(f"{path.name}: an identity guard fails ({failed}); compiled afresh")
+            return None
+        return fn, rechecks
 
     # -- compile and save -----------------------------------------------------------------------
 
@@ -232,10 +254,19 @@ class WarmStart:
 
         backend = self.backend
         dropped: list[str] = []
+        rechecked: list[list[str]] = []
 
         def keep(entries: list) -> list[bool]:
-            out = [not (g.is_global or g.guard_type in wa.API.unserializable_guards) for g in entries]
-            dropped.extend(f"{g.guard_type} {g.name}" for g, k in zip(entries, out) if not k)
+            out = []
+            for g in entries:
+                if g.is_global or g.guard_type in wa.API.unserializable_guards:
+                    dropped.append(f"{g.guard_type} {g.name}")
+                    out.append(False)
+                elif (description := replaceable(g, wa.API.unserializable_guards)) is not None:
+                    rechecked.append([g.name, description])  # torch cannot save it: Ember re-checks it
+                    out.append(False)
+                else:
+                    out.append(True)
             return out
 
         def serializable_backend(gm: torch.fx.GraphModule, example_inputs: list) -> Any:
@@ -244,7 +275,8 @@ class WarmStart:
 
         backend.output_wrapper = wa.EmberOutputCode.wrap
         try:
-            with torch._dynamo.config.patch(automatic_dynamic_shapes=False, assume_static_by_default=True):
+            with torch._dynamo.config.patch(automatic_dynamic_shapes=False, assume_static_by_default=True), \
+                    _functions_by_code():
                 fn = wa.API.aot_compile_fullgraph(self.model.forward, (args, kwargs), wa.API.Hooks(guard_filter_fn=keep),
                                                   serializable_backend)
         except Exception as err:  # noqa: BLE001 - a graph break, or anything torch's AOT compile refuses
@@ -255,14 +287,20 @@ class WarmStart:
             backend.output_wrapper = None
         self.note(f"compiled and traced; {len(dropped)} guard(s) torch cannot save were dropped "
                   f"({', '.join(sorted(set(g.split()[0] for g in dropped)))})" if dropped else "compiled and traced")
+        if rechecked:
+            self.note(f"{len(rechecked)} identity guard(s) torch cannot save are re-checked by Ember")
         try:
-            result = wa.API.AOTCompiledFunction.serialize(fn)
+            modules = _installed_modules(fn, self.model)
+            modules = _installed_modules(fn, self.model)
+            closure = _closure_functions(self.model)
+            result = (wa.API.AOTCompiledFunction.serialize(fn, closure) if closure
+                      else wa.API.AOTCompiledFunction.serialize(fn))
             data = getattr(result, "serialized_data", result)  # torch >= 2.13 wraps the bytes
-            _write(path, data, parts)
+            _write(path, data, parts, rechecked, modules)
             self.note(f"saved {path.name} ({len(data)} bytes)")
         except Exception as err:  # noqa: BLE001 - it still runs in this process, just not saved
             self.note(f"not saved: {type(err).__name__}: {_first_line(err)}")
-        return fn
+        return fn, Rechecks(rechecked)
 
 
 def _first_line(err: BaseException) -> str:
@@ -273,6 +311,67 @@ def _first_line(err: BaseException) -> str:
 def _forward_globals(model: torch.nn.Module) -> dict:
     forward = type(model).forward
     return getattr(forward, "__globals__", {})
+
+
+def _installed_modules(fn: Any, model: torch.nn.Module) -> dict[str, str]:
+    """Globals Dynamo installed for the traced bytecode under names holding an object's id
+    (``___module_collections_<id>_c0``): a new process has no such name, so each module among them
+    is saved by its import name. Raises if the bytecode needs another such object (not saved then)."""
+    import builtins
+    env = getattr(getattr(fn, "_artifacts", None), "runtime_env", None)
+    f_globals = _forward_globals(model)
+    modules: dict[str, str] = {}
+    known = {**(getattr(env, "import_sources", None) or {}), **(getattr(env, "used_globals", None) or {})}
+    for ref in sorted(getattr(env, "external_refs", None) or ()):  # a torch without the record: none
+        if ref in known or hasattr(builtins, ref):
+            continue
+        value = f_globals.get(ref)
+        if isinstance(value, types.ModuleType) and ref.startswith("___"):
+            modules[ref] = value.__name__
+        elif ref not in f_globals or ref.startswith("___"):
+            raise RuntimeError(f"the traced bytecode reads {ref}, an object Dynamo names by its id in this process")
+    return modules
+
+
+def _functions_by_code() -> Any:
+    """While Dynamo saves its guards: a function whose qualified name leads to another object (a
+    decorated method's undecorated original, which ``functools.wraps`` gave its name to the wrapper)
+    is saved by its code, module and defaults, as torch saves a nested function, instead of as
+    missing (torch's "fqn mismatch"), which fails any guard that reads it on load. One with a closure
+    keeps torch's rule (its cells may hold what cannot be saved)."""
+    import contextlib
+    from unittest import mock
+
+    try:
+        from torch._dynamo.guards import GuardsStatePickler
+        original = GuardsStatePickler.reducer_override
+        GuardsStatePickler._unpickle_nested_function  # noqa: B018 - a torch without it: leave torch's rule
+    except (ImportError, AttributeError):
+        return contextlib.nullcontext()
+
+    def reducer_override(self: Any, obj: Any) -> Any:
+        if (inspect.isfunction(obj) and not obj.__closure__ and "<locals>" not in obj.__qualname__
+                and obj.__module__ in sys.modules):
+            found: Any = sys.modules[obj.__module__]
+            for name in obj.__qualname__.split("."):
+                found = getattr(found, name, None)
+            if found is not obj:
+                return type(self)._unpickle_nested_function, (obj.__code__, obj.__module__, obj.__qualname__,
+                                                              obj.__defaults__, obj.__closure__)
+        return original(self, obj)
+
+    return mock.patch.object(GuardsStatePickler, "reducer_override", reducer_override)
+
+
+def _closure_functions(model: torch.nn.Module) -> dict[str, object]:
+    """The functions in the closure of the module's forward (a decorator's wrapper: transformers'
+    ``can_return_tuple`` holds the undecorated forward). torch pickles a function by its name, which
+    names the wrapper, not it: they travel as external data instead, taken from this process on load.
+    The traced sources and the identity re-checks (warm_rechecks.py) cover what they are."""
+    func = getattr(model.forward, "__func__", None)
+    cells = getattr(func, "__closure__", None) or ()
+    return {f"ember_forward_closure_{i}": c.cell_contents for i, c in enumerate(cells)
+            if isinstance(getattr(c, "cell_contents", None), types.FunctionType)}
 
 
 def _changed_sources(fn: Any) -> str:
@@ -296,9 +395,14 @@ def _changed_sources(fn: Any) -> str:
     return ""
 
 
-def _write(path: Path, data: bytes, parts: dict) -> None:
+def _checksum(data: bytes, rechecks: list[list[str]], modules: dict[str, str]) -> str:
+    return hashlib.sha256(data + json.dumps([rechecks, modules], sort_keys=True).encode()).hexdigest()
+
+
+def _write(path: Path, data: bytes, parts: dict, rechecks: list[list[str]], modules: dict[str, str]) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
-    head = json.dumps({"sha256": hashlib.sha256(data).hexdigest(), "key": parts}, default=str).encode()
+    head = json.dumps({"sha256": _checksum(data, rechecks, modules), "rechecks": rechecks, "modules": modules,
+                       "key": parts}, default=str).encode()
     buf = io.BytesIO()
     buf.write(MAGIC)
     buf.write(len(head).to_bytes(8, "little"))

@@ -20,6 +20,7 @@ import importlib.util
 import os
 import sys
 import tempfile
+import threading
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from types import ModuleType
@@ -28,6 +29,8 @@ from ember.codegen.kernel_source import KernelSource
 
 _LOADED: dict[tuple[str, str, bool], Callable] = {}
 _CPU_MODULES: dict[tuple[str, str], ModuleType] = {}
+# CPU kernel modules may load on a background thread (runtime/cpu_background.py): one at a time.
+_CPU_IMPORT_LOCK = threading.RLock()
 
 
 def _write_atomic(path: Path, text: str) -> None:
@@ -78,9 +81,16 @@ def load_kernel(ks: KernelSource, kernel_dir: Path, interpret: bool) -> Callable
     """The launchable Triton function for ``ks`` (interpreted on CPU when ``interpret``)."""
     key = (str(kernel_dir), ks.name, interpret)
     if key in _LOADED:
-        return _LOADED[key]
+        fn = _LOADED[key]
+        if ks.name.startswith("ember_cpu_"):  # a background-loaded launcher: the real one once it is ready
+            fn = getattr(fn, "ready", None) or fn
+        return fn
     if ks.name.startswith("ember_cpu_"):
-        _LOADED[key] = _cpu_launcher(ks.module_source(), kernel_dir)
+        from ember.runtime import cpu_background
+        if cpu_background.active():  # a warm start's link: numba loads it meanwhile
+            _LOADED[key] = cpu_background.LOADER.launcher(ks.module_source(), kernel_dir)
+        else:
+            _LOADED[key] = _cpu_launcher(ks.module_source(), kernel_dir)
         return _LOADED[key]
     path = kernel_file(ks, kernel_dir)
     spec = importlib.util.spec_from_file_location(f"ember_kernels.{ks.name}", path)
@@ -117,18 +127,19 @@ def _cpu_module_name(kernel_dir: Path, name: str) -> str:
 
 def _import_cpu_module(kernel_dir: Path, name: str, path: Path) -> ModuleType:
     key = (str(kernel_dir), name)
-    if key not in _CPU_MODULES:
-        modname = _cpu_module_name(kernel_dir, name)
-        spec = importlib.util.spec_from_file_location(modname, path)
-        module = importlib.util.module_from_spec(spec)
-        sys.modules[modname] = module
-        try:
-            spec.loader.exec_module(module)
-        except BaseException:
-            sys.modules.pop(modname, None)
-            raise
-        _CPU_MODULES[key] = module
-    return _CPU_MODULES[key]
+    with _CPU_IMPORT_LOCK:
+        if key not in _CPU_MODULES:
+            modname = _cpu_module_name(kernel_dir, name)
+            spec = importlib.util.spec_from_file_location(modname, path)
+            module = importlib.util.module_from_spec(spec)
+            sys.modules[modname] = module
+            try:
+                spec.loader.exec_module(module)
+            except BaseException:
+                sys.modules.pop(modname, None)
+                raise
+            _CPU_MODULES[key] = module
+        return _CPU_MODULES[key]
 
 
 def cpu_kernel_module(text: str, kernel_dir: Path) -> ModuleType:

@@ -1,0 +1,93 @@
+"""Where a warm first call goes on CPU: one bench case's first call in THIS process, as
+``ember bench --first-call`` runs it (the harness's own step), with time stamps and optionally cProfile.
+
+    EMBER_WARM_START=1 EMBER_CACHE_DIR=/tmp/c/ember TORCHINDUCTOR_CACHE_DIR=/tmp/c/inductor \
+      PYTHONPATH=src python benchmarks/scripts/cpu_warm_first_call_profile.py resnet18 infer ember \
+      [--profile out.prof] [--top 40]
+
+Run it twice with the same caches: the first run compiles (cold), the second is the warm first call.
+Prints one line per stamp (seconds since the script started) and the warm-start log, then, with
+``--profile``, the functions with the largest cumulative time in the first call. CPU only; ~10 s warm.
+"""
+
+from __future__ import annotations
+
+import argparse
+import cProfile
+import pstats
+import sys
+import time
+
+T0 = time.perf_counter()
+
+
+def stamp(what: str) -> None:
+    print(f"{time.perf_counter() - T0:7.3f} s  {what}", flush=True)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("model")
+    parser.add_argument("mode", choices=["infer", "train"])
+    parser.add_argument("backend")
+    parser.add_argument("--profile")
+    parser.add_argument("--top", type=int, default=40)
+    parser.add_argument("--batch", type=int, default=None)
+    parser.add_argument("--numba-before", choices=["none", "sync", "thread"], default="none",
+                        help="experiment: load numba before the timed call (sync) or in a thread at compile")
+    args = parser.parse_args()
+
+    import torch
+    stamp("torch imported")
+    from ember.bench import harness, models
+    stamp("ember.bench imported")
+
+    case = models.get_case(args.model)
+    device = torch.device("cpu")
+    torch.manual_seed(0)
+    model = case.build(True).train(args.mode == "train")
+    batch = args.batch or (1 if args.mode == "infer" else case.default_batch(args.mode))
+    batches = models.make_batches(case, batch, device, small=True, count=2)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9) if args.mode == "train" else None
+    stamp("model and batches built")
+    if args.numba_before != "none":
+        import threading
+
+        def numba_ready() -> None:
+            import numba  # noqa: F401
+            from numba.core.registry import cpu_target
+            cpu_target.target_context.refresh()
+            import ember.runtime.cpu_support  # noqa: F401
+        if args.numba_before == "sync":
+            numba_ready()
+        else:
+            threading.Thread(target=numba_ready, daemon=True).start()
+        stamp(f"numba: {args.numba_before}")
+    step, fn = harness._backend_step(case, args.backend, model, args.mode, "fp32", device, optimizer)
+    stamp("compiled (ember.compile / torch.compile returned)")
+
+    prof = cProfile.Profile() if args.profile else None
+    start = time.perf_counter()
+    if prof:
+        prof.enable()
+    step(*batches[0])
+    if prof:
+        prof.disable()
+    first = time.perf_counter() - start
+    stamp(f"first call done: {first:.3f} s")
+    start = time.perf_counter()
+    step(*batches[1])
+    stamp(f"second call: {time.perf_counter() - start:.3f} s")
+    backend = getattr(fn, "_ember_backend", None)
+    if backend is not None:
+        for line in backend.log.warm_start:
+            print("  warm start:", line)
+        for g in backend.log.graphs:
+            print(f"  graph {g.title}: cache {g.cache}, first run {g.first_call_s}")
+    if prof:
+        prof.dump_stats(args.profile)
+        pstats.Stats(prof, stream=sys.stdout).sort_stats("cumulative").print_stats(args.top)
+
+
+if __name__ == "__main__":
+    main()
