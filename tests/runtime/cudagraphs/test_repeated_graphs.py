@@ -1,0 +1,95 @@
+"""CUDA graphs, on CPU: a graph run more than once per step (one compiled frame per layer), and
+inputs that are broadcast (expanded) views. The runner is checked with ``FakeGraphs``
+(cudagraph_fakes.py), as in test_cudagraph_runner.py.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from cudagraph_fakes import FakeGraphs, fake_runner, new_batch
+from torch import nn
+
+import ember
+from ember.instruments import instrument
+
+
+class _AttentionLayer(nn.Module):
+    """A layer whose graph returns views (q, k, v) of one projection's output, as attention does."""
+
+    def __init__(self, d: int) -> None:
+        super().__init__()
+        self.q, self.k, self.v, self.o = (nn.Linear(d, d) for _ in range(4))
+        self.norm = nn.LayerNorm(d)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, t, d = x.shape
+
+        def heads(y: torch.Tensor) -> torch.Tensor:
+            return y.view(b, t, 2, d // 2).transpose(1, 2)
+
+        a = nn.functional.scaled_dot_product_attention(heads(self.q(x)), heads(self.k(x)), heads(self.v(x)))
+        return self.norm(x + torch.tanh(self.o(a.transpose(1, 2).reshape(b, t, d))))
+
+
+class _LayerPerGraph(nn.Module):
+    """Every layer a graph of its own, all layers one compiled frame: the frame's graph runs once
+    per layer and step (BART's layers on the GPU), its earlier calls' activations still held."""
+
+    def __init__(self, layers: int = 6, d: int = 16) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList(_AttentionLayer(d) for _ in range(layers))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for layer in self.layers:
+            x = layer(x)
+            torch._dynamo.graph_break()
+        return x
+
+
+@pytest.mark.parametrize("steps", [1, 3])
+def test_a_graph_called_once_per_layer_never_overwrites_saved_activations(steps: int) -> None:
+    torch.manual_seed(0)
+    base = _LayerPerGraph()
+    x = torch.randn(2, 5, 16)
+    ref = copy.deepcopy(base)
+    (ref(x) ** 2).sum().backward()
+    torch._dynamo.reset()
+    model = copy.deepcopy(base)
+    compiled = ember.compile(model, target="aten")
+    with instrument(cudagraph_device=FakeGraphs(), capture_rule=lambda *a, **k: None):
+        for _ in range(steps):
+            model.zero_grad()
+            (compiled(x) ** 2).sum().backward()
+    statuses = [g.cudagraph for g in compiled._ember_backend.log.graphs]
+    assert any(s.startswith("captured") for s in statuses), statuses
+    for (name, p), pr in zip(model.named_parameters(), ref.parameters()):
+        torch.testing.assert_close(p.grad, pr.grad, rtol=1e-4, atol=1e-5, msg=lambda m, n=name: f"{n}: {m}")
+
+
+def _masked_sum(args: list) -> tuple:
+    x, mask = args
+    args.clear()
+    return ((x * mask).sum(1),)
+
+
+def test_an_expanded_input_that_moves_is_copied_one_element_per_broadcast_dim() -> None:
+    runner = fake_runner(_masked_sum)
+    rows = []
+    for _ in range(6):  # a new expanded mask (one row repeated) every call, as a broadcast attention mask
+        row = torch.randn(1, 8)
+        rows.append(row)  # keeps every call's memory distinct (the runner decides from addresses)
+        mask = row.expand(3, 8)
+        x = new_batch()
+        (got,) = runner([x, mask])
+        torch.testing.assert_close(got, (x * mask).sum(1))
+        del got
+    assert runner.captures == 1 and runner.replays >= 4, runner.status
+    # Then a mask that is not expanded: the graph's buffer holds one row, so it captures again.
+    mask = torch.randn(3, 8)
+    x = new_batch()
+    (got,) = runner([x, mask])
+    torch.testing.assert_close(got, (x * mask).sum(1))
+    assert "no longer expanded" in runner.status or runner.captures == 2, runner.status
