@@ -70,6 +70,12 @@ class KernelTuning:
     def gain(self) -> float | None:
         return self.default_ms / self.best_ms if self.default_ms and self.best_ms else None
 
+    def failed_check(self, key: str, device: str, config: dict, name: str, why: str, stamp: float) -> Result:
+        """Count a candidate that failed its check against the reference; the row that records it."""
+        self.failed += 1
+        self.failures.append(f"{name}: {why}")
+        return Result(key, device, config, None, "failed", why, self.label, stamp)
+
 
 # The marker row of a kernel whose candidates the budget cut short (never a choice: not 'ok').
 INCOMPLETE: dict = {"_incomplete": 1}
@@ -146,9 +152,7 @@ def tune_group(group: FusedGroup, target: Target, kernel_dir: Path, db: TuningDB
         except Exception as err:  # noqa: BLE001 - a candidate that cannot run is failed, not fatal
             why = f"{type(err).__name__}: {str(err)[:300]}"
         if why:
-            out.failed += 1
-            out.failures.append(f"{config}: {why}")
-            results.append(Result(default.name, device, config, None, "failed", why, out.label, stamp))
+            results.append(out.failed_check(default.name, device, config, str(config), why, stamp))
             continue
         passed.append((config, ks))
     launches = [run.launcher(ks) for _, ks in passed]

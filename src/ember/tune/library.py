@@ -167,9 +167,7 @@ def tune_site(site: LibrarySite, db: TuningDB, device: str, per_candidate_s: flo
         except Exception as err:  # noqa: BLE001 - an implementation that cannot run here is failed, not fatal
             why = f"{type(err).__name__}: {str(err)[:300]}"
         if why:
-            out.failed += 1
-            out.failures.append(f"{impl}: {why}")
-            results.append(Result(site.key, device, config, None, "failed", why, out.label, stamp))
+            results.append(out.failed_check(site.key, device, config, impl, why, stamp))
             continue
         passed.append((config, run))
     # Timed together, in turn (measure.time_interleaved_ms): a site's candidates are compared with
