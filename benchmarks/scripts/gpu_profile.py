@@ -74,9 +74,8 @@ def profile_case(name: str, backend: str, mode: str, steps: int, out: Path, trac
     case = models.get_case(name)
     torch.manual_seed(0)
     model = case.build(False).to(device).train(mode == "train")
-    fn = harness.BACKENDS[backend](model)
     opt = torch.optim.SGD(model.parameters(), lr=1e-3, momentum=0.9) if mode == "train" else None
-    step = harness._make_step(case, fn, mode, "bf16", device, opt)
+    step, _ = harness._backend_step(case, backend, model, mode, "bf16", device, opt)  # whole-step backends too
     batches = models.make_batches(case, case.default_batch(mode), device, count=2)
     for i in range(5):
         step(*batches[i % 2])

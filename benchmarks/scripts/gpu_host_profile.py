@@ -1,0 +1,95 @@
+"""Where a training step's host time goes: Python's profiler over steps of one backend.
+
+Run on the device (from the repo root):
+    PYTHONPATH=src python benchmarks/scripts/gpu_host_profile.py densenet121 resnet50 --backend ember,inductor-cudagraphs --out $OUT
+
+For each model and backend (bf16 autocast, SGD with momentum, the bench's own step): the median
+host time inside the step call and the synchronised step time over ``--steps`` steps, then
+``cProfile`` over the same number of steps: the functions with the most time of their own and
+the most time including callees, as text (``host_<model>_<backend>.txt``), and one summary line
+per run in ``host_profile.json``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import cProfile
+import io
+import json
+import pstats
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from ember.bench import harness, models
+
+
+def profile_case(name: str, backend: str, steps: int, top: int) -> tuple[dict, str]:
+    device = torch.device("cuda")
+    case = models.get_case(name)
+    torch.manual_seed(0)
+    model = case.build(False).to(device).train(True)
+    opt = torch.optim.SGD(model.parameters(), lr=1e-3, momentum=0.9)
+    step, _ = harness._backend_step(case, backend, model, "train", "bf16", device, opt)
+    batches = models.make_batches(case, case.default_batch("train"), device, count=2)
+    t0 = time.perf_counter()
+    for i in range(6):
+        step(*batches[i % 2])
+    torch.cuda.synchronize()
+    warm_s = time.perf_counter() - t0
+    host, wall = [], []
+    for i in range(steps):
+        t0 = time.perf_counter()
+        step(*batches[i % 2])
+        t1 = time.perf_counter()
+        torch.cuda.synchronize()
+        host.append((t1 - t0) * 1e3)
+        wall.append((time.perf_counter() - t0) * 1e3)
+    prof = cProfile.Profile()
+    prof.enable()
+    for i in range(steps):
+        step(*batches[i % 2])
+        torch.cuda.synchronize()
+    prof.disable()
+    text = io.StringIO()
+    stats = pstats.Stats(prof, stream=text)
+    text.write(f"== {name} train {backend}: host {statistics.median(host):.2f} ms, "
+               f"step {statistics.median(wall):.2f} ms (median of {steps})\n-- by own time\n")
+    stats.sort_stats("tottime").print_stats(top)
+    text.write("-- by time with callees\n")
+    stats.sort_stats("cumulative").print_stats(top)
+    row = {"model": name, "backend": backend, "host_ms_median": statistics.median(host),
+           "ms_median": statistics.median(wall), "warmup_s": warm_s, "steps": steps}
+    return row, text.getvalue()
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("models", nargs="+")
+    parser.add_argument("--backend", default="ember,inductor-cudagraphs")
+    parser.add_argument("--steps", type=int, default=20)
+    parser.add_argument("--top", type=int, default=35)
+    parser.add_argument("--out", default="host_profile")
+    args = parser.parse_args()
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    rows = []
+    for name in args.models:
+        for backend in args.backend.split(","):
+            try:
+                row, text = profile_case(name, backend, args.steps, args.top)
+            except Exception as err:  # noqa: BLE001 - one failed run must not lose the others
+                row, text = {"model": name, "backend": backend, "error": repr(err)[:500]}, repr(err)
+            rows.append(row)
+            (out / f"host_{name}_{backend}.txt").write_text(text)
+            print(text.split("\n", 1)[0] if "error" not in row else f"{name} {backend}: {row['error']}", flush=True)
+            (out / "host_profile.json").write_text(json.dumps(rows, indent=1))
+            torch.cuda.empty_cache()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
