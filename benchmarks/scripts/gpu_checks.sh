@@ -25,6 +25,12 @@ CHECKS=(
   "lowering_check|120|python benchmarks/scripts/gpu_lowering_check.py"
   # the device prefetcher: input starvation with and without it
   "data_prefetch|240|python benchmarks/scripts/data_prefetch_bench.py --json $OUT/data_prefetch.json"
+  # bart's gradients at the zoo's full size, Ember's variants against eager
+  "bart_grads|240|python benchmarks/scripts/gpu_bart_grads.py"
+  # host time per training step under Ember's per-graph mode (cProfile)
+  "host_profile|200|python benchmarks/scripts/gpu_host_profile.py densenet121 resnet50 --backend ember --steps 15 --out $OUT/host"
+  # batch-1 inference kernels, Ember against Inductor with CUDA graphs
+  "infer_profile|200|python benchmarks/scripts/gpu_profile.py resnet50 bert --mode infer --batch 1 --steps 20 --backend ember,inductor-cudagraphs --no-trace --out $OUT/infer"
 )
 
 if [[ ${1:-} == "--list" ]]; then

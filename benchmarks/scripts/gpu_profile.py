@@ -69,14 +69,14 @@ def record_arg_bytes() -> None:
 
 
 def profile_case(name: str, backend: str, mode: str, steps: int, out: Path, trace: bool = True,
-                 keep: int = 25) -> dict:
+                 keep: int = 25, batch: int | None = None) -> dict:
     device = torch.device("cuda")
     case = models.get_case(name)
     torch.manual_seed(0)
     model = case.build(False).to(device).train(mode == "train")
     opt = torch.optim.SGD(model.parameters(), lr=1e-3, momentum=0.9) if mode == "train" else None
     step, _ = harness._backend_step(case, backend, model, mode, "bf16", device, opt)  # whole-step backends too
-    batches = models.make_batches(case, case.default_batch(mode), device, count=2)
+    batches = models.make_batches(case, batch or case.default_batch(mode), device, count=2)
     for i in range(5):
         step(*batches[i % 2])
     torch.cuda.synchronize()
@@ -125,6 +125,7 @@ def main() -> int:
     parser.add_argument("--backend", default="ember,inductor")
     parser.add_argument("--mode", default="train")
     parser.add_argument("--steps", type=int, default=5)
+    parser.add_argument("--batch", type=int, default=None, help="batch size (default: the model's for the mode)")
     parser.add_argument("--top", type=int, default=12)
     parser.add_argument("--out", default="profile_out")
     parser.add_argument("--keep", type=int, default=25, help="kernels kept per run in the JSON (0: all)")
@@ -136,7 +137,7 @@ def main() -> int:
     rows = []
     for name in args.models:
         for backend in args.backend.split(","):
-            r = profile_case(name, backend, args.mode, args.steps, out, trace=not args.no_trace, keep=args.keep)
+            r = profile_case(name, backend, args.mode, args.steps, out, trace=not args.no_trace, keep=args.keep, batch=args.batch)
             rows.append(r)
             share = " ".join(f"{k} {v:.0f}%" for k, v in sorted(r["share"].items()))
             print(f"\n== {name} {args.mode} {backend}: GPU {r['gpu_ms_per_step']:.2f} ms/step, "
