@@ -478,3 +478,35 @@ def test_simple_views_get_atens_strides_without_a_dispatch(target, args) -> None
     assert got is not None and got.shape == want.shape
     assert got.stride() == want.stride() and got.storage_offset() == want.storage_offset()
     assert got.untyped_storage()._cdata == base.untyped_storage()._cdata  # still a view of its base
+
+
+class WideConvs(nn.Module):
+    """Convolution weights far larger than their batch-1 activations."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.c1 = nn.Conv2d(3, 32, 3, padding=1)
+        self.c2 = nn.Conv2d(32, 32, 3, padding=1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.c2(torch.relu(self.c1(x))).relu()
+
+
+@pytest.mark.parametrize("autocast", [False, True], ids=["fp32", "bf16-autocast"])
+def test_weights_count_against_channels_last_only_where_converted_per_call(autocast: bool) -> None:
+    # fp32: cuDNN would convert each NCHW weight on every call, outweighing the activations: NCHW
+    # kept. Under autocast the weights are casts, which write channels_last themselves: converted.
+    torch.manual_seed(0)
+    model = WideConvs().eval()
+    x = torch.randn(1, 3, 4, 4)
+    with strict_env(), torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+        want = model(x)
+        compiled = ember.compile(model, target="triton-interpret")
+        got = compiled(x)
+    assert_close(got.float(), want.float(), norm_rtol=3e-2 if autocast else 1e-4)
+    layout_record = next(g for g in compiled._ember_backend.log.graphs if g.kind == "inference").layout
+    if autocast:
+        assert "skipped" not in layout_record
+        assert sum("its cast writes it" in c for c in layout_record["conversions"]) == 2, layout_record
+    else:
+        assert "NCHW kept" in layout_record["skipped"], layout_record

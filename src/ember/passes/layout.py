@@ -56,9 +56,11 @@ _CONV_ARGS = {aten.convolution.default: (0,), aten.convolution_backward.default:
 _WEIGHT_ARG = {aten.convolution.default: 1, aten.convolution_backward.default: 2}
 
 
-def _cast_to_channels_last(weight: fx.Node, mode: object) -> bool:
-    """Make ``weight``, a cast only convolutions read as their weight, produce channels_last."""
-    if weight.op != "call_function" or weight.target != aten._to_copy.default or not _is_4d(weight):
+def _castable(weight: object) -> bool:
+    """Whether ``weight`` is a cast that only convolutions read as their weight: its cast can
+    write it in channels_last at no extra cost."""
+    if not isinstance(weight, fx.Node) or weight.op != "call_function" or weight.target != aten._to_copy.default \
+            or not _is_4d(weight):
         return False
     if weight.kwargs.get("memory_format") not in (None, torch.preserve_format):
         return False
@@ -68,6 +70,13 @@ def _cast_to_channels_last(weight: fx.Node, mode: object) -> bool:
         if user.target not in _WEIGHT_ARG or user.args[_WEIGHT_ARG[user.target]] is not weight or \
                 any(a is weight for i, a in enumerate(user.args) if i != _WEIGHT_ARG[user.target]):
             return False
+    return True
+
+
+def _cast_to_channels_last(weight: fx.Node, mode: object) -> bool:
+    """Make ``weight``, a cast only convolutions read as their weight, produce channels_last."""
+    if not _castable(weight):
+        return False
     weight.kwargs = {**weight.kwargs, "memory_format": torch.channels_last}
     _rerun(weight, mode)
     return is_channels_last(weight.meta["val"])
@@ -80,8 +89,10 @@ def _cast_to_channels_last(weight: fx.Node, mode: object) -> bool:
 # settings().layout_min_activation_to_weight: channels_last pays off where activations outweigh
 # weights: a convolution given a channels_last activation and an NCHW weight converts the weight
 # internally on every call, so a graph whose convolution weights are larger than their activations
-# (batch 1, small images) stays NCHW. Compared in bytes summed over the graph's convolutions;
-# tests set 0 to force the layout.
+# (batch 1, small images) stays NCHW. Compared in bytes summed over the graph's convolutions,
+# counting only weights that would be converted per call (not autocast's casts, which write
+# channels_last themselves: resnet50 at batch 1 in bf16 kept NCHW, and cuDNN then converted its
+# activations to NHWC and back, 54 transposes per call on the H100); tests set 0 to force the layout.
 
 
 def _bytes(node: object) -> int:
@@ -198,7 +209,10 @@ def to_channels_last(gm: fx.GraphModule, kind: str = "inference",
              and all(_is_4d(n.args[i]) for i in _CONV_ARGS[n.target])]
     record["convolutions"] = len(convs)
     acts = sum(_bytes(n.args[0]) for n in convs)
-    weights = sum(_bytes(n.args[1 if n.target == aten.convolution.default else 2]) for n in convs)
+    # Only weights cuDNN would convert on every call count: one that is channels_last already, or
+    # a cast (autocast's bf16 copy of the parameter) that can write it so, costs nothing more.
+    weights = sum(_bytes(w) for n in convs for w in (n.args[_WEIGHT_ARG[n.target]],)
+                  if not (_is_4d(w) and is_channels_last(w.meta["val"])) and not _castable(w))
     tuning = settings()
     if convs and acts < tuning.layout_min_activation_to_weight * weights:
         record["skipped"] = f"convolution activations {acts} B < weights {weights} B: NCHW kept"
