@@ -17,7 +17,10 @@ best Inductor mode per row.
 Jobs are packed into parts by an estimate of their seconds (compile of each backend plus the
 timed steps); a part stops starting jobs when less than ``--min-left`` of ``--budget`` is left
 and names the jobs it skipped, and each job is killed at the budget's end (``ember bench``
-rewrites its JSON after every row, so what was measured stays). The device copy of the tree has
+rewrites its JSON after every row, so what was measured stays). ``--gpus N`` runs N jobs side by
+side, one per GPU (``CUDA_VISIBLE_DEVICES``), each pinned to 1/N of the cores with Inductor's
+compile workers sized to match, so one job's compile does not steal the host time another job is
+measuring. The device copy of the tree has
 no ``.git``: pass the commit in ``EMBER_GIT_COMMIT`` so the rows record it.
 """
 
@@ -28,6 +31,7 @@ import json
 import os
 import subprocess
 import sys
+import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -94,20 +98,45 @@ def parts(jobs: list[Job], factor: float, budget: float) -> list[list[Job]]:
     return out
 
 
-def run_job(job: Job, backends: str, out: Path, plan: str, timeout: float, extra: list[str]) -> dict:
+@dataclass(frozen=True)
+class Lane:
+    """Where a job runs: one GPU and its share of the host's cores (jobs on other GPUs compile
+    meanwhile; each job's host-side timing keeps cores of its own)."""
+
+    gpu: int | None
+    cpus: frozenset[int] | None
+
+
+def lanes(gpus: int) -> list[Lane]:
+    if gpus <= 1:
+        return [Lane(None, None)]
+    cores = sorted(os.sched_getaffinity(0))
+    share = len(cores) // gpus
+    return [Lane(k, frozenset(cores[k * share:(k + 1) * share])) for k in range(gpus)]
+
+
+def run_job(job: Job, backends: str, out: Path, plan: str, timeout: float, extra: list[str],
+            lane: Lane = Lane(None, None)) -> dict:
     stem = f"{plan}_{job.name}"
     if job.mode == "train" and "ember" in backends.split(",") and "ember-whole-step" not in backends:
         backends += ",ember-whole-step"  # Ember's whole-step program: training rows only
     cmd = [sys.executable, "-m", "ember.cli", "bench", *job.args(), "--backend", backends, "--no-progress",
            "--json", str(out / f"{stem}.json"), *extra]
     env = {**os.environ, "PYTHONPATH": str(ROOT / "src") + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    if lane.gpu is not None:
+        env["CUDA_VISIBLE_DEVICES"] = str(lane.gpu)
+    if lane.cpus:
+        env["TORCHINDUCTOR_COMPILE_THREADS"] = str(len(lane.cpus))
+    pin = (lambda: os.sched_setaffinity(0, lane.cpus)) if lane.cpus else None
     t0 = time.perf_counter()
     with open(out / f"{stem}.log", "w") as log:
         try:
-            rc = subprocess.run(cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT, timeout=timeout).returncode
+            rc = subprocess.run(cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT, timeout=timeout,
+                                preexec_fn=pin).returncode
         except subprocess.TimeoutExpired:
             rc = "timeout"
-    return {"job": job.name, "rc": rc, "seconds": round(time.perf_counter() - t0, 1), "json": f"{stem}.json"}
+    where = {} if lane.gpu is None else {"gpu": lane.gpu, "cpus": len(lane.cpus or ())}
+    return {"job": job.name, "rc": rc, "seconds": round(time.perf_counter() - t0, 1), "json": f"{stem}.json", **where}
 
 
 def summary(out: Path, stems: list[str]) -> None:
@@ -150,6 +179,9 @@ def main() -> int:
     parser.add_argument("--min-left", type=float, default=45.0, help="start no job with fewer seconds left")
     parser.add_argument("--iters", type=int, default=None, help="timed steps per backend (ember bench default 30)")
     parser.add_argument("--backends", help="comma list replacing the plan's backends")
+    parser.add_argument("--gpus", type=int, default=1,
+                        help="run jobs side by side, one per GPU, each pinned to its share of the cores "
+                             "(longest estimate first)")
     args = parser.parse_args()
 
     jobs, backends, factor = PLANS[args.plan]
@@ -180,15 +212,32 @@ def main() -> int:
         print("note: EMBER_GIT_COMMIT is not set; rows record `git rev-parse` here or 'unknown'", flush=True)
     extra = ["--iters", str(args.iters)] if args.iters else []
     start = time.perf_counter()
-    done, skipped = [], []
-    for job in chosen:
-        left = args.budget - (time.perf_counter() - start)
-        if left < args.min_left:
-            skipped.append(job.name)
-            continue
-        res = run_job(job, backends, out, args.plan, timeout=left, extra=extra)
-        print(f"{res['job']:<24} rc={res['rc']!s:<8} {res['seconds']:>6.1f} s", flush=True)
-        done.append(res)
+    done: list[dict] = []
+    skipped: list[str] = []
+    queue = sorted(chosen, key=lambda j: -j.est_s) if args.gpus > 1 else list(chosen)
+    lock = threading.Lock()
+
+    def worker(lane: Lane) -> None:
+        while True:
+            with lock:
+                if not queue:
+                    return
+                job = queue.pop(0)
+                left = args.budget - (time.perf_counter() - start)
+                if left < args.min_left:
+                    skipped.append(job.name)
+                    continue
+            res = run_job(job, backends, out, args.plan, timeout=left, extra=extra, lane=lane)
+            where = f" gpu {lane.gpu}" if lane.gpu is not None else ""
+            print(f"{res['job']:<24} rc={res['rc']!s:<8} {res['seconds']:>6.1f} s{where}", flush=True)
+            with lock:
+                done.append(res)
+
+    threads = [threading.Thread(target=worker, args=(lane,)) for lane in lanes(args.gpus)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
     (out / f"{args.plan}_part{args.part or 'jobs'}_runs.json").write_text(json.dumps(done, indent=1))
     summary(out, [r["json"] for r in done])
     if skipped:
