@@ -139,8 +139,9 @@ class Options:
     device: str = _item("auto", "the device the compiled model runs on: auto follows the tensors; cpu / cuda "
                                 "insist on it (inputs elsewhere are an error that says so)", "EMBER_DEVICE",
                         choices=DEVICES)
-    freeze: bool = _item(True, "CPU inference: compute parameter-only values (folded batch norm, packed "
-                               "weights) once per parameter version (passes/freeze.py)", "EMBER_FREEZE")
+    freeze: bool = _item(True, "inference: compute parameter-only values (CPU: folded batch norm, packed weights; "
+                               "GPU: autocast's weight casts, padded weights) once per parameter version "
+                               "(passes/freeze.py)", "EMBER_FREEZE")
     channels_last: bool = _item(True, "GPU targets: convolutional graphs run in channels_last (passes/layout.py; "
                                       "off: eager's NCHW everywhere)", "EMBER_LAYOUT", false_words=("nchw",))
     warm_start: bool = _item(False, "an nn.Module captured as one graph is saved with Dynamo's guards and Ember's "

@@ -344,7 +344,10 @@ def _link(job: GraphJob, text: str, kernels: list, consts: list, attrs: dict[str
     # Tracebacks, profilers and allocation traces then show the program's own lines.
     linecache.cache[filename] = (len(text), None, text.splitlines(True), filename)
     exec(compile(text, filename, "exec"), namespace)
-    return namespace["run"]
+    run = namespace["run"]
+    if "refresh_frozen" in namespace:  # the CUDA-graph runner calls it before each replay
+        run.refresh_frozen = namespace["refresh_frozen"]
+    return run
 
 
 def _expect_nodes(plan: KernelPlan, kernels: dict[int, KernelSource]) -> set[fx.Node]:

@@ -185,6 +185,12 @@ class _Writer:
                          f"    # {len(step.nodes)} ops computed from parameters only",
                          *("    " + line for line in body), f"    return ({ret}{',' if len(outs) == 1 else ''})", ""]
         target = f"{ret}{',' if len(outs) == 1 else ''}"
+        placeholders = [n for n in self.plan.graph.nodes if n.op == "placeholder"]
+        self.prelude += ["def refresh_frozen(args):",
+                         "    # run's _frozen call, without running the program: before a CUDA-graph replay,",
+                         "    # which runs none of run's host code. True: the values moved (capture again)",
+                         f"    return _frozen.refresh(_prepare, "
+                         f"{', '.join(f'args[{placeholders.index(p)}]' for p in params)})", ""]
         return [f"{target} = _frozen(_prepare, {', '.join(self.name(p) for p in params)})"
                 f"  # [frozen] {len(step.nodes)} ops, recomputed when a parameter changes"]
 

@@ -52,12 +52,21 @@ class PassContext:
     @property
     def freezing(self) -> bool:
         # Parameters only stay put between calls of inference graphs; training updates them.
-        # CPU only: a CUDA-graph replay skips the host-side version check of the frozen values.
+        return self.freeze and self.kind == "inference" and bool(self.static_inputs)
+
+    @property
+    def cpu_library(self) -> bool:
         # CPU tensors only: target="aten" also runs on CUDA tensors, where the oneDNN calls these
         # passes insert do not exist.
         on_cpu = all(t.device.type == "cpu" for t in (self.example_inputs or []) if isinstance(t, torch.Tensor))
-        return (self.freeze and self.kind == "inference" and bool(self.static_inputs)
-                and BY_NAME[self.target].cpu_library_passes and on_cpu)
+        return self.freezing and BY_NAME[self.target].cpu_library_passes and on_cpu
+
+    @property
+    def gpu_freezing(self) -> bool:
+        # The GPU code path: autocast's weight casts, padded weights and batch-norm scales are
+        # computed once per parameter version instead of on every call (a CUDA-graph replay runs
+        # none of the program's host code: the runner calls ``refresh_frozen`` before each replay).
+        return self.freezing and BY_NAME[self.target].gpu_code_path
 
 
 def passes_for(context: PassContext) -> list[GraphPass]:
@@ -65,7 +74,7 @@ def passes_for(context: PassContext) -> list[GraphPass]:
     memory-efficient attention with dropout routed for CUDA graphs; on the GPU targets, matmul dims
     padded to cuBLAS's alignment where the rule says it pays, and channels_last for convolutional
     graphs; freezing, convolution folding and oneDNN library calls for CPU inference graphs whose
-    parameters are known."""
+    parameters are known; freezing alone for GPU inference graphs."""
     passes = list(DEFAULT_PASSES)
     if BY_NAME[context.target].runs_on_cuda and context.kind == "backward":
         passes.append(route_attention_seeds)  # memory-efficient attention's dropout seeds, captured or not
@@ -79,7 +88,7 @@ def passes_for(context: PassContext) -> list[GraphPass]:
         def channels_last_layout(gm: fx.GraphModule) -> int:
             return to_channels_last(gm, context.kind, context.example_inputs)
         passes.append(channels_last_layout)
-    if context.freezing:
+    if context.cpu_library:
         def mark_frozen_parameters(gm: fx.GraphModule) -> int:
             return mark_frozen(gm, context.static_inputs)
         library = lower_cpu_library_calls
@@ -90,6 +99,10 @@ def passes_for(context: PassContext) -> list[GraphPass]:
                 return lower_cpu_library_calls(gm, choose)
             library.__name__ = lower_cpu_library_calls.__name__  # the pass keeps its name in reports
         passes += [mark_frozen_parameters, fold_conv_affine, library, eliminate_dead_code]
+    elif context.gpu_freezing:
+        def mark_frozen_parameters(gm: fx.GraphModule) -> int:
+            return mark_frozen(gm, context.static_inputs)
+        passes.append(mark_frozen_parameters)
     return passes
 
 

@@ -310,7 +310,7 @@ class ExplainReport:
         lines = ["Where each ATen op ran, summed over graphs. generated: inside an Ember-generated kernel;",
                  "fused-aten: in a fused group run op by op through ATen; library: a vendor library call;",
                  "fallback: an ATen op run as is; view, constant: no compute; frozen: computed from",
-                 "parameters only, once per parameter version (CPU inference, passes/freeze.py)."]
+                 "parameters only, once per parameter version (inference graphs, passes/freeze.py)."]
         return Section("Placement", lines, [Table(["op", *PLACEMENTS], rows)])
 
     def _fusion_section(self) -> Section:

@@ -20,13 +20,44 @@ class FrozenValues:
         self.key: tuple | None = None
         self.values: tuple = ()
         self.computed = 0  # how often ``prepare`` ran (explain and tests read it)
+        self.moved = 0  # how often the values were recomputed at new addresses (not in place)
 
     def __call__(self, prepare: Callable[..., tuple], *params: object) -> tuple:
         key = _key(params)
         if key != self.key:
             self.key = None  # a failing prepare must not leave stale values marked valid
             with torch.no_grad():
-                self.values = prepare(*params)
+                values = prepare(*params)
+                if _same_layout(values, self.values):
+                    # Where the old values were: a captured CUDA graph reads them at their addresses.
+                    torch._foreach_copy_([o for o in self.values if isinstance(o, torch.Tensor)],
+                                         [v for v in values if isinstance(v, torch.Tensor)])
+                else:
+                    self.moved += bool(self.values)
+                    self.values = values
             self.key = key
             self.computed += 1
         return self.values
+
+    def refresh(self, prepare: Callable[..., tuple], *params: object) -> bool:
+        """Recompute if a parameter changed; True when the values now lie elsewhere (a CUDA graph
+        that read the old ones must be captured again)."""
+        moved = self.moved
+        self(prepare, *params)
+        return self.moved != moved
+
+
+def _same_layout(new: tuple, old: tuple) -> bool:
+    """Whether ``new`` can be copied into ``old`` tensor by tensor (a parameter changed in place)."""
+    if len(new) != len(old) or not old:
+        return False
+    for a, b in zip(new, old):
+        if isinstance(a, torch.Tensor) != isinstance(b, torch.Tensor):
+            return False
+        if isinstance(a, torch.Tensor) and (a.shape != b.shape or a.stride() != b.stride() or a.dtype != b.dtype
+                                            or a.device != b.device or a.storage_offset() != b.storage_offset()
+                                            or a._base is not None or b._base is not None):
+            return False
+        if not isinstance(a, torch.Tensor) and a != b:
+            return False
+    return True

@@ -115,6 +115,9 @@ class CudaGraphRunner(GraphRecorder):
                  on_status: Callable[[str], None] | None = None, backend: CudaBackend | None = None,
                  read_only: frozenset[int] = frozenset()) -> None:
         self.run = run
+        # The program's parameter-only values (passes/freeze.py), recomputed on the host when a
+        # parameter changed: a replay runs none of the program's host code.
+        self.refresh_frozen: Callable[[list], bool] | None = getattr(run, "refresh_frozen", None)
         self.title = title
         # Inputs the program never writes (rules.read_only_inputs): their copy buffers
         # may live in the graph's pool and die after their last read.
@@ -167,7 +170,12 @@ class CudaGraphRunner(GraphRecorder):
                 self.pool.sizing.end(self.backend.memory_counters(device))
                 self.pool.sizing.released += self.backend.release_cached(device)  # (runtime/cudagraphs/pool.py)
                 return out
+            if self.refresh_frozen is not None:
+                self.refresh_frozen(args)  # not inside the capture: replays would recompute them
             return self._capture(args, "")
+        if self.refresh_frozen is not None and self.refresh_frozen(args):
+            self.next_static = [i for i in self.g.static_idx if i not in self.g.sources]
+            return self._capture(args, "values computed from parameters moved (a parameter was replaced)")
         why = self._check(args)
         if why is None:
             return self._replay(args)
