@@ -13,6 +13,8 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
+import torch.nn.functional as F  # noqa: N812
 
 WORKER = Path(__file__).parents[1] / "support" / "step_warm_worker.py"
 ROOT = Path(__file__).resolve().parents[2]
@@ -143,3 +145,50 @@ def test_changed_source_compiles_afresh(cold: tuple[Path, Path, dict], tmp_path:
     models = _models(tmp_path / "models", MODEL.replace("model(x), y) * 2.0", "model(x), y) * 2.0 + 0.0"))
     (changed,), _ = _run(cache, models, "global")
     assert _compiled(changed) and not _loaded(changed), changed["log"]
+
+
+class _Net(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc1, self.fc2 = torch.nn.Linear(6, 8), torch.nn.Linear(8, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc2(torch.relu(self.fc1(x)))
+
+
+_NET: torch.nn.Module | None = None  # a module global that is also train_fn's closure model (one object)
+
+
+def test_reassigned_closure_variable_runs_the_new_model(tmp_path: Path) -> None:
+    # torch saves a reference to an external object by its id, so the file saved while the closure's
+    # model was also the global _NET names it by one of the two; after the closure is reassigned that
+    # file must not load (it would run the old model): the key records which names share an object.
+    global _NET
+    import ember
+    torch.manual_seed(0)
+    _NET = model = _Net()
+
+    def outer() -> tuple:
+        net = model
+
+        def train_fn(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+            return F.cross_entropy(net(x), y)
+
+        def swap(new: torch.nn.Module) -> None:
+            nonlocal net
+            net = new
+        return train_fn, swap
+
+    train_fn, swap = outer()
+    step = ember.compile_step(train_fn, torch.optim.SGD(model.parameters(), lr=0.1), warm_start=True,
+                              cache_dir=str(tmp_path), target="cpu")
+    x, y = torch.randn(8, 6), torch.randint(0, 3, (8,))
+    step(x, y)
+    other = _Net()
+    swap(other)
+    want = F.cross_entropy(other(x), y)
+    assert torch.allclose(step(x, y), want.detach(), atol=1e-6)
+    for p in other.parameters():  # the backward reached the new model's parameters
+        assert p.grad is not None
+    log = step.backend.log.warm_start
+    assert sum(line.startswith("compiled and traced") for line in log) == 2 and not any("loaded" in x for x in log)

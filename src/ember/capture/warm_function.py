@@ -28,6 +28,7 @@ from __future__ import annotations
 import builtins
 import functools
 import hashlib
+import importlib
 import inspect
 import json
 import sys
@@ -162,6 +163,7 @@ class FunctionWarmStart(WarmStart):
             "training": [[m.training for m in module.modules()] for module in modules.values()],
             "closure": [f"{name}={value!r}"[:300] if _constant(value) else f"{name}:{type(value).__qualname__}"
                         for name, value in _closure(self.fn).items()],
+            "aliases": _aliases(self.external_data()),
             "call": ckey,
         }
         digest = hashlib.sha256(json.dumps(parts, sort_keys=True, default=str).encode()).hexdigest()
@@ -169,13 +171,29 @@ class FunctionWarmStart(WarmStart):
 
 
 class _Globals(dict):
-    """The function's globals as Dynamo's guard expressions name them: with the builtins dict Dynamo
-    installs as ``__builtins_dict___N`` (the saved frame's re-checks read builtins through it)."""
+    """The function's globals as Dynamo's guard expressions name them, with the names Dynamo installs
+    in them while tracing, which a new process has not: ``__builtins_dict___N`` (the builtins dict) and
+    ``__import_a_dot_b`` (module ``a.b``, symbolic_convert.py's alias for an import it made)."""
 
     def __missing__(self, key: str) -> Any:
         if key.startswith("__builtins_dict__"):
             return builtins.__dict__
+        if key.startswith("__import_"):
+            return importlib.import_module(key[len("__import_"):].replace("_dot_", "."))
         raise KeyError(key)
+
+
+def _aliases(external: dict[str, object]) -> list[str]:
+    """Which external names hold the same object. torch saves a reference by the object's id, so an
+    object held under two names (a global model that is also in the closure) is saved under one of
+    them: a file must only be loaded where the same names share objects."""
+    first: dict[int, str] = {}
+    out = []
+    for name in sorted(external):
+        owner = first.setdefault(id(external[name]), name)
+        if owner != name:
+            out.append(f"{name}={owner}")
+    return out
 
 
 def _device_name(args: tuple, kwargs: dict, modules: Any) -> str:
