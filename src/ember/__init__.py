@@ -67,6 +67,9 @@ def compile(model: Callable, **options: Any) -> Callable:  # noqa: A001 - mirror
         from ember.runtime.cpu_background import start as start_cpu_background
         start_cpu_background(model, backend.options)  # numba loads while the warm-start file is read
         install(compiled, model, backend)  # a new process loads what an earlier one compiled
+    elif backend.options.warm_start:
+        from ember.capture import warm_function
+        compiled = warm_function.install(compiled, model, backend)  # a function: capture/warm_function.py
     return compiled
 
 

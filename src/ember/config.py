@@ -144,9 +144,10 @@ class Options:
                                "(passes/freeze.py)", "EMBER_FREEZE")
     channels_last: bool = _item(True, "GPU targets: convolutional graphs run in channels_last (passes/layout.py; "
                                       "off: eager's NCHW everywhere)", "EMBER_LAYOUT", false_words=("nchw",))
-    warm_start: bool = _item(False, "an nn.Module captured as one graph is saved with Dynamo's guards and Ember's "
-                                    "programs; a new process loads it instead of tracing again "
-                                    "(capture/warm_start.py)", "EMBER_WARM_START")
+    warm_start: bool = _item(False, "an nn.Module or function (compile_step's train_fn) captured as one graph is "
+                                    "saved with Dynamo's guards and Ember's programs; a new process loads it "
+                                    "instead of tracing again (capture/warm_start.py, warm_function.py)",
+                             "EMBER_WARM_START")
     pad_matmul: str = _item("auto", "GPU targets: pad bf16/fp16 (and TF32) matmul dims that are not a multiple of 16 "
                                     "bytes with zeros where the rule says it pays (passes/matmul_padding_rule.py); "
                                     "always: every such matmul; off: none", "EMBER_PAD_MATMUL",

@@ -54,10 +54,14 @@ class Rechecks:
     def __init__(self, items: list[list[str]]) -> None:
         self.items = [list(i) for i in items]
         self._compiled = [(name, want, compile(name, "<ember warm-start guard>", "eval")) for name, want in items]
+        # A function's warm start (warm_function.py): the closure the loaded frame holds, checked per call.
+        self.closure: dict[str, Any] | None = None
 
-    def failing(self, model: object, forward: Any, args: tuple, kwargs: dict) -> str | None:
-        """The first re-check that fails for this call ("expression: why"), None when all hold."""
-        scope: dict[str, Any] = {"self": model}
+    def failing(self, names: dict[str, Any], forward: Any, args: tuple, kwargs: dict) -> str | None:
+        """The first re-check that fails for this call ("expression: why"), None when all hold.
+        ``names``: what the expressions may name besides ``forward``'s arguments (``self``; a
+        function's closure variables and ``G``, its globals)."""
+        scope: dict[str, Any] = dict(names)
         for name, want, code in self._compiled:
             try:
                 try:

@@ -56,11 +56,16 @@ SUFFIX = ".ember-warm"
 
 def unavailable(model: object, options: Any) -> str | None:
     """Why ``model`` cannot warm start with ``options`` (None: it can)."""
-    from ember import config
     if not isinstance(model, torch.nn.Module):
         return "only an nn.Module's forward warm starts"
     if model._forward_hooks or model._forward_pre_hooks or model._backward_hooks or model._backward_pre_hooks:
         return "the module has hooks (a warm start compiles forward, not the hooks around it)"
+    return option_blocker(options)
+
+
+def option_blocker(options: Any) -> str | None:
+    """Why these options rule a warm start out (None: they do not)."""
+    from ember import config
     if not options.cache:
         return "cache=False"
     if options.check or options.debug_dir or config.debug_level():
@@ -160,6 +165,35 @@ class WarmStart:
     def note(self, line: str) -> None:
         self.backend.log.warm_start.append(line)
 
+    # -- what is compiled: a module's forward here; a function in capture/warm_function.py ----------
+
+    def traced(self) -> Callable:
+        """The callable torch's ahead-of-time compile captures."""
+        return self.model.forward
+
+    def bound(self, args: tuple) -> tuple:
+        """The positional arguments of ``traced`` for a call with ``args`` (the module comes first)."""
+        return (self.model, *args)
+
+    def frame_globals(self) -> dict:
+        """The globals the traced bytecode runs with."""
+        return _forward_globals(self.model)
+
+    def external_data(self) -> dict[str, object]:
+        """Objects the saved frame refers to that are taken from this process, not from the file."""
+        return _closure_functions(self.model)
+
+    def keeps_guard(self, entry: Any) -> bool:
+        """Whether a guard torch can save is saved (guards on module globals are not, for a module)."""
+        return not entry.is_global
+
+    def key(self, ckey: str, args: tuple, kwargs: dict) -> tuple[str, dict]:
+        return model_key(self.model, self.backend.options, ckey, args, kwargs)
+
+    def recheck(self, rechecks: Rechecks, args: tuple, kwargs: dict) -> str | None:
+        """The first identity re-check that fails for this call (None: all hold)."""
+        return rechecks.failing({"self": self.model}, self.model.forward, args, kwargs)
+
     def folder(self) -> Path:
         return Path(self.backend.options.cache_root()) / "warm_start"
 
@@ -168,9 +202,9 @@ class WarmStart:
             return self.dynamo_forward(*args, **kwargs)
         ckey = call_key(args, kwargs)
         for key, fn, rechecks in self.entries:
-            if (key == ckey and fn.guard_check(self.model, *args, **kwargs)
-                    and rechecks.failing(self.model, self.model.forward, args, kwargs) is None):
-                return fn.fn(self.model, *args, **kwargs)
+            if (key == ckey and fn.guard_check(*self.bound(args), **kwargs)
+                    and self.recheck(rechecks, args, kwargs) is None):
+                return fn.fn(*self.bound(args), **kwargs)
         if len(self.entries) >= max(1, self.backend.options.max_recompiles):
             return self.dynamo_forward(*args, **kwargs)  # Dynamo's recompiles and dynamic shapes take over
         with self.backend.shape_policy():
@@ -179,7 +213,7 @@ class WarmStart:
             return self.dynamo_forward(*args, **kwargs)
         fn, rechecks = fn
         try:
-            out = fn.fn(self.model, *args, **kwargs)
+            out = fn.fn(*self.bound(args), **kwargs)
         except Exception as err:  # noqa: BLE001 - never fail where today's path works
             # A torch whose internals differ from what the warm start was written against fails
             # here, before the program runs: warn once and take today's path for good.
@@ -196,7 +230,7 @@ class WarmStart:
     # -- load ----------------------------------------------------------------------------------
 
     def _load_or_compile(self, ckey: str, args: tuple, kwargs: dict) -> Any:
-        key, parts = model_key(self.model, self.backend.options, ckey, args, kwargs)
+        key, parts = self.key(ckey, args, kwargs)
         path = self.folder() / f"{key[:40]}{SUFFIX}"
         if path.exists():
             start = time.perf_counter()
@@ -225,10 +259,10 @@ class WarmStart:
         modules = head.get("modules", {})
         if _checksum(data, rechecks.items, modules) != head.get("sha256"):
             raise ValueError("checksum mismatch")
-        f_globals = {**_forward_globals(self.model), **{name: importlib.import_module(m) for name, m in modules.items()}}
+        f_globals = {**self.frame_globals(), **{name: importlib.import_module(m) for name, m in modules.items()}}
         token = wa.LOADING.set(self.backend)
         try:
-            closure = _closure_functions(self.model)
+            closure = self.external_data()
             fn = (wa.API.AOTCompiledFunction.deserialize(data, f_globals=f_globals, external_closure_data=closure)
                   if closure else wa.API.AOTCompiledFunction.deserialize(data, f_globals=f_globals))
         finally:
@@ -237,10 +271,10 @@ class WarmStart:
         if changed:
             self.note(f"source changed since {path.name} was saved ({changed}); compiled afresh")
             return None
-        if not fn.guard_check(self.model, *args, **kwargs):
+        if not fn.guard_check(*self.bound(args), **kwargs):
             self.note(f"{path.name}: a saved guard fails for this call; compiled afresh")
             return None
-        failed = rechecks.failing(self.model, self.model.forward, args, kwargs)
+        failed = self.recheck(rechecks, args, kwargs)
         if failed:
             self.note(f"{path.name}: an identity guard fails ({failed}); compiled afresh")
             return None
@@ -259,7 +293,7 @@ class WarmStart:
         def keep(entries: list) -> list[bool]:
             out = []
             for g in entries:
-                if g.is_global or g.guard_type in wa.API.unserializable_guards:
+                if not self.keeps_guard(g) or g.guard_type in wa.API.unserializable_guards:
                     dropped.append(f"{g.guard_type} {g.name}")
                     out.append(False)
                 elif (description := replaceable(g, wa.API.unserializable_guards)) is not None:
@@ -277,7 +311,7 @@ class WarmStart:
         try:
             with torch._dynamo.config.patch(automatic_dynamic_shapes=False, assume_static_by_default=True), \
                     _functions_by_code():
-                fn = wa.API.aot_compile_fullgraph(self.model.forward, (args, kwargs), wa.API.Hooks(guard_filter_fn=keep),
+                fn = wa.API.aot_compile_fullgraph(self.traced(), (args, kwargs), wa.API.Hooks(guard_filter_fn=keep),
                                                   serializable_backend)
         except Exception as err:  # noqa: BLE001 - a graph break, or anything torch's AOT compile refuses
             self.off = f"no whole-graph capture ({type(err).__name__}: {_first_line(err)})"
@@ -290,9 +324,8 @@ class WarmStart:
         if rechecked:
             self.note(f"{len(rechecked)} identity guard(s) torch cannot save are re-checked by Ember")
         try:
-            modules = _installed_modules(fn, self.model)
-            modules = _installed_modules(fn, self.model)
-            closure = _closure_functions(self.model)
+            modules = _installed_modules(fn, self.frame_globals())
+            closure = self.external_data()
             result = (wa.API.AOTCompiledFunction.serialize(fn, closure) if closure
                       else wa.API.AOTCompiledFunction.serialize(fn))
             data = getattr(result, "serialized_data", result)  # torch >= 2.13 wraps the bytes
@@ -313,13 +346,12 @@ def _forward_globals(model: torch.nn.Module) -> dict:
     return getattr(forward, "__globals__", {})
 
 
-def _installed_modules(fn: Any, model: torch.nn.Module) -> dict[str, str]:
+def _installed_modules(fn: Any, f_globals: dict) -> dict[str, str]:
     """Globals Dynamo installed for the traced bytecode under names holding an object's id
     (``___module_collections_<id>_c0``): a new process has no such name, so each module among them
     is saved by its import name. Raises if the bytecode needs another such object (not saved then)."""
     import builtins
     env = getattr(getattr(fn, "_artifacts", None), "runtime_env", None)
-    f_globals = _forward_globals(model)
     modules: dict[str, str] = {}
     known = {**(getattr(env, "import_sources", None) or {}), **(getattr(env, "used_globals", None) or {})}
     for ref in sorted(getattr(env, "external_refs", None) or ()):  # a torch without the record: none

@@ -69,6 +69,7 @@ class WholeStepReport:
     captures: int
     graphs: list[str]  # compiled Ember graphs of train_fn (titles)
     reasons: list[str]  # every reason a call ran uncaptured, in the order first seen
+    warm_start: list[str] = dataclasses.field(default_factory=list)  # what warm_start=True did (loaded, saved, off)
 
     def __str__(self) -> str:
         lines = [f"whole-step program: {self.mode}",
@@ -77,6 +78,7 @@ class WholeStepReport:
                  f"a CUDA graph, {self.captures} capture(s)",
                  f"  train_fn compiled by Ember into {len(self.graphs)} graph(s)"
                  + (f": {', '.join(self.graphs)}" if self.graphs else "")]
+        lines += [f"  warm start: {line}" for line in self.warm_start]
         if self.uncaptured_calls:
             lines.append("  uncaptured calls:")
             lines += [f"    {n} x {why}" for why, n in self.uncaptured_calls.most_common()]
@@ -120,6 +122,9 @@ class TrainStep:
             # graph inside another's capture would replay nothing.
             self.compiled_fn = ember.compile(train_fn, **{**options, "cudagraphs": False})
             self.backend = self.compiled_fn._ember_backend
+            warm = getattr(self.compiled_fn, "_ember_warm_start", None)  # warm_start=True: capture/warm_function.py
+            if warm is not None and model is not None:
+                warm.add_modules({"model": model})  # its parameters' signatures are part of the file's key
         else:
             self.compiled_fn = train_fn
         self.cudagraph = cudagraph and config.whole_step_cudagraph_enabled()
@@ -183,7 +188,8 @@ class TrainStep:
             mode=self.status, optimizer=_describe_optimizer(self.optimizer), calls=self.calls,
             optimizer_steps=self.optimizer_steps, captured_calls=self.captured_calls,
             uncaptured_calls=Counter(self.uncaptured), captures=self.cuda.captures if self.cuda is not None else 0,
-            graphs=[g.title for g in log.graphs] if log is not None else [], reasons=list(self._reasons))
+            graphs=[g.title for g in log.graphs] if log is not None else [], reasons=list(self._reasons),
+            warm_start=list(log.warm_start) if log is not None else [])
 
     # -- one micro-step, as eager PyTorch runs it (also the body a CUDA graph captures) ----------
 
@@ -268,7 +274,8 @@ def compile_step(train_fn: Callable[..., torch.Tensor], optimizer: torch.optim.O
     by Ember), backward, optional ``clip_grad_norm``, the ``scaler`` (a GradScaler), ``optimizer.step()``
     and ``zero_grad``; on CUDA replayed as one CUDA graph where safe. ``accumulate=N``: each call is
     a micro-batch and every N-th call steps the optimizer. Other keywords are ``ember.compile``
-    options (``target`` ...), plus ``model`` (its train/eval mode is part of what a replay checks),
+    options (``target``, ``warm_start`` ...), plus ``model`` (its train/eval mode is part of what a replay
+    checks; with ``warm_start=True`` its parameters' signatures are part of the saved file's key),
     ``cudagraph`` (False: never capture) and ``warmup`` (uncaptured optimizer steps before capture)."""
     return TrainStep(train_fn, optimizer, **kwargs)
 
