@@ -211,6 +211,10 @@ class Settings:
                                          "(runtime/cudagraphs/device.py)", "EMBER_CLEAR_WORKSPACES")
     reflection_pad: bool = _item(True, "GPU targets: reflection padding runs as Ember's kernels; off: ATen's "
                                        "(capture/decompositions.py)", "EMBER_REFLECTION_PAD")
+    input_mutations_in_graph: bool = _item(True, "a graph's writes into its inputs (batch norm's running "
+                                                 "statistics, buffer updates) stay in Ember's program as copy_ "
+                                                 "into the input; off: AOTAutograd copies them back after each "
+                                                 "call (capture/backend.py)", "EMBER_INPUT_MUTATIONS_IN_GRAPH")
     explain_steps: int = _item(3, "steps ember.explain times after the first call and two warm-up steps, for "
                                   "the host time per step (0: none)", "EMBER_EXPLAIN_STEPS")
     whole_step_cudagraph: bool = _item(True, "whole-step programs on CUDA replay one CUDA graph per step; off: "
@@ -246,6 +250,9 @@ class Settings:
                                                         "padding copies, at least (passes/matmul_padding_rule.py)")
     pad_matmul_min_gflop: float = _item(1.0, "matmul padding (auto): the smallest matmul padded, in GFLOP")
     # Triton block sizes (codegen/triton_kernel.py); part of the compiled-program cache key.
+    input_writes_as_stores: bool = _item(True, "a kept write into a graph input whose value a generated kernel "
+                                               "computes is that kernel's store into the input, not a copy_ after "
+                                               "it (codegen/input_writes.py)")
     persistent_rblock_max: int = _item(2048, "longest reduction done in one block (persistent)")
     loop_rblock: int = _item(16384, "block of a looped reduction; 4.3x faster than 1024 for batch-norm "
                                     "statistics on the H100 (benchmarks/scripts/kernel_bench.py, 2026-11-23)")

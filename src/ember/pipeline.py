@@ -24,9 +24,10 @@ from pathlib import Path
 import torch.fx as fx
 
 from ember import config, instruments
+from ember.codegen.input_writes import plan_input_writes
 from ember.codegen.kernel_source import KernelSource
 from ember.codegen.program import ProgramSource, base_namespace, generate_program
-from ember.config import Options
+from ember.config import Options, settings
 from ember.graph_utils import get_attr, is_symbolic, op_family
 from ember.instruments import run_stage
 from ember.ops import reflection_pad
@@ -370,10 +371,14 @@ def _expect_nodes(plan: KernelPlan, kernels: dict[int, KernelSource]) -> set[fx.
 
 
 def _record_plan(record: GraphRecord, plan: KernelPlan, kernels: GeneratedKernels) -> None:
+    # A write into a graph input that a kernel stores in place runs in generated code (codegen/input_writes.py).
+    stored = plan_input_writes(plan, kernels.by_step, settings().input_writes_as_stores).elided
     for node, (cls, reason) in plan.classes.items():
         record.op_classes[cls.value] += 1
         step = plan.step_of.get(node)
-        if isinstance(step, FusedGroup) or (step is not None and step.kind == "fused"):
+        if node in stored:
+            where = "generated"
+        elif isinstance(step, FusedGroup) or (step is not None and step.kind == "fused"):
             where = "generated" if step.index in kernels.by_step else "fused-aten"
         else:
             where = _PLACEMENT.get(cls)

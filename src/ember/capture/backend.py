@@ -36,7 +36,7 @@ from ember import compat
 from ember.capture.aot_settings import aot_graph_text_off, backward_with_forward, gc_paused, rng_ops_kept
 from ember.capture.decompositions import decomposition_table
 from ember.capture.instance_norm import rewrite_instance_norm
-from ember.config import Options
+from ember.config import Options, settings
 from ember.graph_utils import is_symbolic
 from ember.ops.upsample import rewrite_nearest_interpolate
 from ember.pipeline import compile_graph
@@ -236,7 +236,11 @@ class EmberBackend:
         backend = aot_autograd(fw_compiler=make("forward"), bw_compiler=make("backward"),
                                inference_compiler=make("inference"),
                                decompositions=_decompositions(_cpu_inference(example_inputs, self.options, target), gpu),
-                               partition_fn=_PARTITION)
+                               partition_fn=_PARTITION,
+                               # Writes into inputs (batch norm's running statistics) as copy_ nodes at
+                               # the end of the graph: they run in Ember's program, inside its CUDA
+                               # graph, instead of AOTAutograd's wrapper copying them back per call.
+                               keep_inference_input_mutations=settings().input_mutations_in_graph)
         with aot_graph_text_off(), backward_with_forward(gpu), rng_ops_kept(), gc_paused():  # capture/aot_settings.py
             return backend(gm, example_inputs)
 

@@ -133,8 +133,11 @@ def _allocates(slot: _Slot, plan: KernelPlan) -> bool:
     return node is not None and not _aliases_input(node)
 
 
-def plan_memory(plan: KernelPlan, kernels: dict, output: fx.Node) -> MemoryPlan:
-    """Deletions and storage reuse for the program of ``plan`` (``kernels``: step index -> kernel)."""
+def plan_memory(plan: KernelPlan, kernels: dict, output: fx.Node,
+                in_inputs: frozenset[fx.Node] = frozenset()) -> MemoryPlan:
+    """Deletions and storage reuse for the program of ``plan`` (``kernels``: step index -> kernel).
+    ``in_inputs``: kernel outputs stored into a graph input's memory (codegen/input_writes.py),
+    which neither take a dead buffer's storage nor hand theirs on."""
     graph_nodes = plan.graph.nodes
     placeholders = [n for n in graph_nodes if n.op == "placeholder"]
     slots = _slots(plan, kernels, placeholders)
@@ -154,7 +157,7 @@ def plan_memory(plan: KernelPlan, kernels: dict, output: fx.Node) -> MemoryPlan:
     result = MemoryPlan()
     kernel_outputs = [n for s in slots if s.kernel for n in s.defines]
     in_kernel = {n for i in kernels for n in plan.steps[i].nodes}
-    free_at = _storage_free_slots(kernel_outputs, death, returned, in_kernel)
+    free_at = _storage_free_slots([n for n in kernel_outputs if n not in in_inputs], death, returned, in_kernel)
     held_until: dict[fx.Node, int] = {}  # dead buffer -> slot of its reuse (its del moves there)
 
     pool: dict[tuple, list[tuple[fx.Node, int]]] = {}  # (device, dtype, bytes) -> [(buffer, free slot)]
@@ -171,7 +174,7 @@ def plan_memory(plan: KernelPlan, kernels: dict, output: fx.Node) -> MemoryPlan:
                 key = (str(val.device), val.dtype, result.nbytes[n])
                 # Rule 4: only storage freed since the last slot that allocated.
                 free = [(d, f) for d, f in pool.get(key, []) if f >= last_alloc]
-                if not free or result.nbytes[n] == 0:
+                if not free or result.nbytes[n] == 0 or n in in_inputs:
                     allocated = True
                     continue
                 dead, _ = max(free, key=lambda t: t[1])  # the most recently freed: warmest in cache

@@ -14,15 +14,17 @@ from dataclasses import dataclass, field
 import torch
 import torch.fx as fx
 
+from ember.codegen.input_writes import plan_input_writes
 from ember.codegen.kernel_source import KernelSource
 from ember.codegen.memory_plan import START, SlotKey, plan_memory, reuse_storage
+from ember.config import settings
 from ember.graph_utils import get_attr
 from ember.runtime.frozen import FrozenValues
 from ember.schedule.plan import FusedGroup, KernelPlan, Step
 from ember.schedule.rules import constant_value
 
 _RESERVED = {"torch", "aten", "prims", "run", "args", "_empty", "_expect", "_consts", "operator", "_frozen",
-             "_prepare", "_reuse", "_ws"}
+             "_prepare", "_reuse", "_ws", "_bump"}
 
 
 @dataclass
@@ -36,7 +38,18 @@ def base_namespace() -> dict:
     """The names every generated program uses besides its own kernels and constants."""
     return {"torch": torch, "aten": torch.ops.aten, "prims": torch.ops.prims, "operator": operator,
             "_empty": torch.empty_strided, "_kernels": {}, "_frozen": FrozenValues(),
-            "_reuse": reuse_storage}
+            "_reuse": reuse_storage, "_bump": bump_version}
+
+
+def bump_version(t: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
+    """The program's ``_bump``: a kernel stored ``value`` into the graph input ``t``
+    (codegen/input_writes.py); ``t``'s version counter moves on as ATen's ``copy_`` would move it.
+    ``value`` is another tensor only where ``_expect`` gave the kernel a copy of ``t``: copied back."""
+    if value is t:
+        torch._C._increment_version((t,))
+    else:
+        t.copy_(value)
+    return t
 
 
 class _Writer:
@@ -91,7 +104,9 @@ class _Writer:
         graph = self.plan.graph
         placeholders = [n for n in graph.nodes if n.op == "placeholder"]
         output = next(n for n in graph.nodes if n.op == "output")
-        self.memory = plan_memory(self.plan, self.kernels, output)  # dels and storage reuse
+        # Kept writes into graph inputs, and those a kernel stores in place (codegen/input_writes.py).
+        self.writes = plan_input_writes(self.plan, self.kernels, settings().input_writes_as_stores)
+        self.memory = plan_memory(self.plan, self.kernels, output, frozenset(self.writes.stored))
         counts: dict[str, int] = {}
         for s in self.plan.steps:
             kind = "generated" if s.index in self.kernels else ("fused-aten" if s.kind == "fused" else s.kind)
@@ -107,8 +122,14 @@ class _Writer:
             if n.op == "get_attr":
                 self.ns[self.name(n)] = get_attr(self.gm, n.target)
                 self.attrs[self.name(n)] = n.target
+        # A written input whose strides are checked keeps its own name: _expect may rebind the
+        # name to a copy, and the write must reach the caller's tensor.
+        self.written: dict[fx.Node, str] = {}
         for p in placeholders:
             if p in expect:
+                if p in self.writes.targets():
+                    self.written[p] = f"{self.name(p)}_written"
+                    body.append(f"{self.written[p]} = {self.name(p)}")
                 body.append(self._expect_line(p))
         body += self._del_line(START)
         self.emitted: set[fx.Node] = set()
@@ -163,14 +184,26 @@ class _Writer:
         for n in step.nodes:
             note = {"extern": "library", "fallback": f"fallback: {step.reason}", "view": "view",
                     "constant": "constant", "getitem": None, "fused": None}[step.kind]
-            line = f"{self.name(n)} = {self.call(n)}"
-            if note:
+            line = self._input_write_line(n) or f"{self.name(n)} = {self.call(n)}"
+            if note and n not in self.writes.elided:
                 line += f"  # [{note}]"
             lines.append(line)
             if n in expect:
                 lines.append(self._expect_line(n))
             lines += self._del_line((step.index, n))  # op by op, as eager frees
         return lines
+
+    def _input_write_line(self, n: fx.Node) -> str | None:
+        """A kept ``copy_`` into a graph input: nothing to copy if a kernel stored the value there."""
+        p = self.writes.elided.get(n)
+        if p is not None:
+            value = n.args[1]
+            return (f"{self.name(n)} = _bump({self.written.get(p, self.name(p))}, {self.name(value)})  # [input "
+                    f"write: stored in place by the kernel of step {self.plan.step_of[value].index}]")
+        if n in self.writes.copies and n.args[0] in self.written:
+            args = ", ".join([self.written[n.args[0]], *(self.arg(a) for a in n.args[1:])])
+            return f"{self.name(n)} = aten.copy_.default({args})"
+        return None
 
     def _frozen_lines(self, step: Step) -> list[str]:
         """``_prepare``: the parameter-only values, as a function of its own; ``run`` calls it
@@ -200,6 +233,10 @@ class _Writer:
         for n in group.outputs:
             val = n.meta["val"]
             dev = self.arg(val.device)
+            if n in self.writes.stored:
+                lines.append(f"{self.name(n)} = {self.name(self.writes.stored[n])}  # [input write] stored into "
+                             "the graph input directly")
+                continue
             dead = self.memory.reuse.get(n)
             if dead is not None:
                 lines.append(f"{self.name(n)} = _reuse({self.name(dead)}, {tuple(val.shape)}, {tuple(val.stride())})"

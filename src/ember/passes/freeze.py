@@ -11,7 +11,9 @@ turns freezing off for code that mutates parameters that way.)
 
 A node is frozen when every tensor input is a static graph input (a parameter or buffer, as
 AOTAutograd reports through ``fw_metadata.static_input_indices``), a module constant or another
-frozen node, and the op is deterministic and does not write to its inputs.
+frozen node, and the op is deterministic and does not write to its inputs. A buffer the graph
+itself writes (``copy_`` into it: a counter, kept in the graph by capture/backend.py) changes on
+every call: what is computed from it is not frozen, or every call would recompute the whole set.
 """
 
 from __future__ import annotations
@@ -42,8 +44,9 @@ def mark_frozen(gm: fx.GraphModule, static_inputs: set[int]) -> int:
     """Mark (``node.meta['ember_frozen']``) every node computed from parameters/buffers only."""
     frozen = 0
     placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    written = {n.args[0] for n in gm.graph.nodes if n.op == "call_function" and n.target is torch.ops.aten.copy_.default}
     for i, p in enumerate(placeholders):
-        p.meta[FROZEN] = i in static_inputs and isinstance(p.meta.get("val"), torch.Tensor)
+        p.meta[FROZEN] = i in static_inputs and isinstance(p.meta.get("val"), torch.Tensor) and p not in written
     for node in gm.graph.nodes:
         if node.op == "get_attr":
             node.meta[FROZEN] = True

@@ -32,6 +32,7 @@ from typing import Any
 import torch
 from torch import fx
 
+from ember.config import settings
 from ember.graph_utils import get_attr
 from ember.report.records import GraphRecord
 
@@ -86,8 +87,12 @@ def _versions() -> str:
     from ember.codegen import triton_kernel as tk
     # Block sizes are settings that tests and tuning change at run time (config.patch).
     tuning = tk.tuning()
+    # Where a graph's writes into its inputs happen (capture/backend.py, codegen/input_writes.py):
+    # the same graph gives another program, and a warm start another AOTAutograd graph.
+    now = settings()
+    writes = f"{int(now.input_mutations_in_graph)}{int(now.input_writes_as_stores)}"
     return (f"torch {torch.__version__} triton {triton.__version__} ember {__version__} "
-            f"source {_source_digest()} tuning {tuning} schema {SCHEMA}")
+            f"source {_source_digest()} tuning {tuning} input-writes {writes} schema {SCHEMA}")
 
 
 def _device_name(inputs: list) -> str:

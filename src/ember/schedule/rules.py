@@ -146,6 +146,10 @@ def classify(node: fx.Node) -> Classification:
     name = getattr(target, "__name__", str(target))
     if getattr(target, "namespace", None) == "ember":
         return Classification(OpClass.FALLBACK, EMBER_OPS.get(name.split(".")[0], f"Ember's custom op {name}"))
+    if target is aten.copy_.default and isinstance(node.args[0], fx.Node) and node.args[0].op == "placeholder":
+        return Classification(OpClass.FALLBACK, "writes a graph input (a kept input mutation: batch norm's running "
+                                                "statistics, a buffer update); ATen's copy_ unless the kernel that "
+                                                "computes the value stores it there (codegen/input_writes.py)")
     if target in KEPT_WHOLE_ON_CPU:
         return Classification(OpClass.FALLBACK, "kept whole for CPU inference: a oneDNN post-op after a convolution "
                                                 "or linear layer, ATen's vectorised kernel elsewhere")

@@ -463,10 +463,15 @@ class _ScalesItsInput(nn.Module):
         return self.lin(x) + y
 
 
-def test_inference_inputs_moving_between_calls_are_copied_into_the_graphs_pool(cuda_graphs_on_cpu, monkeypatch) -> None:
-    # Both are only read by the program (AOTAutograd applies the module's write to x after it,
-    # from an output), so both buffers lie in the graph's pool and die after their last read:
-    # each replay copies the new batch there and the caller still sees eager's values.
+@pytest.mark.parametrize("in_graph", [False, True])
+def test_inference_inputs_moving_between_calls_are_copied_into_the_graphs_pool(cuda_graphs_on_cpu, monkeypatch,
+                                                                               in_graph: bool) -> None:
+    # Without input_mutations_in_graph both are only read by the program (AOTAutograd applies the
+    # module's write to x after it, from an output), so both buffers lie in the graph's pool and die
+    # after their last read: each replay copies the new batch there and the caller still sees
+    # eager's values. With it, the program writes x (copy_ into it): x's buffer must outlive the
+    # replay, which copies it back to the caller's tensor; only y's lies in the pool.
+    monkeypatch.setenv("EMBER_INPUT_MUTATIONS_IN_GRAPH", "1" if in_graph else "0")
     backend = FakeGraphs()
     made: list[int] = []
     capture = backend.capture
@@ -491,7 +496,8 @@ def test_inference_inputs_moving_between_calls_are_copied_into_the_graphs_pool(c
             del got
     (graph,) = compiled._ember_backend.log.graphs
     assert "captured" in graph.cudagraph and "2 copied in" in graph.cudagraph, graph.cudagraph
-    assert made == [2], made  # one capture; both buffers allocated by it, in the pool
+    assert made == ([1] if in_graph else [2]), made  # one capture; the read-only buffers allocated by it, in the pool
+    assert ("1 mutated copied input(s) written back" in graph.cudagraph) == in_graph, graph.cudagraph
 
 
 def test_a_held_output_of_another_graph_where_a_replay_writes_makes_that_call_uncaptured() -> None:
