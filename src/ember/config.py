@@ -209,6 +209,11 @@ class Settings:
                                          "(runtime/cudagraphs/device.py)", "EMBER_CLEAR_WORKSPACES")
     reflection_pad: bool = _item(True, "GPU targets: reflection padding runs as Ember's kernels; off: ATen's "
                                        "(capture/decompositions.py)", "EMBER_REFLECTION_PAD")
+    one_pass_var_mean: bool = _item(True, "var_mean (batch norm's statistics) over large rows of a tensor already "
+                                          "in memory as two shifted sums in one pass over it; off: mean, then "
+                                          "centred squares (capture/var_mean.py)", "EMBER_ONE_PASS_VAR_MEAN")
+    one_pass_var_mean_min: int = _item(4096, "fewest elements per row for which var_mean takes the one-pass form "
+                                             "(capture/var_mean.py)")
     explain_steps: int = _item(3, "steps ember.explain times after the first call and two warm-up steps, for "
                                   "the host time per step (0: none)", "EMBER_EXPLAIN_STEPS")
     whole_step_cudagraph: bool = _item(True, "whole-step programs on CUDA replay one CUDA graph per step; off: "
