@@ -94,6 +94,39 @@ def detect_fake_mode(inputs: Sequence[object]) -> Any:
     return detect(inputs)
 
 
+def traced_producer(tensor: torch.Tensor) -> Any:
+    """The FX node that produced ``tensor`` in the graph being traced with a decomposition table
+    (make_fx / AOTAutograd), called from inside a decomposition; None outside such a trace or
+    where the API is missing (callers then keep their general form)."""
+    try:
+        from torch.fx.experimental.proxy_tensor import get_proxy_mode, get_proxy_slot
+        mode = get_proxy_mode()
+        if mode is None:
+            return None
+        slot = get_proxy_slot(tensor, mode.tracer, None)
+    except (ImportError, AttributeError, TypeError, RuntimeError):
+        return None
+    proxy = getattr(slot, "proxy", None)
+    return getattr(proxy, "node", None)
+
+
+def traced_tensor(node: Any) -> torch.Tensor | None:
+    """The tensor the trace in progress tracks for graph ``node`` (the inverse of
+    ``traced_producer``), None where it tracks none or outside a trace. A scan over the tracked
+    tensors: for the few calls a decomposition makes per graph."""
+    try:
+        from torch.fx.experimental.proxy_tensor import get_proxy_mode
+        mode = get_proxy_mode()
+        if mode is None:
+            return None
+        for tensor, slot in mode.tracer.tensor_tracker.items():
+            if getattr(getattr(slot, "proxy", None), "node", None) is node:
+                return tensor
+    except (ImportError, AttributeError, TypeError, RuntimeError):
+        return None
+    return None
+
+
 def recompile_limit_name() -> str:
     """Dynamo's per-frame recompile limit: ``recompile_limit`` (newer) or ``cache_size_limit``."""
     cfg = torch._dynamo.config

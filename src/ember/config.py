@@ -215,6 +215,11 @@ class Settings:
                                                  "statistics, buffer updates) stay in Ember's program as copy_ "
                                                  "into the input; off: AOTAutograd copies them back after each "
                                                  "call (capture/backend.py)", "EMBER_INPUT_MUTATIONS_IN_GRAPH")
+    one_pass_var_mean: bool = _item(True, "var_mean (batch norm's statistics) over large rows of a tensor already "
+                                          "in memory as two shifted sums in one pass over it; off: mean, then "
+                                          "centred squares (capture/var_mean.py)", "EMBER_ONE_PASS_VAR_MEAN")
+    one_pass_var_mean_min: int = _item(4096, "fewest elements per row for which var_mean takes the one-pass form "
+                                             "(capture/var_mean.py)")
     explain_steps: int = _item(3, "steps ember.explain times after the first call and two warm-up steps, for "
                                   "the host time per step (0: none)", "EMBER_EXPLAIN_STEPS")
     whole_step_cudagraph: bool = _item(True, "whole-step programs on CUDA replay one CUDA graph per step; off: "

@@ -3,8 +3,9 @@
 Starts from PyTorch's core ATen decompositions and adds the composite ops whose forward
 passes core ATen keeps whole (batch/layer/instance norm, softmax, gelu ...), so that
 every normalisation and activation reaches the scheduler as pointwise ops plus
-sum/amax reductions it can fuse. ``var_mean`` gets a two-pass decomposition written in
-ATen ops (instead of the ``prims.var`` the reference uses) so it fuses like any reduction.
+sum/amax reductions it can fuse. ``var_mean`` gets a decomposition written in ATen sums (instead
+of the ``prims.var`` the reference uses) so it fuses like any reduction: one pass of shifted sums
+or two passes, by the rule in capture/var_mean.py.
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ from collections.abc import Callable, Sequence
 import torch
 from torch._decomp import core_aten_decompositions, get_decompositions
 
-from ember.capture import pooling
+from ember.capture import pooling, var_mean
 from ember.config import settings
 from ember.ops import reflection_pad
 
@@ -65,35 +66,12 @@ _KEEP = [
 
 
 def _reduced_count(x: torch.Tensor, dims: Sequence[int] | None) -> int:
-    if dims is None or len(dims) == 0:
-        return x.numel()
-    count = 1
-    for d in dims:
-        count *= x.shape[d]
-    return count
-
-
-def _var_mean(x: torch.Tensor, dims: Sequence[int] | None = None, *, correction: float | None = None,
-              keepdim: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
-    # Two passes (mean, then centred squares) in the input's compute dtype: as exact as
-    # eager's Welford and fusable into one kernel.
-    dims = list(range(x.dim())) if dims is None or len(dims) == 0 else list(dims)
-    n = _reduced_count(x, dims)
-    corr = 1.0 if correction is None else float(correction)
-    xf = x.float() if x.dtype in (torch.float16, torch.bfloat16) else x
-    mean = aten.sum.dim_IntList(xf, dims, True) * (1.0 / n)
-    centred = xf - mean
-    # Divide (not multiply by 1/n): eager divides, and n - corr <= 0 must give inf/nan, not raise.
-    var = aten.sum.dim_IntList(centred * centred, dims, True) / float(max(n - corr, 0))
-    if not keepdim:
-        mean = aten.squeeze.dims(mean, dims)
-        var = aten.squeeze.dims(var, dims)
-    return var.to(x.dtype), mean.to(x.dtype)
+    return var_mean.reduced_count(x, dims)
 
 
 def _var(x: torch.Tensor, dims: Sequence[int] | None = None, *, correction: float | None = None,
          keepdim: bool = False) -> torch.Tensor:
-    return _var_mean(x, dims, correction=correction, keepdim=keepdim)[0]
+    return var_mean.var_mean(x, dims, correction=correction, keepdim=keepdim)[0]
 
 
 def _mean(x: torch.Tensor, dims: Sequence[int] | None = None, keepdim: bool = False, *,
@@ -185,7 +163,7 @@ def decomposition_table(cpu_inference: bool = False, gpu: bool = False) -> dict[
     for op in _KEEP:
         for overload in op.overloads():
             table.pop(getattr(op, overload), None)
-    for op, fn in ((aten.var_mean, _var_mean), (aten.var, _var)):
+    for op, fn in ((aten.var_mean, var_mean.var_mean), (aten.var, _var)):
         table[op.correction] = fn
     table[aten.mean.dim] = _mean
     table[aten.mean.default] = _mean_all

@@ -368,6 +368,7 @@ class _Partitioner:
                 continue
             kind = {OpClass.EXTERN: "extern", OpClass.GETITEM: "getitem"}.get(cls, "fallback")
             self._new_step(kind, node, reason)
+            self._place_views_of(node)
         self._finish_groups()
         return KernelPlan(self.graph, self.steps, self.step_of, self.constants, self.classes)
 
@@ -423,6 +424,26 @@ class _Partitioner:
             self.classes[node] = (c.cls, c.reason)
             self._new_step("view", node, "view of a graph input, placed first so groups can read it")
             ready.add(node)
+
+    def _place_views_of(self, node: fx.Node) -> None:
+        """Views of a value in memory (a library call's output) become steps right after it, as
+        views of graph inputs go first: a group started between the value and a view of it
+        could not read the view. var_mean's shift (each row's first element, capture/var_mean.py)
+        is such a view; under autocast the widening of the bf16 convolution output comes before
+        it in the graph, and its group, unable to take the statistics, stored an fp32 copy."""
+        for user in list(node.users):
+            if user.op != "call_function" or user in self.step_of:
+                continue
+            if not all(a.op == "placeholder" or (a in self.step_of and a not in self.constants and
+                                                 not isinstance(self.step_of[a], FusedGroup))
+                       for a in user.all_input_nodes):
+                continue
+            c = classify(user)
+            if c.cls != OpClass.VIEW:
+                continue
+            self.classes[user] = (c.cls, c.reason)
+            self._new_step("view", user, "view of a value in memory, placed right after it so groups can read it")
+            self._place_views_of(user)
 
     def _finish_groups(self) -> None:
         steps: list[Step] = []
