@@ -152,6 +152,9 @@ class Options:
                                     "bytes with zeros where the rule says it pays (passes/matmul_padding_rule.py); "
                                     "always: every such matmul; off: none", "EMBER_PAD_MATMUL",
                             choices=("auto", "always", "off"))
+    fuse_cat: bool = _item(True, "Triton targets: cat, stack and slice_scatter become masked, shifted loads inside "
+                                 "generated kernels, fused with their producers and consumers "
+                                 "(schedule/range_select.py); off: ATen's kernels", "EMBER_FUSE_CAT")
     progress: bool | None = _item(None, "one updating line on stderr while a compile runs longer than about 2 s "
                                         "(report/progress.py); unset: on when stderr is a terminal",
                                   "EMBER_PROGRESS", "bool")

@@ -151,6 +151,14 @@ def _mean_all(x: torch.Tensor, *, dtype: torch.dtype | None = None) -> torch.Ten
 CPU_INFERENCE_WHOLE = [aten.gelu, aten.hardswish, aten.hardsigmoid, aten.silu]
 
 
+def _stack(tensors: Sequence[torch.Tensor], dim: int = 0) -> torch.Tensor:
+    """``cat`` of unsqueezed inputs, the result in its stacked shape. PyTorch's reference cats
+    along ``dim`` and then splits that dim with a view, which a fused group cannot follow: the
+    consumers of the stack could not join the generated cat (schedule/range_select.py)."""
+    dim = dim % (tensors[0].dim() + 1)
+    return torch.cat([t.unsqueeze(dim) for t in tensors], dim)
+
+
 def decomposition_table(cpu_inference: bool = False, gpu: bool = False) -> dict[object, Callable]:
     """The table handed to AOTAutograd (``cpu_inference``: activations stay whole, see above;
     ``gpu``: a Triton target, where convolution biases are added by generated kernels)."""
@@ -175,6 +183,7 @@ def decomposition_table(cpu_inference: bool = False, gpu: bool = False) -> dict[
         table[aten.convolution.default] = _convolution_bias_apart
         table[aten.convolution_backward.default] = _convolution_backward_bias_apart
         table[aten.max_pool2d_with_indices.default] = pooling.max_pool2d_with_indices
+        table[aten.stack.default] = _stack
         table[aten.max_pool2d_with_indices_backward.default] = pooling.max_pool2d_with_indices_backward
         if settings().reflection_pad:  # EMBER_REFLECTION_PAD=0: ATen's padding kernels
             table[aten.reflection_pad2d.default] = reflection_pad.decompose_forward

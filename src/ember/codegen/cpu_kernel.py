@@ -120,6 +120,8 @@ class CpuWriter(CpuReductions):
 
     # -- what the generator covers ---------------------------------------------------------------
     def _check_supported(self) -> None:
+        if self.group.selects:  # the planner keeps cat / slice_scatter on ATen for this target
+            raise CpuUnsupported("no CPU lowering for cat / slice_scatter (range selects)")
         for n in list(self.group.nodes) + list(self.group.inputs):
             val = n.meta.get("val")
             why = kernel_dtype_unsupported("cpu", val.dtype) if isinstance(val, torch.Tensor) else ""

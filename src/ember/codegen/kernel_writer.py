@@ -9,6 +9,11 @@ their source, reductions come from the writer's reduction code, pointwise ops fr
 lowering table (codegen/lowering.py) spelled in the writer's dialect.
 
 Each member's class (pointwise, reduction, view) is the plan's (``FusedGroup.classes``).
+
+A range select (cat, slice_scatter; schedule/range_select.py) is a chain of selects over its
+pieces; each piece is its tree of producers evaluated at shifted coordinates (one coordinate
+expression per dim of each tree node, rewritten through views by ``source_coords``), whose loads
+are masked to the piece's range. Writers that support it implement ``_load_at``.
 """
 
 from __future__ import annotations
@@ -16,9 +21,10 @@ from __future__ import annotations
 import torch.fx as fx
 
 from ember.codegen.kernel_source import node_source
-from ember.codegen.lowering import Dialect, KernelValue, lower_pointwise
+from ember.codegen.lowering import Dialect, KernelValue, lower_pointwise, value_dtype
 from ember.schedule.op_support import STRUCTURAL_ARGS
 from ember.schedule.plan import Dims, FusedGroup
+from ember.schedule.range_select import RangeSelect, source_coords
 from ember.schedule.rules import OpClass, constant_value
 
 
@@ -94,7 +100,9 @@ class KernelWriter:
         if node in home.cache:
             return home.cache[node]
         cls = self.group.classes[node]
-        if cls == OpClass.VIEW:
+        if node in self.group.selects:
+            result = self._select_value(node, scope, home)
+        elif cls == OpClass.VIEW:
             result = self.value(node.args[0], scope)
         elif cls == OpClass.REDUCTION:
             result = self._reduced_value(node, scope, home)
@@ -136,3 +144,87 @@ class KernelWriter:
         if src in self.group.dims:
             return self.value(src, scope)
         return self._load(src, self.group.input_dims[node][src], scope, scope)
+
+    # -- range selects -------------------------------------------------------------------------
+    def _coord_expr(self, s: int | None) -> str:
+        """The coordinate of group dim ``s`` at the current point ("0" for size-1 dims)."""
+        raise NotImplementedError
+
+    def _load_at(self, node: fx.Node, coords: list[str], cond: str, home: Scope) -> KernelValue:
+        """Group input ``node`` at ``coords`` (one expression per dim), where ``cond`` holds."""
+        raise NotImplementedError
+
+    def _select_value(self, node: fx.Node, scope: Scope, home: Scope) -> KernelValue:
+        sel: RangeSelect = self.group.selects[node]
+        dt = value_dtype(node)
+        coords = [self._coord_expr(s) for s in self.group.dims[node]]
+        c, size = coords[sel.dim], node.meta["val"].shape[sel.dim]
+        values, conds = [], []
+        for p in sel.pieces:
+            shifted = list(coords)
+            shifted[sel.dim] = c if p.lo == 0 else f"({c} - {p.lo})"
+            cond = " & ".join(([f"({c} >= {p.lo})"] if p.lo > 0 else []) + ([f"({c} < {p.hi})"] if p.hi < size else []))
+            values.append(self._tree_value(node, sel, p.root, shifted, cond, scope, home))
+            conds.append(cond)
+        if sel.base is not None:
+            base = self._tree_operand(node, sel.base, coords, "", scope, home, leaf_of_tree=False)
+            result = base.as_(dt)
+            for v, cond in zip(values, conds):
+                result = self.dialect.select(cond, v.as_(dt), result) if cond else v.as_(dt)
+        else:
+            result = values[-1].as_(dt)
+            for v, p in zip(values[-2::-1], sel.pieces[-2::-1]):
+                result = self.dialect.select(f"({c} < {p.hi})", v.as_(dt), result)
+        var = self._tmp()
+        home.lines.append(f"{var} = {result}  # {node_source(node)}")
+        return self.value_type(var, node.meta["val"].dtype)
+
+    def _tree_operand(self, select: fx.Node, a: fx.Node, coords: list[str], cond: str, scope: Scope,
+                      home: Scope, leaf_of_tree: bool = True) -> KernelValue:
+        """A value a piece reads that its tree does not compute: a member (the base only), a load
+        at ``coords`` or an inlined constant."""
+        if a in self.group.dims:
+            return self.value(a, scope)
+        if a in self.group.input_dims[select]:
+            if not leaf_of_tree:
+                return self._load(a, self.group.input_dims[select][a], scope, home)
+            return self._load_at(a, coords, cond, home)
+        return self._scalar(constant_value(a), (a,))
+
+    def _tree_value(self, select: fx.Node, sel: RangeSelect, n: fx.Node, coords: list[str], cond: str,
+                    scope: Scope, home: Scope) -> KernelValue:
+        """Tree node (or leaf) ``n`` of a piece at ``coords``."""
+        if n not in sel.tree:
+            return self._tree_operand(select, n, coords, cond, scope, home)
+        key = ("tree", n, tuple(coords), cond)
+        if key in home.cache:
+            return home.cache[key]
+        if self.group.classes[n] == OpClass.VIEW:
+            src = n.args[0]
+            result = self._tree_value(select, sel, src, source_coords(n, src, coords, "0", _affine), cond, scope, home)
+        else:
+            ops = []
+            structural = STRUCTURAL_ARGS.get(n.target, frozenset())
+            for i, a in enumerate(n.args):
+                if isinstance(a, fx.Node):
+                    sub = source_coords(n, a, coords, "0", _affine) if a.meta["val"].dim() else []
+                    ops.append(self._tree_value(select, sel, a, sub, cond, scope, home))
+                elif a is None:
+                    ops.append(self.value_type("None", None))
+                elif isinstance(a, (bool, int, float)) and i not in structural:
+                    ops.append(self._scalar(a, (n, i)))
+                else:
+                    ops.append(self.value_type(repr(a), None))
+            var = self._tmp()
+            home.lines.append(f"{var} = {lower_pointwise(n, ops, self.dialect)}  # {node_source(n)}")
+            result = self.value_type(var, n.meta["val"].dtype)
+        home.cache[key] = result
+        return result
+
+
+def _affine(c: str, start: int, step: int) -> str:
+    """The coordinate ``start + step * c``, as short as it can be written."""
+    if c == "0":
+        return str(start)
+    scaled = c if step == 1 else f"{step} * {c}"
+    return scaled if start == 0 else f"({start} + {scaled})"

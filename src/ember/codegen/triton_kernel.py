@@ -204,6 +204,29 @@ class TritonWriter(TritonReductions):
         home.cache[key] = TritonValue(var, dtype)
         return home.cache[key]
 
+    def _coord_expr(self, s: int | None) -> str:
+        return "0" if s is None or self.shape[s] == 1 else self._coord(s)
+
+    def _load_at(self, node: fx.Node, coords: list[str], cond: str, home: Scope) -> TritonValue:
+        """A range select's piece reading ``node`` at shifted coordinates (pointwise groups only:
+        the planner keeps selects out of reductions), masked to the piece's range."""
+        key = ("load_at", node, tuple(coords), cond)
+        if key in home.cache:
+            return home.cache[key]
+        val = node.meta["val"]
+        terms = [c if st == 1 else f"{c} * {st}" for c, st, size in zip(coords, val.stride(), val.shape)
+                 if size != 1 and st != 0 and c != "0"]
+        if not any("x_" in t for t in terms):
+            terms.append("0 * xindex")  # keeps every load block-shaped
+        mask = "xmask" + (f" & {cond}" if cond else "")
+        var = self._tmp()
+        expr = f"tl.load({self.tensor_names[node]} + ({' + '.join(terms)}), {mask}, other=0)"
+        if compute_dtype(val.dtype) != val.dtype:
+            expr += ".to(tl.float32)"
+        home.lines.append(f"{var} = {expr}")
+        home.cache[key] = TritonValue(var, val.dtype)
+        return home.cache[key]
+
     def _scalar(self, value: object, key: tuple) -> TritonValue:
         return TritonValue(literal(value), None)
 

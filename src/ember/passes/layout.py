@@ -40,6 +40,7 @@ from ember.config import settings
 from ember.ops import reflection_pad
 from ember.passes.freeze import FROZEN
 from ember.passes.graph_edit import add_node, fake_mode_of
+from ember.schedule.range_select import RANGE_SELECT_OPS
 from ember.schedule.rules import OpClass, classify
 
 aten = torch.ops.aten
@@ -390,7 +391,7 @@ def _restride_for_merge(node: fx.Node, mode: object) -> int:
     val, out = _val(src), _val(node)
     if not (isinstance(val, torch.Tensor) and isinstance(out, torch.Tensor)) or out.dim() != 4 or val.dim() <= 4:
         return 0
-    if classify(src).cls != OpClass.POINTWISE:
+    if classify(src).cls != OpClass.POINTWISE or src.target in RANGE_SELECT_OPS:
         return 0
     groups = _merge_groups(tuple(val.shape), tuple(out.shape))
     if groups is None:
@@ -418,7 +419,8 @@ def _rerun(node: fx.Node, mode: object) -> int:
         return 0
     old = node.meta.get("val")
     if settings().layout_incremental and isinstance(old, torch.Tensor) and (node.target in _SIMPLE_VIEWS or
-                                                          classify(node).cls == OpClass.POINTWISE):
+                                                          (classify(node).cls == OpClass.POINTWISE
+                                                           and node.target not in RANGE_SELECT_OPS)):
         fast = _view_val(node, old, mode) if node.target in _SIMPLE_VIEWS else _pointwise_val(node, old, mode)
         if fast is not None:
             if _strides_of(fast) == _strides_of(old):

@@ -26,7 +26,16 @@ import torch
 import torch.fx as fx
 
 from ember.graph_utils import op_name
-from ember.schedule.rules import OpClass, classify
+from ember.schedule.op_support import POINTWISE_OPS
+from ember.schedule.range_select import (
+    RANGE_SELECT_OPS,
+    RangeSelect,
+    leaf_dims,
+    piece_tree,
+    select_of,
+    tree_view_supported,
+)
+from ember.schedule.rules import Classification, OpClass, classify
 
 aten = torch.ops.aten
 
@@ -57,6 +66,9 @@ class FusedGroup(Step):
     # Each member's class as the plan decided it (POINTWISE, REDUCTION or VIEW): code generators
     # read it here instead of classifying again.
     classes: dict[fx.Node, OpClass] = field(default_factory=dict)
+    # cat / slice_scatter members (schedule/range_select.py). Their trees' nodes are members
+    # (in ``nodes`` and ``classes``) without ``dims``: they are computed at shifted coordinates.
+    selects: dict[fx.Node, RangeSelect] = field(default_factory=dict)
 
     @property
     def is_reduction(self) -> bool:
@@ -137,8 +149,11 @@ def reduction_keepdim(node: fx.Node) -> bool:
 
 
 class _Partitioner:
-    def __init__(self, graph: fx.Graph) -> None:
+    def __init__(self, graph: fx.Graph, fuse_range_select: bool = True) -> None:
         self.graph = graph
+        self.fuse_range_select = fuse_range_select
+        self.selects: dict[fx.Node, RangeSelect] = {}  # planned range selects (cat, slice_scatter)
+        self.inlined: dict[fx.Node, fx.Node] = {}  # a tree node -> the select that computes it
         self.steps: list[Step] = []
         self.step_of: dict[fx.Node, Step] = {}
         self.constants: dict[fx.Node, Step] = {}
@@ -254,11 +269,15 @@ class _Partitioner:
     def _try_join(self, group: FusedGroup, node: fx.Node, cls: OpClass) -> str | None:
         """Add ``node`` to ``group``; None when it joined, else why it could not."""
         # Every input from outside the group must come from an earlier step (keeps order acyclic).
-        for arg in node.all_input_nodes:
+        for arg in self._reads(node):
             if arg not in group.dims and self._producer_index(arg) >= group.index:
                 return "an input is computed after the group starts (joining would reorder steps)"
+        if node in self.selects:
+            return self._join_select(group, node)
         in_dims: dict[fx.Node, Dims] = {}
         if cls == OpClass.REDUCTION:
+            if group.selects:
+                return "the group has a cat or slice_scatter (shifted loads are written for pointwise groups)"
             src = node.args[0]
             if src not in group.dims:
                 return "the reduced tensor is not computed in the group"
@@ -291,6 +310,11 @@ class _Partitioner:
         return None
 
     def _seed(self, node: fx.Node, cls: OpClass) -> FusedGroup | None:
+        if node in self.selects:
+            group = FusedGroup(len(self.steps), "fused", [], shape=_shape(node))
+            self.steps.append(group)
+            self._add_select(group, node, tuple(None if size == 1 else d for d, size in enumerate(_shape(node))))
+            return group
         if cls == OpClass.REDUCTION:
             src = node.args[0]
             shape = _shape(src)
@@ -319,7 +343,7 @@ class _Partitioner:
     def _place_fusible(self, node: fx.Node, cls: OpClass) -> None:
         """Join the latest fused producer group that can take ``node``, else start a group (and
         record why: the fusion decision explain reports)."""
-        candidates = sorted({self.step_of[a] for a in node.all_input_nodes
+        candidates = sorted({self.step_of[a] for a in self._reads(node)
                              if isinstance(self.step_of.get(a), FusedGroup)}, key=lambda s: -s.index)
         refusals = []
         for g in candidates:
@@ -354,10 +378,11 @@ class _Partitioner:
                 self.step_of[n] = step
                 self.classes[n] = (OpClass.FROZEN, step.reason)
         self._hoist_input_views()
+        self._plan_selects()
         for node in self.graph.nodes:
-            if node.op != "call_function" or node in self.step_of:
+            if node.op != "call_function" or node in self.step_of or node in self.inlined:
                 continue
-            c = classify(node)
+            c = self._classify(node)
             cls, reason = c.cls, c.reason
             self.classes[node] = (cls, reason)
             if cls == OpClass.CONSTANT:
@@ -371,6 +396,85 @@ class _Partitioner:
             self._place_views_of(node)
         self._finish_groups()
         return KernelPlan(self.graph, self.steps, self.step_of, self.constants, self.classes)
+
+    # -- range selects (schedule/range_select.py) ---------------------------------------------
+    def _classify(self, node: fx.Node) -> Classification:
+        c = classify(node)
+        if node.target in RANGE_SELECT_OPS and c.cls == OpClass.POINTWISE and not self.fuse_range_select:
+            return Classification(OpClass.FALLBACK, "cat / slice_scatter fusion is off (the target's generator "
+                                                    "has none, or the fuse_cat option)")
+        return c
+
+    def _inlinable(self, node: fx.Node) -> bool:
+        """May ``node`` be computed inside a select's piece (at shifted coordinates)?"""
+        if node.op != "call_function" or node in self.step_of or node in self.inlined or node in self.selects:
+            return False
+        if not isinstance(node.meta.get("val"), torch.Tensor):
+            return False
+        cls = classify(node).cls
+        if cls == OpClass.POINTWISE:
+            return node.target in POINTWISE_OPS
+        return cls == OpClass.VIEW and tree_view_supported(node)
+
+    def _plan_selects(self) -> None:
+        """Each fusable cat / slice_scatter, with the producer trees its pieces inline."""
+        if not self.fuse_range_select:
+            return
+        for node in self.graph.nodes:
+            if node.op != "call_function" or node.target not in RANGE_SELECT_OPS or node in self.step_of:
+                continue
+            if self._classify(node).cls != OpClass.POINTWISE:
+                continue
+            sel = select_of(node)
+            piece_tree(sel, node, self._inlinable)
+            self.selects[node] = sel
+            for t in sel.tree:
+                self.inlined[t] = node
+
+    def _reads(self, node: fx.Node) -> list[fx.Node]:
+        """What ``node`` reads from outside itself: a select's leaves and base, else its inputs."""
+        sel = self.selects.get(node)
+        if sel is None:
+            return node.all_input_nodes
+        return sel.leaves + ([sel.base] if sel.base is not None else [])
+
+    def _join_select(self, group: FusedGroup, node: fx.Node) -> str | None:
+        sel = self.selects[node]
+        if group.rdims:
+            return "a cat or slice_scatter joins pointwise groups only"
+        if any(leaf in group.dims for leaf in sel.leaves):
+            return "a piece's input is computed in the group (pieces read shifted coordinates from memory)"
+        known: dict[int, int] = {}
+        if sel.base is not None and sel.base in group.dims:
+            known = {k: s for k, s in enumerate(group.dims[sel.base]) if s is not None}
+        dims = self._complete(group, _shape(node), known)
+        if dims is None:
+            return "shape does not map onto the group's iteration space"
+        self._add_select(group, node, dims)
+        return None
+
+    def _add_select(self, group: FusedGroup, node: fx.Node, dims: Dims) -> None:
+        """``node`` and its pieces' trees join ``group`` (the trees first: graph order)."""
+        sel = self.selects[node]
+        for t in sel.tree:
+            group.nodes.append(t)
+            group.input_dims[t] = {}
+            c = classify(t)
+            group.classes[t] = c.cls
+            self.classes[t] = (c.cls, c.reason)
+            self.step_of[t] = group
+        in_dims: dict[fx.Node, Dims] = {}
+        if sel.base is not None and sel.base not in group.dims and sel.base not in self.constants:
+            in_dims[sel.base] = self._aligned(len(_shape(node)), sel.base, dims)
+        for leaf, ldims in leaf_dims(sel, node, dims).items():
+            if leaf not in self.constants and isinstance(leaf.meta.get("val"), torch.Tensor):
+                in_dims.setdefault(leaf, ldims)
+        group.nodes.append(node)
+        group.dims[node] = dims
+        group.input_dims[node] = in_dims
+        group.classes[node] = OpClass.POINTWISE
+        group.selects[node] = sel
+        self.step_of[node] = group
 
     def _sibling(self, node: fx.Node, cls: OpClass, tried: list[FusedGroup]) -> FusedGroup | None:
         """Horizontal fusion: a pointwise node with no fused producer that would take joins a
@@ -398,7 +502,7 @@ class _Partitioner:
                     big = [n for n in shape if n != 1]
                     if step.is_reduction and big and all(kept.count(n) == 1 for n in big):
                         return step
-                elif tuple(step.shape) == shape and not step.rdims and _reads_any(step, node.all_input_nodes):
+                elif tuple(step.shape) == shape and not step.rdims and _reads_any(step, self._reads(node)):
                     return step
                 adjacent = False
             elif step.kind not in ("view", "getitem", "constant"):
@@ -507,6 +611,8 @@ _ALWAYS_VIEWS = {
 }
 
 
-def plan_graph(graph: fx.Graph) -> KernelPlan:
-    """Partition ``graph`` into steps (see the module docstring)."""
-    return _Partitioner(graph).run()
+def plan_graph(graph: fx.Graph, fuse_range_select: bool = True) -> KernelPlan:
+    """Partition ``graph`` into steps (see the module docstring). ``fuse_range_select``: cat and
+    slice_scatter become pointwise members of fused groups (schedule/range_select.py); off, they
+    run through ATen (targets whose generator has no range select, the fuse_cat option)."""
+    return _Partitioner(graph, fuse_range_select).run()

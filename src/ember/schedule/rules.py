@@ -15,6 +15,7 @@ import torch
 import torch.fx as fx
 
 from ember.schedule.op_support import FUSABLE_DTYPES, POINTWISE_OPS, pointwise_supported
+from ember.schedule.range_select import RANGE_SELECT_OPS, range_select_supported
 
 aten = torch.ops.aten
 prims = torch.ops.prims
@@ -143,6 +144,11 @@ def classify(node: fx.Node) -> Classification:
         if why:
             return Classification(OpClass.FALLBACK, why)
         return Classification(OpClass.POINTWISE)
+    if target in RANGE_SELECT_OPS:
+        # cat / slice_scatter: pointwise selects of shifted loads (schedule/range_select.py); the
+        # planner keeps them on ATen where the target or the fuse_cat option says so.
+        why = range_select_supported(node, _tensor_ok)
+        return Classification(OpClass.FALLBACK, why) if why else Classification(OpClass.POINTWISE)
     name = getattr(target, "__name__", str(target))
     if getattr(target, "namespace", None) == "ember":
         return Classification(OpClass.FALLBACK, EMBER_OPS.get(name.split(".")[0], f"Ember's custom op {name}"))
