@@ -221,7 +221,10 @@ def test_aten_fused_groups_free_intermediates_op_by_op() -> None:
 
 def _resnet18() -> tuple[torch.nn.Module, tuple]:
     torchvision = pytest.importorskip("torchvision")
-    return torchvision.models.resnet18(num_classes=10), (torch.randn(2, 3, 32, 32),)
+    # Batch 4: at batch 2 its last stage normalises 2 values per channel, and ReLU masks flipped by
+    # fp32 rounding put Ember's and eager's gradient errors against float64 4.1x apart (0.0129 vs
+    # 0.0032 on a 2-core AMD EPYC), on either side of the 4x bound by the machine.
+    return torchvision.models.resnet18(num_classes=10), (torch.randn(4, 3, 32, 32),)
 
 
 def _mobilenet_v3_small() -> tuple[torch.nn.Module, tuple]:
