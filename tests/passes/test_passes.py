@@ -387,6 +387,6 @@ def test_cpu_inference_passes_only_run_on_cpu_tensors() -> None:
 
     cpu = PassContext("inference", "aten", {0}, example_inputs=[torch.randn(2, 2)])
     elsewhere = PassContext("inference", "aten", {0}, example_inputs=[torch.empty(2, 2, device="meta")])
-    assert cpu.freezing and not elsewhere.freezing
+    assert cpu.cpu_library and not elsewhere.cpu_library and not elsewhere.gpu_freezing
     assert "lower_cpu_library_calls" in [p.__name__ for p in passes_for(cpu)]
     assert "lower_cpu_library_calls" not in [p.__name__ for p in passes_for(elsewhere)]
