@@ -16,7 +16,7 @@ CHECKS=(
   # training with CUDA graphs against eager, step by step
   "cudagraph_check|150|python benchmarks/scripts/gpu_cudagraph_check.py --only train --json $OUT/cudagraph_check.json"
   # the seed suite's first part against eager and Inductor (one model per process); gpu_suite.py --list shows the others
-  "suite|570|python benchmarks/scripts/gpu_suite.py --part 1 --budget 560 --out $OUT/suite"
+  "suite|570|python benchmarks/scripts/gpu_suite.py --group 1 --budget 560 --out $OUT/suite"
   # whole-step programs (optimizers, schedulers, scalers, accumulation) against an eager loop
   "whole_step|180|python benchmarks/scripts/gpu_whole_step.py --part checks --json $OUT/whole_step.json"
   # dropout and attention dropout inside captured graphs

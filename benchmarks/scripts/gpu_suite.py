@@ -3,19 +3,19 @@ at most ~8 minutes: each job is one ``ember bench`` run (one model, one mode, ev
 the plan) in a fresh Python process, writing ``<plan>_<job>.json`` and a log under ``--out``.
 
     PYTHONPATH=src EMBER_GIT_COMMIT=$(git rev-parse --short HEAD) \\
-        python benchmarks/scripts/gpu_suite.py --part 1 --out "$OUT"        # then --part 2, 3, ...
-    python benchmarks/scripts/gpu_suite.py --list                           # the parts and their jobs
+        python benchmarks/scripts/gpu_suite.py --group 1 --out "$OUT"       # then --group 2, 3, ...
+    python benchmarks/scripts/gpu_suite.py --list                           # the groups and their jobs
     python benchmarks/scripts/gpu_suite.py --jobs gpt2_train,t5_infer --out "$OUT"   # chosen jobs
 
 Plans: ``main`` (default): seed suite training in bf16, bert and resnet50 inference at batch 1,
 the zoo in training and inference; backends eager, inductor, inductor-cudagraphs, ember.
 ``compiled-optimizer``: training rows with Inductor's CUDA graphs plus the compiled optimizer
 step. ``max-autotune``: every row with ``inductor-max-autotune`` alone (compiles for minutes:
-parts of one or two jobs). Rows of several plans merge in ``readme_table.py``, which takes the
+groups of one or two jobs). Rows of several plans merge in ``readme_table.py``, which takes the
 best Inductor mode per row.
 
-Jobs are packed into parts by an estimate of their seconds (compile of each backend plus the
-timed steps); a part stops starting jobs when less than ``--min-left`` of ``--budget`` is left
+Jobs are packed into groups by an estimate of their seconds (compile of each backend plus the
+timed steps); a group stops starting jobs when less than ``--min-left`` of ``--budget`` is left
 and names the jobs it skipped, and each job is killed at the budget's end (``ember bench``
 rewrites its JSON after every row, so what was measured stays). ``--gpus N`` runs N jobs side by
 side, one per GPU (``CUDA_VISIBLE_DEVICES``), each pinned to 1/N of the cores with Inductor's
@@ -81,9 +81,9 @@ PLANS: dict[str, tuple[list[Job], str, float]] = {
 }
 
 
-def parts(jobs: list[Job], factor: float, budget: float) -> list[list[Job]]:
-    """Jobs packed first-fit, in order, into parts whose estimates fit in ``budget`` seconds
-    (a job longer than the budget gets a part of its own)."""
+def groups(jobs: list[Job], factor: float, budget: float) -> list[list[Job]]:
+    """Jobs packed first-fit, in order, into groups whose estimates fit in ``budget`` seconds
+    (a job longer than the budget gets a group of its own)."""
     out: list[list[Job]] = []
     used: list[float] = []
     for job in jobs:
@@ -171,9 +171,9 @@ def summary(out: Path, stems: list[str]) -> None:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--plan", default="main", choices=list(PLANS))
-    parser.add_argument("--part", type=int, help="which part of the plan (1-based); see --list")
-    parser.add_argument("--jobs", help="comma list of job names to run instead of a part")
-    parser.add_argument("--list", action="store_true", help="print the parts of the plan and exit")
+    parser.add_argument("--group", type=int, help="which group of the plan's jobs (1-based); see --list")
+    parser.add_argument("--jobs", help="comma list of job names to run instead of a group")
+    parser.add_argument("--list", action="store_true", help="print the groups of the plan and exit")
     parser.add_argument("--out", default=os.environ.get("OUT", "gpu_suite_out"))
     parser.add_argument("--budget", type=float, default=480.0, help="seconds for this call (default 480)")
     parser.add_argument("--min-left", type=float, default=45.0, help="start no job with fewer seconds left")
@@ -186,12 +186,12 @@ def main() -> int:
 
     jobs, backends, factor = PLANS[args.plan]
     backends = args.backends or backends
-    plan_parts = parts(jobs, factor, args.budget - 30)
+    plan_groups = groups(jobs, factor, args.budget - 30)
     if args.list:
-        for i, part in enumerate(plan_parts, 1):
-            est = sum(j.est_s * factor for j in part)
-            print(f"part {i} (~{est:.0f} s): {', '.join(j.name for j in part)}")
-        print(f"{len(plan_parts)} parts, ~{sum(j.est_s * factor for j in jobs) / 60:.0f} min estimated; backends {backends}")
+        for i, group in enumerate(plan_groups, 1):
+            est = sum(j.est_s * factor for j in group)
+            print(f"group {i} (~{est:.0f} s): {', '.join(j.name for j in group)}")
+        print(f"{len(plan_groups)} groups, ~{sum(j.est_s * factor for j in jobs) / 60:.0f} min estimated; backends {backends}")
         return 0
     if args.jobs:
         by_name = {j.name: j for j in jobs}
@@ -200,10 +200,10 @@ def main() -> int:
             print(f"unknown jobs {unknown}; known: {', '.join(by_name)}", file=sys.stderr)
             return 2
         chosen = [by_name[n] for n in args.jobs.split(",")]
-    elif args.part and 1 <= args.part <= len(plan_parts):
-        chosen = plan_parts[args.part - 1]
+    elif args.group and 1 <= args.group <= len(plan_groups):
+        chosen = plan_groups[args.group - 1]
     else:
-        print(f"give --part 1..{len(plan_parts)} or --jobs (see --list)", file=sys.stderr)
+        print(f"give --group 1..{len(plan_groups)} or --jobs (see --list)", file=sys.stderr)
         return 2
 
     out = Path(args.out)
@@ -238,7 +238,7 @@ def main() -> int:
         t.start()
     for t in threads:
         t.join()
-    (out / f"{args.plan}_part{args.part or 'jobs'}_runs.json").write_text(json.dumps(done, indent=1))
+    (out / f"{args.plan}_group{args.group or 'jobs'}_runs.json").write_text(json.dumps(done, indent=1))
     summary(out, [r["json"] for r in done])
     if skipped:
         print(f"skipped (budget): --jobs {','.join(skipped)}")

@@ -522,12 +522,8 @@ class _Partitioner:
                 continue
             if not node.all_input_nodes or not all(a in ready for a in node.all_input_nodes):
                 continue
-            c = classify(node)
-            if c.cls != OpClass.VIEW:
-                continue
-            self.classes[node] = (c.cls, c.reason)
-            self._new_step("view", node, "view of a graph input, placed first so groups can read it")
-            ready.add(node)
+            if self._view_step(node, "view of a graph input, placed first so groups can read it"):
+                ready.add(node)
 
     def _place_views_of(self, node: fx.Node) -> None:
         """Views of a value in memory (a library call's output) become steps right after it, as
@@ -542,12 +538,17 @@ class _Partitioner:
                                                  not isinstance(self.step_of[a], FusedGroup))
                        for a in user.all_input_nodes):
                 continue
-            c = classify(user)
-            if c.cls != OpClass.VIEW:
-                continue
-            self.classes[user] = (c.cls, c.reason)
-            self._new_step("view", user, "view of a value in memory, placed right after it so groups can read it")
-            self._place_views_of(user)
+            if self._view_step(user, "view of a value in memory, placed right after it so groups can read it"):
+                self._place_views_of(user)
+
+    def _view_step(self, node: fx.Node, why: str) -> bool:
+        """A step of its own for ``node`` if it is a view; whether it was."""
+        c = classify(node)
+        if c.cls != OpClass.VIEW:
+            return False
+        self.classes[node] = (c.cls, c.reason)
+        self._new_step("view", node, why)
+        return True
 
     def _finish_groups(self) -> None:
         steps: list[Step] = []

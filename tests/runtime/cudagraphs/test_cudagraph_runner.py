@@ -521,32 +521,6 @@ def test_a_held_output_of_another_graph_where_a_replay_writes_makes_that_call_un
     del kept
 
 
-def test_protected_memory_is_never_a_hazard() -> None:
-    fw, bw, _ = runner_pair()
-    w = torch.randn(8, 4)
-    for _ in range(3):
-        train_step(fw, bw, w)
-    kept = train_step(fw, bw, w)[1]  # a replay's gradient
-    fw.g.protected = [(grp.ptr, grp.ptr + grp.nbytes) for grp in bw.g.groups]
-    assert graph_memory.overwrite_hazards(fw.g, [new_batch(), w]) == []
-    fw.g.protected = []
-    assert graph_memory.overwrite_hazards(fw.g, [new_batch(), w]) == bw.g.groups
-    del kept
-
-
-def test_arguments_that_the_program_consumes_are_not_a_hazard() -> None:
-    fw, bw, _ = runner_pair()
-    w = torch.randn(8, 4)
-    for _ in range(3):
-        train_step(fw, bw, w)
-    bw.g.protected = []
-    h = fw([new_batch(), w])[1]
-    assert graph_memory.overwrite_hazards(bw.g, [h, w, COTANGENT]) == []  # only the backward's arguments hold h
-    kept = h[1:]  # somebody else holds it too
-    assert graph_memory.overwrite_hazards(bw.g, [h, w, COTANGENT]) != []
-    del kept
-
-
 def test_a_capture_never_lands_on_memory_of_a_held_replay_output() -> None:
     fw, bw, pool = runner_pair()
     w = torch.randn(8, 4)
