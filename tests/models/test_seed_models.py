@@ -17,6 +17,7 @@ from core_helpers import assert_compiled_cleanly
 import ember
 from ember.bench.check import acceptable, run_seed_step
 from ember.bench.models import SEED_SUITE
+from ember.passes.cpu_library import available as onednn_available
 
 SEED_MODELS = SEED_SUITE
 # fp32 against a float64 reference: Ember may be 4x as far off as eager, or under this floor.
@@ -27,17 +28,29 @@ FLOOR = 1e-5
 BATCH = {"resnet50v2": 4}
 
 
-# Training gradients against float64 far above eager's on a 2-core AMD EPYC (2026-11-25), also at
-# earlier commits (cyclegan at dc5ad1b): cyclegan ~60x (0.0027 vs 4.4e-05, every weight alike),
-# densenet121 ~85x (0.0025 vs 3.0e-05 from denseblock2 on). Open defects, kept visible.
-_TRAIN_OPEN = {m: pytest.mark.xfail(strict=False, reason=f"{m} training gradients above 4x eager's error against "
-                                                         "float64 on some CPUs (an open defect)")
-               for m in ("cyclegan", "densenet121")}
+# Deep normalised networks whose float32 training gradients are chaotic at test size: ReLU masks
+# after a norm over few values flip under float32 rounding, so eager's own float32 error against
+# float64 moves tenfold and more between random seeds (2-core AMD EPYC, 2026-11-26: cyclegan seeds
+# 0-3 9.0e-5 to 3.6e-3, resnet50v2 at batch 4 4.7e-3 to 2.1e-2; Ember's within the same range).
+# A float32 comparison there measures luck. They run in float64 instead, where eager equals the
+# reference exactly and Ember's kernels must match it to FLOAT64_FLOOR.
+FLOAT64_MODELS = {"cyclegan", "densenet121", "resnet50v2"}
+FLOAT64_FLOOR = 1e-8
+
+
+def check_seed_model(name: str, compile_fn):
+    """Train step + inference of ``name`` through ``compile_fn`` within the bounds above."""
+    dtype = torch.float64 if name in FLOAT64_MODELS else torch.float32
+    floor = FLOAT64_FLOOR if dtype == torch.float64 else FLOOR
+    train, infer = run_seed_step(name, compile_fn, device="cpu", batch=BATCH.get(name, 2), small=True, dtype=dtype)
+    for result in (train, infer):
+        bad = {k: v for k, v in result.errors.items() if not acceptable(v[0], v[1], floor)}
+        assert not bad, f"{name} {result.mode} ({dtype}): (ember, eager) error vs float64: {bad}"
+    return train, infer
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("name", [pytest.param(n, marks=_TRAIN_OPEN[n]) if n in _TRAIN_OPEN else n
-                                  for n in SEED_MODELS])
+@pytest.mark.parametrize("name", SEED_MODELS)
 def test_seed_model_train_and_infer_match_eager(name: str) -> None:
     compiled = []
 
@@ -46,10 +59,7 @@ def test_seed_model_train_and_infer_match_eager(name: str) -> None:
         compiled.append(fn)
         return fn
 
-    train, infer = run_seed_step(name, compile_fn, device="cpu", batch=BATCH.get(name, 2), small=True)
-    for result in (train, infer):
-        bad = {k: v for k, v in result.errors.items() if not acceptable(v[0], v[1], FLOOR)}
-        assert not bad, f"{name} {result.mode}: (ember, eager) error vs float64: {bad}"
+    train, infer = check_seed_model(name, compile_fn)
     n_grads = sum(1 for k in train.errors if k.startswith("grad "))
     assert n_grads > 0 and "loss" in train.errors and "output" in infer.errors
 
@@ -63,37 +73,39 @@ def test_seed_model_train_and_infer_match_eager(name: str) -> None:
         assert not g.placement.get("fused-aten"), f"{g.title}: fused groups ran through ATen"
 
 
-# The same step through Ember's generated CPU kernels (target "cpu", numba): the whole suite.
+# The same step through Ember's default CPU path (``device="cpu"``: the "cpu" target's generated
+# numba kernels, oneDNN for inference convolutions and linear layers): the whole suite.
 CPU_TARGET_MODELS = SEED_MODELS
 
 
-# resnet50v2 on the CPU target: gradients of its later stages 4.1x eager's error against float64
-# (0.0135 vs 0.0033 on a 2-core AMD EPYC, 2026-11-25; also at earlier commits): an open defect.
-_CPU_TRAIN_OPEN = pytest.mark.xfail(strict=False, reason="resnet50v2 CPU training gradients above 4x eager's "
-                                                         "error against float64 (an open defect)")
-
-
 @pytest.mark.slow
-@pytest.mark.parametrize("name", [pytest.param(n, marks=_CPU_TRAIN_OPEN) if n == "resnet50v2" else
-                                  pytest.param(n, marks=_TRAIN_OPEN[n]) if n == "cyclegan" else n
-                                  for n in CPU_TARGET_MODELS])
+@pytest.mark.parametrize("name", CPU_TARGET_MODELS)
 def test_seed_model_cpu_target_matches_eager(name: str) -> None:
+    """A training step, then inference in eval mode (batch-norm statistics updated by that step,
+    so folding them is exercised), vs float64 eager."""
     pytest.importorskip("numba")
     compiled = []
 
     def compile_fn(model: torch.nn.Module):
-        fn = ember.compile(model, target="cpu")
+        fn = ember.compile(model, device="cpu")
         compiled.append(fn)
         return fn
 
-    train, infer = run_seed_step(name, compile_fn, device="cpu", batch=BATCH.get(name, 2), small=True)
-    for result in (train, infer):
-        bad = {k: v for k, v in result.errors.items() if not acceptable(v[0], v[1], FLOOR)}
-        assert not bad, f"{name} {result.mode}: (ember, eager) error vs float64: {bad}"
+    check_seed_model(name, compile_fn)
     log = compiled[0]._ember_backend.log
     assert_compiled_cleanly(log)
     # CPU inference graphs may have nothing to generate (oneDNN calls with fused activations).
     assert sum(g.kernels for g in log.graphs) >= 1
+    assert any(g.kind == "inference" for g in log.graphs)
     for g in log.graphs:
         assert g.target == "cpu", (g.title, g.target)
         assert not g.placement.get("fused-aten"), f"{g.title}: {dict(g.fallback_reasons)}"
+    library: Counter = Counter()
+    for g in log.graphs:
+        library.update(g.placement.get("library", {}))
+    if name in FLOAT64_MODELS or not onednn_available():
+        return  # oneDNN has no float64 kernels: those convolutions stay ATen's
+    if name == "bert":
+        assert library["mkldnn._linear_pointwise"] > 0, library
+    else:
+        assert library["mkldnn._convolution_pointwise"] > 0, library

@@ -14,9 +14,9 @@ from torch import nn
 from ember.bench.models import get_case, make_batches, primary_tensor
 
 
-def _rel(a: torch.Tensor, ref: torch.Tensor) -> float:
+def _rel(a: torch.Tensor, ref: torch.Tensor, floor: float = 1e-12) -> float:
     a, ref = a.double(), ref.double()
-    return ((a - ref).norm() / ref.norm().clamp_min(1e-12)).item()
+    return ((a - ref).norm() / ref.norm().clamp_min(floor)).item()
 
 
 def _no_dropout(model: nn.Module) -> nn.Module:
@@ -55,15 +55,24 @@ def _to(batch: tuple, device: torch.device, dtype: torch.dtype | None) -> tuple:
 
 
 def run_seed_step(name: str, compile_fn, device: str = "cpu", batch: int = 2, small: bool = True,
-                  autocast: torch.dtype | None = None, seed: int = 0) -> tuple[SeedResult, SeedResult]:
+                  autocast: torch.dtype | None = None, seed: int = 0,
+                  dtype: torch.dtype = torch.float32) -> tuple[SeedResult, SeedResult]:
     """Train step + inference of ``name`` under ``compile_fn`` vs eager, both against float64 eager.
 
     With ``autocast`` the Ember and eager runs use it and the reference is eager float32 instead.
+    ``dtype=torch.float64`` runs Ember and eager in float64 too: eager then equals the reference
+    exactly and Ember's error is its own, free of the float32 rounding noise that flips ReLU masks
+    in deep normalised networks (cyclegan, densenet121, resnet50v2 at test size), where eager's
+    float32 error against float64 varies 40x from one random seed to the next.
     """
     torch.manual_seed(seed)
     case = get_case(name)
     base = _no_dropout(case.build(small)).to(device)
     (inputs, target), = make_batches(case, batch, torch.device(device), small=small, count=1, seed=seed)
+    if dtype != torch.float32:
+        base = base.to(dtype)
+        inputs = _to(inputs, torch.device(device), dtype)
+        target = target.to(dtype) if target.is_floating_point() else target
     ref_dtype = torch.float64 if autocast is None else torch.float32
     ref = copy.deepcopy(base).to(ref_dtype)
     eager = copy.deepcopy(base)
@@ -86,9 +95,13 @@ def run_seed_step(name: str, compile_fn, device: str = "cpu", batch: int = 2, sm
     train = SeedResult(name, "train")
     train.errors["output"] = (_rel(c_out, r_out), _rel(e_out, r_out))
     train.errors["loss"] = (_rel(c_loss, r_loss), _rel(e_loss, r_loss))
+    # A gradient that is zero in exact arithmetic (a conv bias before a norm without affine) is
+    # rounding noise in every run: it is measured against the model's gradient scale instead.
+    grads = [pr.grad.double().norm() for pr in ref.parameters() if pr.grad is not None]
+    floor = 1e-6 * max(grads).item() if grads else 1e-12
     for (pname, p), pe, pr in zip(ours.named_parameters(), eager.parameters(), ref.parameters()):
         if pr.grad is not None:
-            train.errors[f"grad {pname}"] = (_rel(p.grad, pr.grad), _rel(pe.grad, pr.grad))
+            train.errors[f"grad {pname}"] = (_rel(p.grad, pr.grad, floor), _rel(pe.grad, pr.grad, floor))
     for (bname, b), be, br in zip(ours.named_buffers(), eager.buffers(), ref.buffers()):
         if b.is_floating_point():
             train.errors[f"buffer {bname}"] = (_rel(b, br), _rel(be, br))
