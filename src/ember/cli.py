@@ -139,6 +139,9 @@ def _parser() -> argparse.ArgumentParser:
     t.add_argument("--target", default="auto", help="Ember target (auto, triton, cpu, triton-interpret)")
     t.add_argument("--top", type=_positive_int, default=4, help="candidates timed per kernel (default 4)")
     t.add_argument("--force", action="store_true", help="measure again kernels the database has")
+    t.add_argument("--no-model-check", dest="model_check", action="store_false",
+                   help="skip the last step: the whole model timed with and without the tuned choices, "
+                   "those that do not pay in the model demoted (tune/model_check.py)")
     t.add_argument("--export", dest="export_path", metavar="PATH", help="write the database to PATH (.json or SQLite)")
     t.add_argument("--import", dest="import_path", metavar="PATH", help="merge the results in PATH")
 

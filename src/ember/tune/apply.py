@@ -21,6 +21,23 @@ from ember.targets import GeneratedKernels, Target
 from ember.tune.db import LayeredTuningDB
 
 _OPEN: dict[tuple[str, str], LayeredTuningDB] = {}
+# The whole-model check (tune/model_check.py) compiles with some tuned answers set aside: those
+# kernels and library sites get the rule while one of these sets is active.
+_SET_ASIDE: list[frozenset[str]] = []
+
+
+@contextlib.contextmanager
+def setting_aside(keys: frozenset[str]) -> Iterator[None]:
+    """Compiles inside ignore the tuned answers of ``keys`` (kernel names and library site keys)."""
+    _SET_ASIDE.append(keys)
+    try:
+        yield
+    finally:
+        _SET_ASIDE.remove(keys)
+
+
+def _set_aside(key: str) -> bool:
+    return any(key in keys for keys in _SET_ASIDE)
 
 
 def tuning_db(cache_root: Path) -> LayeredTuningDB:
@@ -63,7 +80,7 @@ def apply_tuned(kernels: GeneratedKernels, plan: KernelPlan, target: Target, cac
     groups = {g.index: g for g in plan.fused()}
     for index, ks in list(kernels.by_step.items()):
         choice = choices.get(ks.name)
-        if choice is None:
+        if choice is None or _set_aside(ks.name):
             continue
         tuned = ks if not choice.config else generate(groups[index], target, choice.config)
         kernels.by_step[index] = tuned
@@ -104,7 +121,7 @@ def library_chooser(target: Target, cache_root: Path, record: GraphRecord) -> Ch
         if not db.exists():
             return None
         choice = db.choices([site.key], device).get(site.key)
-        if choice is None:
+        if choice is None or _set_aside(site.key):
             return None
         impl = choice.config.get("impl", site.impls[0])
         if impl not in site.impls:

@@ -30,7 +30,8 @@ CREATE TABLE IF NOT EXISTS results (
     device TEXT NOT NULL,      -- tune.device.device_key
     config TEXT NOT NULL,      -- canonical JSON of the overrides; '{}' is the default config
     ms REAL,                   -- median time; NULL for a failed candidate
-    status TEXT NOT NULL,      -- 'ok', 'failed', or 'incomplete' (the marker of a kernel the budget cut short)
+    status TEXT NOT NULL,      -- 'ok', 'failed', 'incomplete' (the marker of a kernel the budget cut short),
+                               -- or 'slower_in_model' (checked and faster alone, slower in the whole model)
     detail TEXT NOT NULL DEFAULT '',
     label TEXT NOT NULL DEFAULT '',   -- what the kernel computes, for people
     tuned_at REAL NOT NULL,
@@ -53,14 +54,20 @@ class Result:
     device: str
     config: dict[str, int]
     ms: float | None
-    status: str  # "ok" or "failed"
+    status: str  # "ok", "failed", "incomplete" or "slower_in_model" (see the schema)
     detail: str = ""
     label: str = ""
     tuned_at: float = 0.0
 
     @property
     def failed(self) -> bool:
-        return self.status != "ok"
+        """A wrong result or an error: never used."""
+        return self.status == "failed"
+
+    @property
+    def usable(self) -> bool:
+        """Checked, measured and not demoted by the whole-model check: a choice compile may use."""
+        return self.status == "ok"
 
     def row(self) -> tuple:
         return (self.kernel, self.device, config_text(self.config), self.ms, self.status, self.detail,
@@ -181,6 +188,24 @@ class TuningDB:
         with self._transaction(conn):
             conn.execute("DELETE FROM results WHERE kernel = ? AND device = ? AND config = ?",
                          (kernel, device, config_text(config)))
+
+    def demote(self, results: Iterable[Result], detail: str) -> int:
+        """Mark ``results`` (checked choices, from this database or a shared one) as slower in the
+        whole model: compile stops using them and falls back to the next answer, in the end the
+        rule; ``ember tune`` does not measure them again."""
+        rows = [Result(r.kernel, r.device, r.config, r.ms, "slower_in_model", detail, r.label, r.tuned_at)
+                for r in results]
+        return self.record(rows)
+
+    def note(self, key: str, value: dict | None = None) -> dict | None:
+        """Read (``value`` None) or write one JSON note in the meta table (whole-model checks)."""
+        if value is None:
+            rows = self._query("SELECT value FROM meta WHERE key = ?", (key,))
+            return json.loads(rows[0][0]) if rows else None
+        conn = self._connect()
+        with self._transaction(conn):
+            conn.execute("INSERT OR REPLACE INTO meta VALUES (?, ?)", (key, json.dumps(value, sort_keys=True)))
+        return value
 
     @staticmethod
     def _transaction(conn: sqlite3.Connection):

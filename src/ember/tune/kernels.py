@@ -164,7 +164,7 @@ def tune_group(group: FusedGroup, target: Target, kernel_dir: Path, db: TuningDB
     if not out.incomplete:
         db.forget(default.name, device, INCOMPLETE)
     db.record(results, fingerprint(target.device_type))
-    ok = [r for r in db.results(default.name, device) if not r.failed]
+    ok = [r for r in db.results(default.name, device) if r.usable]
     if ok:
         out.best_ms, out.best_config = ok[0].ms, ok[0].config
         out.default_ms = next((r.ms for r in ok if not r.config), out.default_ms)
@@ -175,9 +175,9 @@ def from_db(out: KernelTuning, known: list[Result], source: str) -> KernelTuning
     """``out`` filled from a database's complete results (nothing measured)."""
     out.cached, out.source = True, source
     known = [r for r in known if r.status != "incomplete"]
-    ok = [r for r in known if not r.failed]
+    ok = [r for r in known if r.usable]
     out.tried = len(known) - 1
-    out.failed = len(known) - len(ok)
+    out.failed = sum(r.failed for r in known)
     default = next((r for r in ok if not r.config), None)
     out.default_ms = default.ms if default else None
     if ok:

@@ -182,7 +182,7 @@ def tune_site(site: LibrarySite, db: TuningDB, device: str, per_candidate_s: flo
 
 
 def _summary(out: KernelTuning, known: list[Result]) -> KernelTuning:
-    ok = [r for r in known if not r.failed]
+    ok = [r for r in known if r.usable]
     default = next((r for r in ok if not r.config), None)
     out.default_ms = default.ms if default else None
     if ok:

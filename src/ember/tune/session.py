@@ -55,10 +55,11 @@ def collect_groups(model: Callable, inputs: tuple, train: bool, target: str = "a
 
 
 def collect_work(model: Callable, inputs: tuple, train: bool, target: str = "auto",
-                 loss: Callable[[Any], torch.Tensor] | None = None
+                 loss: Callable[[Any], torch.Tensor] | None = None, tuned: dict[str, dict] | None = None
                  ) -> tuple[list[tuple[FusedGroup, Target]], list[LibrarySite]]:
     """What compiling ``model`` on ``inputs`` leaves to tune: every fused group Ember generates a
-    kernel for, and every convolution / linear layer with a choice of library implementations."""
+    kernel for, and every convolution / linear layer with a choice of library implementations.
+    ``tuned`` receives the tuned answers that compile used (model_check.tuned_choices)."""
     import ember
     from ember.instruments import instrument
 
@@ -79,6 +80,9 @@ def collect_work(model: Callable, inputs: tuple, train: bool, target: str = "aut
                 from ember.bench.models import primary_tensor
                 value = loss(out) if loss is not None else primary_tensor(out).float().sum()
                 value.backward()
+    if tuned is not None:
+        from ember.tune.model_check import tuned_choices
+        tuned.update(tuned_choices(compiled))
     distinct = list({site.key: site for site in sites if len(site.impls) > 1}.values())
     return found, distinct
 
@@ -268,9 +272,10 @@ def run_cli(args: Any) -> int:
     autocast = (torch.autocast(device.type, dtype=torch.bfloat16) if args.precision == "bf16"
                 else contextlib.nullcontext())
     t0 = time.perf_counter()
+    before: dict[str, dict] = {}
     # The compiles that collect the work use this database's choices (as a later compile will).
     with autocast, config.patch(tuning_db=str(db_path)):
-        groups, sites = collect_work(model, inputs, args.mode == "train", args.target, loss)
+        groups, sites = collect_work(model, inputs, args.mode == "train", args.target, loss, tuned=before)
     console.print(f"compiled {args.model} ({args.mode}) in {time.perf_counter() - t0:.1f} s: "
                   f"{len(groups)} generated kernel use(s), {len(sites)} library choice(s); tuning database "
                   f"{db_path}{f' over the shared {shared_path}' if shared is not None else ''} "
@@ -299,4 +304,13 @@ def run_cli(args: Any) -> int:
     line = answered_line(report)
     if line:
         console.print(line)
+    if args.model_check:
+        from ember.tune.model_check import check_in_model
+        # Nothing measured now: the choices are those the first compile used (no compile needed).
+        known = before if not measured else None
+        with config.patch(tuning_db=str(db_path)):
+            check = check_in_model(model, inputs, args.mode == "train", args.target, db, device_key(device.type),
+                                   known, loss, torch.bfloat16 if args.precision == "bf16" else torch.float32,
+                                   budget_s=max(10.0, min(60.0, args.budget - report.seconds)), shared=shared)
+        console.print(check.line())
     return 0
