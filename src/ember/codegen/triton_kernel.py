@@ -28,7 +28,8 @@ from ember.codegen.triton_dialect import TL_DTYPE, TRITON, TritonValue, literal
 from ember.codegen.triton_reductions import TritonReductions
 from ember.codegen.triton_tiles import Split, next_pow2, order_dims, plan_split
 from ember.config import settings
-from ember.schedule.plan import Dims, FusedGroup, reduction_keepdim
+from ember.schedule.dim_map import reduction_keepdim
+from ember.schedule.plan import Dims, FusedGroup
 
 aten = torch.ops.aten
 

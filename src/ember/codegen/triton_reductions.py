@@ -20,7 +20,7 @@ from ember.codegen.kernel_writer import KernelWriter, Scope
 from ember.codegen.lowering import accumulate, reduction_identity, reduction_kind, value_dtype
 from ember.codegen.triton_dialect import TL_DTYPE, TRITON, TritonValue, literal
 from ember.codegen.triton_tiles import Split
-from ember.schedule.plan import reduction_dims
+from ember.schedule.dim_map import reduction_dims
 
 aten = torch.ops.aten
 

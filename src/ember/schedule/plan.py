@@ -11,9 +11,9 @@ Step kinds:
             and in the program only when a parameter changed (passes/freeze.py)
 
 A fused group has a reference shape S and a set of reduced dims D of S. Every member node
-records, for each of its own dims, which dim of S it walks (None for size-1 dims). Views that
-only insert/drop size-1 dims, permute or broadcast change that record and nothing else, so
-they fuse for free. Steps are created in graph order and a node only joins a group if all its
+records, for each of its own dims, which dim of S it walks (None for size-1 dims; dim_map.py
+computes these records). Views that only insert/drop size-1 dims, permute or broadcast change
+that record and nothing else, so they fuse for free. Steps are created in graph order and a node only joins a group if all its
 other inputs come from *earlier* steps, so the steps stay topologically ordered with no cycles.
 """
 
@@ -26,6 +26,15 @@ import torch
 import torch.fx as fx
 
 from ember.graph_utils import op_name
+from ember.schedule.dim_map import (
+    Dims,
+    aligned_dims,
+    complete_dims,
+    map_pointwise,
+    map_view,
+    reduction_dims,
+    reduction_keepdim,
+)
 from ember.schedule.op_support import POINTWISE_OPS
 from ember.schedule.range_select import (
     RANGE_SELECT_OPS,
@@ -38,8 +47,6 @@ from ember.schedule.range_select import (
 from ember.schedule.rules import Classification, OpClass, classify
 
 aten = torch.ops.aten
-
-Dims = tuple  # per real dim: the S dim it walks, or None
 
 
 @dataclass(eq=False)
@@ -129,25 +136,6 @@ def _is_tensor(node: object) -> bool:
     return isinstance(node, fx.Node) and isinstance(node.meta.get("val"), torch.Tensor)
 
 
-def reduction_dims(node: fx.Node) -> list[int]:
-    """The dims (of the input) a reduction node reduces, normalised to non-negative ints."""
-    rank = len(_shape(node.args[0]))
-    dims = node.args[1] if len(node.args) > 1 else node.kwargs.get("dim")
-    if node.target == aten.sum.default or dims is None or (isinstance(dims, (list, tuple)) and len(dims) == 0):
-        return list(range(rank))
-    if isinstance(dims, int):
-        dims = [dims]
-    return sorted({d % rank if rank else 0 for d in dims})
-
-
-def reduction_keepdim(node: fx.Node) -> bool:
-    if node.target == aten.sum.default:
-        return False
-    if len(node.args) > 2:
-        return bool(node.args[2])
-    return bool(node.kwargs.get("keepdim", False))
-
-
 class _Partitioner:
     def __init__(self, graph: fx.Graph, fuse_range_select: bool = True) -> None:
         self.graph = graph
@@ -170,101 +158,6 @@ class _Partitioner:
             return -1  # inlined
         step = self.step_of.get(node)
         return -1 if step is None else step.index
-
-    # -- mapping a node onto a group's reference shape --------------------------------------
-    def _default_dim(self, group: FusedGroup, rank: int, j: int, size: int, used: set[int]) -> int | None:
-        s = j + len(group.shape) - rank
-        if 0 <= s < len(group.shape) and group.shape[s] == size and s not in used:
-            return s
-        return None
-
-    @staticmethod
-    def _unique_dim(group: FusedGroup, size: int, used: set[int]) -> int | None:
-        """The one group dim of this size, for a value that shares no dim with the group yet
-        (a per-channel [C] vector beside an [N, C, H, W] reduction): any consistent placement
-        computes the same value, and a unique size leaves no choice to get wrong."""
-        dims = [s for s, n in enumerate(group.shape) if n == size]
-        return dims[0] if len(dims) == 1 and dims[0] not in used else None
-
-    def _complete(self, group: FusedGroup, shape: tuple[int, ...], known: dict[int, int]) -> Dims | None:
-        used = set(known.values())
-        if len(used) != len(known):
-            return None
-        out: list[int | None] = []
-        for j, size in enumerate(shape):
-            if size == 1:
-                out.append(None)
-            elif j in known:
-                out.append(known[j])
-            else:
-                s = self._default_dim(group, len(shape), j, size, used)
-                if s is None and not known:
-                    s = self._unique_dim(group, size, used)
-                if s is None:
-                    return None
-                used.add(s)
-                out.append(s)
-        return tuple(out)
-
-    def _aligned(self, out_rank: int, arg: fx.Node, dims_of_out: Dims) -> Dims:
-        shape = _shape(arg)
-        off = out_rank - len(shape)
-        return tuple(None if size == 1 else dims_of_out[k + off] for k, size in enumerate(shape))
-
-    def _map_pointwise(self, group: FusedGroup, node: fx.Node) -> Dims | None:
-        shape = _shape(node)
-        known: dict[int, int] = {}
-        for arg in node.all_input_nodes:
-            if arg not in group.dims:
-                continue
-            a_shape = _shape(arg)
-            off = len(shape) - len(a_shape)
-            if off < 0:
-                return None
-            for k, s in enumerate(group.dims[arg]):
-                if s is None:
-                    continue
-                if shape[k + off] != a_shape[k]:
-                    return None
-                if known.setdefault(k + off, s) != s:
-                    return None
-        return self._complete(group, shape, known)
-
-    def _map_view(self, group: FusedGroup, node: fx.Node) -> Dims | None:
-        src = node.args[0]
-        if src not in group.dims:
-            return None
-        src_dims = group.dims[src]
-        src_shape, shape = _shape(src), _shape(node)
-        target = node.target
-        if target == aten.permute.default:
-            perm = [p % len(src_shape) for p in node.args[1]]
-            return tuple(src_dims[p] for p in perm)
-        if target in (aten.t.default, aten.transpose.int):
-            if len(src_shape) < 2:
-                return src_dims
-            a, b = (0, 1) if target == aten.t.default else (node.args[1] % len(src_shape), node.args[2] % len(src_shape))
-            out = list(src_dims)
-            out[a], out[b] = out[b], out[a]
-            return tuple(out)
-        if target == aten.expand.default:
-            known = {}
-            off = len(shape) - len(src_shape)
-            for k, s in enumerate(src_dims):
-                if s is not None:
-                    known[k + off] = s
-            return self._complete(group, shape, known)
-        if target in (aten.view.default, aten._unsafe_view.default, aten.reshape.default, aten.unsqueeze.default,
-                      aten.squeeze.dim, aten.squeeze.dims, aten.squeeze.default, aten.alias.default):
-            big_src = [(size, d) for size, d in zip(src_shape, src_dims) if size != 1]
-            big_out = [j for j, size in enumerate(shape) if size != 1]
-            if [size for size, _ in big_src] != [shape[j] for j in big_out]:
-                return None
-            out: list[int | None] = [None] * len(shape)
-            for j, (_, d) in zip(big_out, big_src):
-                out[j] = d
-            return tuple(out)
-        return None
 
     def _try_join(self, group: FusedGroup, node: fx.Node, cls: OpClass) -> str | None:
         """Add ``node`` to ``group``; None when it joined, else why it could not."""
@@ -292,13 +185,13 @@ class _Partitioner:
             dims = tuple(None if d in rdims else s for d, s in enumerate(src_dims) if keep or d not in rdims)
             group.rdims = red
         elif cls == OpClass.VIEW:
-            dims = self._map_view(group, node)
+            dims = map_view(group, node)
         else:
-            dims = self._map_pointwise(group, node)
+            dims = map_pointwise(group, node)
             if dims is not None:
                 for arg in node.all_input_nodes:
                     if arg not in group.dims and arg not in self.constants:
-                        in_dims[arg] = self._aligned(len(_shape(node)), arg, dims)
+                        in_dims[arg] = aligned_dims(len(_shape(node)), arg, dims)
         if dims is None:
             what = "view" if cls == OpClass.VIEW else "shape"
             return f"{what} does not map onto the group's iteration space"
@@ -333,7 +226,7 @@ class _Partitioner:
             group = FusedGroup(len(self.steps), "fused", [node], shape=shape)
             dims = tuple(None if size == 1 else d for d, size in enumerate(shape))
             group.dims[node] = dims
-            group.input_dims[node] = {a: self._aligned(len(shape), a, dims) for a in node.all_input_nodes
+            group.input_dims[node] = {a: aligned_dims(len(shape), a, dims) for a in node.all_input_nodes
                                       if a not in self.constants}
         group.classes[node] = cls
         self.steps.append(group)
@@ -447,7 +340,7 @@ class _Partitioner:
         known: dict[int, int] = {}
         if sel.base is not None and sel.base in group.dims:
             known = {k: s for k, s in enumerate(group.dims[sel.base]) if s is not None}
-        dims = self._complete(group, _shape(node), known)
+        dims = complete_dims(group, _shape(node), known)
         if dims is None:
             return "shape does not map onto the group's iteration space"
         self._add_select(group, node, dims)
@@ -465,7 +358,7 @@ class _Partitioner:
             self.step_of[t] = group
         in_dims: dict[fx.Node, Dims] = {}
         if sel.base is not None and sel.base not in group.dims and sel.base not in self.constants:
-            in_dims[sel.base] = self._aligned(len(_shape(node)), sel.base, dims)
+            in_dims[sel.base] = aligned_dims(len(_shape(node)), sel.base, dims)
         for leaf, ldims in leaf_dims(sel, node, dims).items():
             if leaf not in self.constants and isinstance(leaf.meta.get("val"), torch.Tensor):
                 in_dims.setdefault(leaf, ldims)

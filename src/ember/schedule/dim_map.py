@@ -1,0 +1,158 @@
+"""Dim mapping: which dim of a fused group's reference shape S each dim of a node walks.
+
+The planner (plan.py) records, for every member of a fused group, one entry per dim of the
+member: the dim of S it walks, or None for a size-1 dim (a ``Dims`` tuple). This module computes
+those records from the records the group already holds, for pointwise ops (trailing dims align,
+size-1 dims broadcast) and for views that only insert/drop size-1 dims, permute or broadcast
+(which is why such views fuse for free); None where a node does not map onto S. It also reads
+which dims a reduction node reduces. It holds no planner state: the group is anything with a
+``shape`` and per-node ``dims`` (``GroupSpace``), so plan.py imports this module and not the
+other way round.
+"""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+import torch
+import torch.fx as fx
+
+aten = torch.ops.aten
+
+Dims = tuple  # per real dim: the S dim it walks, or None
+
+
+class GroupSpace(Protocol):
+    """What the mapping reads of a fused group: its reference shape S and its members' dims."""
+
+    shape: tuple[int, ...]
+    dims: dict[fx.Node, Dims]
+
+
+def _shape(node: fx.Node) -> tuple[int, ...]:
+    return tuple(node.meta["val"].shape)
+
+
+def reduction_dims(node: fx.Node) -> list[int]:
+    """The dims (of the input) a reduction node reduces, normalised to non-negative ints."""
+    rank = len(_shape(node.args[0]))
+    dims = node.args[1] if len(node.args) > 1 else node.kwargs.get("dim")
+    if node.target == aten.sum.default or dims is None or (isinstance(dims, (list, tuple)) and len(dims) == 0):
+        return list(range(rank))
+    if isinstance(dims, int):
+        dims = [dims]
+    return sorted({d % rank if rank else 0 for d in dims})
+
+
+def reduction_keepdim(node: fx.Node) -> bool:
+    if node.target == aten.sum.default:
+        return False
+    if len(node.args) > 2:
+        return bool(node.args[2])
+    return bool(node.kwargs.get("keepdim", False))
+
+
+def _default_dim(group: GroupSpace, rank: int, j: int, size: int, used: set[int]) -> int | None:
+    s = j + len(group.shape) - rank
+    if 0 <= s < len(group.shape) and group.shape[s] == size and s not in used:
+        return s
+    return None
+
+
+def _unique_dim(group: GroupSpace, size: int, used: set[int]) -> int | None:
+    """The one group dim of this size, for a value that shares no dim with the group yet
+    (a per-channel [C] vector beside an [N, C, H, W] reduction): any consistent placement
+    computes the same value, and a unique size leaves no choice to get wrong."""
+    dims = [s for s, n in enumerate(group.shape) if n == size]
+    return dims[0] if len(dims) == 1 and dims[0] not in used else None
+
+
+def complete_dims(group: GroupSpace, shape: tuple[int, ...], known: dict[int, int]) -> Dims | None:
+    """Dims for a value of ``shape`` whose dims ``known`` (dim -> S dim) are already placed: the
+    rest align with S's trailing dims (or take S's one dim of their size); None if they cannot."""
+    used = set(known.values())
+    if len(used) != len(known):
+        return None
+    out: list[int | None] = []
+    for j, size in enumerate(shape):
+        if size == 1:
+            out.append(None)
+        elif j in known:
+            out.append(known[j])
+        else:
+            s = _default_dim(group, len(shape), j, size, used)
+            if s is None and not known:
+                s = _unique_dim(group, size, used)
+            if s is None:
+                return None
+            used.add(s)
+            out.append(s)
+    return tuple(out)
+
+
+def aligned_dims(out_rank: int, arg: fx.Node, dims_of_out: Dims) -> Dims:
+    """The dims an operand ``arg`` is read at by a value of rank ``out_rank`` with dims
+    ``dims_of_out`` (broadcasting: trailing dims align, size-1 dims walk none)."""
+    shape = _shape(arg)
+    off = out_rank - len(shape)
+    return tuple(None if size == 1 else dims_of_out[k + off] for k, size in enumerate(shape))
+
+
+def map_pointwise(group: GroupSpace, node: fx.Node) -> Dims | None:
+    """Dims of a pointwise ``node`` from those of its inputs already in ``group``."""
+    shape = _shape(node)
+    known: dict[int, int] = {}
+    for arg in node.all_input_nodes:
+        if arg not in group.dims:
+            continue
+        a_shape = _shape(arg)
+        off = len(shape) - len(a_shape)
+        if off < 0:
+            return None
+        for k, s in enumerate(group.dims[arg]):
+            if s is None:
+                continue
+            if shape[k + off] != a_shape[k]:
+                return None
+            if known.setdefault(k + off, s) != s:
+                return None
+    return complete_dims(group, shape, known)
+
+
+def map_view(group: GroupSpace, node: fx.Node) -> Dims | None:
+    """Dims of a view ``node`` of a member of ``group``: permutes, transposes, expands and
+    reshapes that only insert/drop size-1 dims; None for any other view."""
+    src = node.args[0]
+    if src not in group.dims:
+        return None
+    src_dims = group.dims[src]
+    src_shape, shape = _shape(src), _shape(node)
+    target = node.target
+    if target == aten.permute.default:
+        perm = [p % len(src_shape) for p in node.args[1]]
+        return tuple(src_dims[p] for p in perm)
+    if target in (aten.t.default, aten.transpose.int):
+        if len(src_shape) < 2:
+            return src_dims
+        a, b = (0, 1) if target == aten.t.default else (node.args[1] % len(src_shape), node.args[2] % len(src_shape))
+        out = list(src_dims)
+        out[a], out[b] = out[b], out[a]
+        return tuple(out)
+    if target == aten.expand.default:
+        known = {}
+        off = len(shape) - len(src_shape)
+        for k, s in enumerate(src_dims):
+            if s is not None:
+                known[k + off] = s
+        return complete_dims(group, shape, known)
+    if target in (aten.view.default, aten._unsafe_view.default, aten.reshape.default, aten.unsqueeze.default,
+                  aten.squeeze.dim, aten.squeeze.dims, aten.squeeze.default, aten.alias.default):
+        big_src = [(size, d) for size, d in zip(src_shape, src_dims) if size != 1]
+        big_out = [j for j, size in enumerate(shape) if size != 1]
+        if [size for size, _ in big_src] != [shape[j] for j in big_out]:
+            return None
+        out: list[int | None] = [None] * len(shape)
+        for j, (_, d) in zip(big_out, big_src):
+            out[j] = d
+        return tuple(out)
+    return None
