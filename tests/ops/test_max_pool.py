@@ -78,7 +78,7 @@ def test_bf16_rounds_like_aten() -> None:
     _check(x, [3, 3], [2, 2], [1, 1])
 
 
-@pytest.mark.parametrize("why", ["dilation", "ceil_mode", "window", "padding"])
+@pytest.mark.parametrize("why", ["dilation", "ceil_mode", "window", "padding", "float64"])
 def test_what_the_kernels_do_not_take_stays_aten(why: str) -> None:
     x = torch.randn(1, 2, 12, 12)
     k, s, p, d, ceil = [3, 3], [2, 2], [1, 1], [1, 1], False
@@ -88,6 +88,8 @@ def test_what_the_kernels_do_not_take_stays_aten(why: str) -> None:
         ceil = True
     elif why == "window":
         x, k, p = torch.randn(1, 2, 20, 20), [12, 12], [0, 0]
+    elif why == "float64":
+        x = x.double()  # the kernels hold values in float32: a float64 maximum would be rounded
     else:
         k, p = [2, 2], [2, 2]  # more than half the window: ATen refuses it too
     assert pooling.max_pool2d_with_indices(x, k, s, p, d, ceil) is NotImplemented

@@ -81,7 +81,9 @@ def _(grad: torch.Tensor, input_size: list[int], padding: list[int]) -> torch.Te
 
 
 def _supported(x: torch.Tensor, padding: list[int]) -> bool:
-    if not (x.dim() in (3, 4) and x.is_floating_point() and len(padding) == 4 and x.numel() > 0):
+    # The kernels sum in float32 (ops/window_kernels.py): float64 stays ATen's, exact.
+    if not (x.dim() in (3, 4) and x.dtype in (torch.float32, torch.float16, torch.bfloat16) and len(padding) == 4
+            and x.numel() > 0):
         return False
     h, w = x.shape[-2], x.shape[-1]
     padded = x.numel() // (h * w) * (h + padding[2] + padding[3]) * (w + padding[0] + padding[1])
