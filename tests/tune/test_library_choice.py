@@ -10,11 +10,11 @@ from pathlib import Path
 
 import pytest
 import torch
+from tune_models import ConvLinearNet
 
 import ember
 from ember import config
 from ember.cli import main
-from ember.tune.apply import forget_open
 from ember.tune.db import Result, TuningDB
 from ember.tune.device import device_key
 from ember.tune.kernels import INCOMPLETE, tune_group
@@ -23,29 +23,10 @@ from ember.tune.measure import candidate_output_hook
 from ember.tune.session import answered_line, collect_work, tune_groups
 
 
-class _Net(torch.nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.conv = torch.nn.Conv2d(3, 8, 3, padding=1)
-        self.fc = torch.nn.Linear(8 * 6 * 6, 32)
-        self.head = torch.nn.Linear(32, 10)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = torch.relu(self.conv(x)).flatten(1)
-        return torch.softmax(self.head(torch.nn.functional.gelu(self.fc(y))), -1)
-
-
-@pytest.fixture(autouse=True)
-def _fresh_db_handles():
-    forget_open()
-    yield
-    forget_open()
-
-
 @pytest.fixture(scope="module")
 def work():
     torch.manual_seed(0)
-    model, x = _Net().eval(), torch.randn(2, 3, 6, 6)
+    model, x = ConvLinearNet().eval(), torch.randn(2, 3, 6, 6)
     groups, sites = collect_work(model, (x,), train=False, target="cpu")
     return model, x, groups, sites
 

@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from tune_models import ConvLinearNet
 
 import ember
 import ember.tune.measure as measure
@@ -19,30 +20,11 @@ from ember.tune.model_check import check_in_model, tuned_choices
 from ember.tune.session import collect_work
 
 
-class _Net(torch.nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.conv = torch.nn.Conv2d(3, 8, 3, padding=1)
-        self.fc = torch.nn.Linear(8 * 6 * 6, 32)
-        self.head = torch.nn.Linear(32, 10)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = torch.relu(self.conv(x)).flatten(1)
-        return torch.softmax(self.head(torch.nn.functional.gelu(self.fc(y))), -1)
-
-
-@pytest.fixture(autouse=True)
-def _fresh_db_handles():
-    forget_open()
-    yield
-    forget_open()
-
-
 @pytest.fixture
 def tuned(tmp_path: Path):
     """A model, its input and a database in which its conv and fc layers have a non-rule winner."""
     torch.manual_seed(0)
-    model, x = _Net().eval(), torch.randn(2, 3, 6, 6)
+    model, x = ConvLinearNet().eval(), torch.randn(2, 3, 6, 6)
     _, sites = collect_work(model, (x,), train=False, target="cpu")
     dev = device_key("cpu")
     db_path = tmp_path / "tuning.sqlite"

@@ -6,12 +6,10 @@ from __future__ import annotations
 import time
 from pathlib import Path
 
-import pytest
 import torch
 
 import ember
 from ember.cli import main
-from ember.tune.apply import forget_open
 from ember.tune.db import Result, TuningDB
 from ember.tune.device import device_key
 from ember.tune.measure import candidate_output_hook
@@ -22,11 +20,6 @@ def _model() -> torch.nn.Module:
     return torch.nn.Sequential(torch.nn.Linear(32, 128), torch.nn.LayerNorm(128), torch.nn.Softmax(-1))
 
 
-@pytest.fixture(autouse=True)
-def _fresh_db_handles():
-    forget_open()
-    yield
-    forget_open()
 
 
 def test_wrong_candidate_is_rejected_and_recorded_failed(tmp_path: Path) -> None:
