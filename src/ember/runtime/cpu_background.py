@@ -52,11 +52,11 @@ def _fault() -> None:
 def _warm_numba_now() -> None:
     """Import numba, run its CPU target's one-time set-up, and load the launch helpers' cached code."""
     _fault()
-    import numba  # noqa: F401
     import numpy as np
-    from numba.core.registry import cpu_target
 
-    cpu_target.target_context.refresh()  # numba's registries (scipy's BLAS check among them)
+    from ember.runtime.numba_import import import_numba_without_scipy_blas
+
+    import_numba_without_scipy_blas()  # numba's import and registries, without scipy.linalg
     from ember.runtime import cpu_support
 
     # Every launch goes through drive or drive_chunked: load their machine code for the argument

@@ -129,6 +129,9 @@ def _import_cpu_module(kernel_dir: Path, name: str, path: Path) -> ModuleType:
     key = (str(kernel_dir), name)
     with _CPU_IMPORT_LOCK:
         if key not in _CPU_MODULES:
+            from ember.runtime.numba_import import import_numba_without_scipy_blas
+
+            import_numba_without_scipy_blas()  # numba's set-up without scipy.linalg (its docstring says why)
             modname = _cpu_module_name(kernel_dir, name)
             spec = importlib.util.spec_from_file_location(modname, path)
             module = importlib.util.module_from_spec(spec)
