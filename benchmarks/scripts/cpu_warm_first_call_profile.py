@@ -54,9 +54,8 @@ def main() -> None:
         import threading
 
         def numba_ready() -> None:
-            import numba  # noqa: F401
-            from numba.core.registry import cpu_target
-            cpu_target.target_context.refresh()
+            from ember.runtime.numba_import import import_numba_without_scipy_blas
+            import_numba_without_scipy_blas()
             import ember.runtime.cpu_support  # noqa: F401
         if args.numba_before == "sync":
             numba_ready()

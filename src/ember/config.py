@@ -389,6 +389,20 @@ def quiet_profiler_logs() -> None:
     os.environ.setdefault("KINETO_LOG_LEVEL", "6")
 
 
+# Block-size rules of the Triton kernels (codegen/triton_kernel.py); tests lower them with config.patch
+# to exercise the looped path on small shapes.
+BLOCK_SETTINGS = ("persistent_rblock_max", "loop_rblock", "tile_elements", "pointwise_xblock",
+                  "interpret_tile_elements", "xcontig_xblock", "xcontig_tile", "xcontig_persistent_rmax",
+                  "split_target_programs", "interpret_split_target_programs")
+
+
+def block_settings() -> tuple:
+    """Every block-size setting (part of the compiled-program cache key: tests change them). Here
+    rather than in codegen/triton_kernel.py so a warm start's key does not import Triton's codegen."""
+    now = settings()
+    return tuple(getattr(now, name) for name in BLOCK_SETTINGS)
+
+
 # Tuning (src/ember/tune/): results of ``ember tune`` kept per kernel and device.
 def tuning_enabled() -> bool:
     """``EMBER_TUNING=0``: compile ignores the tuning database (the fixed block-size rules only)."""

@@ -233,9 +233,12 @@ class WarmStart:
         key, parts = self.key(ckey, args, kwargs)
         path = self.folder() / f"{key[:40]}{SUFFIX}"
         if path.exists():
+            from ember.capture.aot_settings import gc_paused
+
             start = time.perf_counter()
             try:
-                fn = self._load(path, args, kwargs)
+                with gc_paused():  # loading allocates as a compile does (capture/aot_settings.py)
+                    fn = self._load(path, args, kwargs)
             except Exception as err:  # noqa: BLE001 - damaged, truncated or from elsewhere: compile afresh
                 warnings.warn(f"ember: the warm-start file {path} cannot be used ({type(err).__name__}: "
                               f"{str(err)[:300]}); compiling afresh", RuntimeWarning, stacklevel=4)

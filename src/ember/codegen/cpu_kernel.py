@@ -50,7 +50,13 @@ from ember.codegen.cpu_iteration_space import (
     loop_size,
 )
 from ember.codegen.cpu_reductions import CpuReductions, indent
-from ember.codegen.kernel_source import KernelSource, canonical_source, node_source
+from ember.codegen.kernel_source import (
+    INSTANCE_MARKER,
+    KernelSource,
+    canonical_source,
+    node_source,
+    split_module,
+)
 from ember.codegen.kernel_writer import Scope
 from ember.codegen.lowering import POINTWISE_LOWERINGS, value_dtype
 from ember.schedule.op_support import kernel_dtype_unsupported
@@ -59,7 +65,6 @@ from ember.schedule.rules import OpClass
 
 aten = torch.ops.aten
 
-INSTANCE_MARKER = "# ember-cpu-instance: "
 COLUMN_BLOCK = 512  # most points per unit of column reductions (stack accumulators: runtime STACK_BLOCK)
 POINTWISE_BLOCK = 8192  # most points per unit of pointwise groups (work granularity only)
 SCRATCH = 2048  # reduced extents up to this are persistent (runtime SCRATCH)
@@ -373,14 +378,6 @@ def generate_cpu(group: FusedGroup, config: dict[str, int] | None = None) -> Ker
     generator does not cover, which then run op by op through ATen. ``config`` overrides the
     work-unit rules (a tuned configuration); the compiled module is the same for every config."""
     return CpuWriter(group, config).write()
-
-
-def split_module(text: str) -> tuple[str, dict]:
-    """A CPU kernel's module source -> (the shared kernel module, this use's data)."""
-    shared, marker, trailer = text.rpartition(INSTANCE_MARKER)
-    if not marker:
-        raise ValueError("not a CPU kernel module (no instance line)")
-    return shared.rstrip("\n") + "\n", json.loads(trailer)
 
 
 __all__ = ["CpuUnsupported", "INSTANCE_MARKER", "generate_cpu", "split_module"]

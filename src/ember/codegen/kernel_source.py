@@ -4,6 +4,7 @@ that make a kernel's identity independent of the graph it came from (``canonical
 from __future__ import annotations
 
 import dataclasses
+import json
 import re
 from dataclasses import dataclass
 
@@ -67,3 +68,17 @@ def node_source(node: fx.Node) -> str:
 def launch_kernels(kernels: dict[int, KernelSource]) -> list[KernelSource]:
     """Every kernel a graph's program launches (split reductions launch several per group)."""
     return [k for ks in kernels.values() for k in ks.launch_order()]
+
+
+# A CPU kernel's module source is its shared module plus this line with one use's data
+# (codegen/cpu_kernel.py). Split here, where loading a warm start does it without importing the
+# CPU code generator.
+INSTANCE_MARKER = "# ember-cpu-instance: "
+
+
+def split_module(text: str) -> tuple[str, dict]:
+    """A CPU kernel's module source -> (the shared kernel module, this use's data)."""
+    shared, marker, trailer = text.rpartition(INSTANCE_MARKER)
+    if not marker:
+        raise ValueError("not a CPU kernel module (no instance line)")
+    return shared.rstrip("\n") + "\n", json.loads(trailer)

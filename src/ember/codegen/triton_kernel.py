@@ -27,23 +27,15 @@ from ember.codegen.lowering import KernelValue, compute_dtype, value_dtype
 from ember.codegen.triton_dialect import TL_DTYPE, TRITON, TritonValue, literal
 from ember.codegen.triton_reductions import TritonReductions
 from ember.codegen.triton_tiles import Split, next_pow2, order_dims, plan_split
-from ember.config import settings
+from ember.config import block_settings, settings
 from ember.schedule.dim_map import reduction_keepdim
 from ember.schedule.plan import Dims, FusedGroup
 
 aten = torch.ops.aten
 
 # Block-size rules: the settings persistent_rblock_max ... interpret_split_target_programs
-# (ember/config.py); tests lower them with config.patch to exercise the looped path on small shapes.
-_BLOCK_SETTINGS = ("persistent_rblock_max", "loop_rblock", "tile_elements", "pointwise_xblock",
-                   "interpret_tile_elements", "xcontig_xblock", "xcontig_tile", "xcontig_persistent_rmax",
-                   "split_target_programs", "interpret_split_target_programs")
-
-
-def tuning() -> tuple:
-    """Every block-size setting (part of the compiled-program cache key: tests change them)."""
-    now = settings()
-    return tuple(getattr(now, name) for name in _BLOCK_SETTINGS)
+# (ember/config.py BLOCK_SETTINGS).
+tuning = block_settings
 
 # Reductions go through the builtin tl.reduce with these combine functions (max/min propagate
 # NaN as torch does); float sums use tl.standard._sum_combine (triton_reductions.combine_fn).

@@ -32,7 +32,7 @@ from typing import Any
 import torch
 from torch import fx
 
-from ember.config import settings
+from ember.config import block_settings, settings
 from ember.graph_utils import get_attr
 from ember.report.records import GraphRecord
 
@@ -84,9 +84,8 @@ def _versions() -> str:
     import triton
 
     from ember import __version__
-    from ember.codegen import triton_kernel as tk
     # Block sizes are settings that tests and tuning change at run time (config.patch).
-    tuning = tk.tuning()
+    tuning = block_settings()
     # Where a graph's writes into its inputs happen (capture/backend.py, codegen/input_writes.py):
     # the same graph gives another program, and a warm start another AOTAutograd graph.
     now = settings()

@@ -3,8 +3,9 @@
 Measured on a 2-core CPU (torch 2.14.1, numba 0.68.1, resnet18 inference 1x3x64x64): of a warm
 first call's ~1.4 s, ~0.9 s was the CPU kernel loader on the main thread: importing numba (0.16 s),
 numba's first use of its CPU target (``BaseContext.refresh`` imports numba's implementation
-registries, among them ``numba.np.arraymath``, whose BLAS check imports ``scipy.linalg``: 0.4 s)
-and loading the kernel's cached machine code. None of it needs the model or the call.
+registries, among them ``numba.np.arraymath``, whose BLAS check imported ``scipy.linalg``: 0.4 s;
+runtime/numba_import.py now keeps ``scipy.linalg`` out) and loading the kernel's cached machine
+code. None of it needs the model or the call.
 
 So with a warm start on the CPU target, ``ember.compile`` starts one background thread
 (``LOADER.warm_numba``) that does this work, and while a warm-start file is linked each CPU kernel
@@ -52,11 +53,11 @@ def _fault() -> None:
 def _warm_numba_now() -> None:
     """Import numba, run its CPU target's one-time set-up, and load the launch helpers' cached code."""
     _fault()
-    import numba  # noqa: F401
     import numpy as np
-    from numba.core.registry import cpu_target
 
-    cpu_target.target_context.refresh()  # numba's registries (scipy's BLAS check among them)
+    from ember.runtime.numba_import import import_numba_without_scipy_blas
+
+    import_numba_without_scipy_blas()  # numba's import and registries, without scipy.linalg
     from ember.runtime import cpu_support
 
     # Every launch goes through drive or drive_chunked: load their machine code for the argument

@@ -40,6 +40,8 @@ for name, path in (("ember", root), ("ember.runtime", root + "/runtime")):
     module = types.ModuleType(name)
     module.__path__ = [path]
     sys.modules[name] = module
+from ember.runtime.numba_import import import_numba_without_scipy_blas
+import_numba_without_scipy_blas()
 import ember.runtime.cpu_support
 print("ready", flush=True)
 for line in sys.stdin:

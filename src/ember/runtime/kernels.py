@@ -25,7 +25,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from types import ModuleType
 
-from ember.codegen.kernel_source import KernelSource
+from ember.codegen.kernel_source import KernelSource, split_module
 
 _LOADED: dict[tuple[str, str, bool], Callable] = {}
 _CPU_MODULES: dict[tuple[str, str], ModuleType] = {}
@@ -129,6 +129,9 @@ def _import_cpu_module(kernel_dir: Path, name: str, path: Path) -> ModuleType:
     key = (str(kernel_dir), name)
     with _CPU_IMPORT_LOCK:
         if key not in _CPU_MODULES:
+            from ember.runtime.numba_import import import_numba_without_scipy_blas
+
+            import_numba_without_scipy_blas()  # numba's set-up without scipy.linalg (its docstring says why)
             modname = _cpu_module_name(kernel_dir, name)
             spec = importlib.util.spec_from_file_location(modname, path)
             module = importlib.util.module_from_spec(spec)
@@ -145,8 +148,6 @@ def _import_cpu_module(kernel_dir: Path, name: str, path: Path) -> ModuleType:
 def cpu_kernel_module(text: str, kernel_dir: Path) -> ModuleType:
     """Import (compiling, or loading numba's cached machine code) the shared module of a CPU
     kernel's module source; once per process and folder."""
-    from ember.codegen.cpu_kernel import split_module
-
     shared, instance = split_module(text)
     name = instance["kernel"]
     if (str(kernel_dir), name) in _CPU_MODULES:
@@ -155,7 +156,6 @@ def cpu_kernel_module(text: str, kernel_dir: Path) -> ModuleType:
 
 
 def _cpu_launcher(text: str, kernel_dir: Path) -> Callable:
-    from ember.codegen.cpu_kernel import split_module
     from ember.runtime.cpu_support import launcher
 
     module = cpu_kernel_module(text, kernel_dir)
@@ -172,7 +172,6 @@ def compile_cpu_kernels(kernels: list[KernelSource], kernel_dir: Path) -> dict[s
     """Import every distinct shared module among ``kernels`` (CPU kernels only), compiling the
     ones numba has not cached yet in parallel (runtime/cpu_compile.py). Returns the kernels that
     failed to compile: digest -> error text (their groups then run through ATen)."""
-    from ember.codegen.cpu_kernel import split_module
     from ember.runtime.cpu_compile import compile_parallel
 
     failed: dict[str, str] = {}

@@ -1,0 +1,73 @@
+"""numba's import and CPU target set-up without importing ``scipy.linalg``.
+
+Called before a generated CPU kernel module is imported (runtime/kernels.py), by the background
+warm-up (runtime/cpu_background.py) and in the compile workers (runtime/cpu_compile.py, which run
+without ``ember/__init__``: this module imports nothing of Ember's and not torch). Not from
+runtime/cpu_support.py: its hash is in every kernel's name, so editing it would rename (and
+recompile) every cached kernel.
+"""
+
+from __future__ import annotations
+
+import importlib.abc
+import sys
+import threading
+
+_REFUSED = "scipy.linalg"
+_LOCK = threading.Lock()
+
+
+class _RefuseScipyLinalg(importlib.abc.MetaPathFinder):
+    """Raises ImportError for ``scipy.linalg`` and its submodules, on the installing thread only."""
+
+    def __init__(self) -> None:
+        self.thread = threading.get_ident()
+
+    def find_spec(self, fullname, path=None, target=None):  # noqa: ARG002 - the finder protocol
+        if threading.get_ident() == self.thread and (fullname == _REFUSED or fullname.startswith(_REFUSED + ".")):
+            raise ImportError(f"{fullname} is not imported while numba sets up (ember/runtime/numba_import.py)")
+        return None
+
+
+def import_numba_without_scipy_blas() -> None:
+    """Import numba and run its CPU target's one-time set-up with ``scipy.linalg`` unavailable.
+
+    Why: the set-up (``BaseContext.refresh``) imports ``numba.np.arraymath``, whose module-level
+    ``_HAVE_BLAS = _check_blas()`` imports ``scipy.linalg.cython_blas``, i.e. all of
+    ``scipy.linalg`` (0.2-0.3 s of a 0.8 s warm first call on a 2-core CPU, more under load). It
+    only decides whether ``np.correlate``/``np.convolve`` take their float inner product from
+    ``np.dot`` (BLAS) or a plain loop; Ember's kernels use neither. Refusing just
+    ``scipy.linalg.cython_blas`` does not help: ``scipy.linalg``'s ``__init__`` imports it
+    itself, so the whole package would load and then fail. The package is refused instead.
+
+    ``np.dot``, ``np.vdot``, ``@`` and ``np.linalg.*`` are unaffected: numba/np/linalg.py calls
+    ``ensure_blas()``/``ensure_lapack()`` (which import ``scipy.linalg.cython_blas``/``_lapack``)
+    in each intrinsic's codegen, i.e. when such a function is compiled, after this has returned.
+
+    Does nothing beyond a plain ``import numba`` when ``numba.np.arraymath`` is already imported
+    (the check has run) or ``scipy.linalg`` is (the check is then cheap). The finder refuses only
+    imports made by this thread, and is removed in a ``finally``. Should the set-up fail with the
+    finder in place (say a numba extension that needs ``scipy.linalg``), it runs again without it,
+    raising as numba's own first use would if that fails too.
+    """
+    with _LOCK:
+        if "numba.np.arraymath" in sys.modules or _REFUSED in sys.modules:
+            import numba  # noqa: F401
+            return
+        finder = _RefuseScipyLinalg()
+        sys.meta_path.insert(0, finder)
+        try:
+            _set_up_numba()
+            return
+        except Exception:  # noqa: BLE001 - the plain set-up below, as without this function
+            pass
+        finally:
+            sys.meta_path.remove(finder)
+        _set_up_numba()
+
+
+def _set_up_numba() -> None:
+    import numba  # noqa: F401
+    from numba.core.registry import cpu_target
+
+    cpu_target.target_context.refresh()  # imports numba.np.arraymath (its BLAS check)
