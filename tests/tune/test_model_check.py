@@ -63,7 +63,7 @@ def _check(model, x, db_path: Path, monkeypatch, ms_of: dict[str, float] | None 
         monkeypatch.setattr(measure, "time_interleaved_ms", timer)
     db = TuningDB(db_path)
     with config.patch(tuning_db=str(db_path)):
-        return check_in_model(model, (x,), False, "cpu", db, device_key("cpu"), budget_s=1.0), db
+        return check_in_model(model, (x,), False, "cpu", db, device_key("cpu"), budget_s=600.0), db
 
 
 def _used_choices(model, x, db_path: Path) -> dict:
@@ -129,3 +129,15 @@ def test_a_variant_with_a_different_result_is_never_kept(tuned, monkeypatch) -> 
     check, _ = _check(model, x, db_path, monkeypatch, fast)
     assert check.kept == "rules" and set(check.demoted) == keys
     assert all("differs from the rules' program" in v.error for v in check.variants if v.name != "rules")
+
+
+def test_subsets_are_left_out_when_the_budget_is_spent(tuned, monkeypatch) -> None:
+    model, x, db_path, keys = tuned
+    from ember.tune import model_check
+    monkeypatch.setattr(measure, "time_interleaved_ms", lambda runs, *a, **k: [10.0, 9.0][:len(runs)])
+    db = TuningDB(db_path)
+    with config.patch(tuning_db=str(db_path)):
+        check = model_check.check_in_model(model, (x,), False, "cpu", db, device_key("cpu"), budget_s=0.0)
+    assert [v.name for v in check.variants] == ["rules", "all"]
+    assert check.not_timed == ["better half", "worse half"] and "not timed, the budget" in check.line()
+    assert check.kept == "all" and check.demoted == []

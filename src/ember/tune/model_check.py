@@ -55,6 +55,7 @@ class ModelCheck:
     demoted: list[str] = field(default_factory=list)
     seconds: float = 0.0
     cached: bool = False  # the database had a verdict for this set of choices
+    not_timed: list[str] = field(default_factory=list)  # subsets left out: the budget
 
     @property
     def rules_ms(self) -> float | None:
@@ -68,7 +69,8 @@ class ModelCheck:
                     f"{self.kept}, {len(self.demoted)} demoted")
         timed = ", ".join(f"{v.name} {v.ms:.3f} ms" if v.ms is not None else f"{v.name} ({v.error})"
                           for v in self.variants)
-        return (f"whole-model check ({self.seconds:.1f} s): {timed}; kept {self.kept}, "
+        left = f" (not timed, the budget: {', '.join(self.not_timed)})" if self.not_timed else ""
+        return (f"whole-model check ({self.seconds:.1f} s): {timed}{left}; kept {self.kept}, "
                 f"{len(self.demoted)} of {len(self.choices)} choice(s) demoted as slower in the model")
 
 
@@ -112,7 +114,7 @@ def _rel(a: torch.Tensor, ref: torch.Tensor) -> float:
 
 def check_in_model(model: Callable, inputs: tuple, train: bool, target: str, db: TuningDB, device: str,
                    choices: dict[str, dict] | None = None, loss: Callable[[Any], torch.Tensor] | None = None,
-                   precision: torch.dtype = torch.float32, budget_s: float = 30.0,
+                   precision: torch.dtype = torch.float32, budget_s: float = 60.0,
                    shared: TuningDB | None = None) -> ModelCheck:
     """Time ``model`` compiled with subsets of ``choices`` against the rules' program; demote in
     ``db`` (the user's) the choices the fastest correct variant does not use (all of them when no
@@ -156,7 +158,13 @@ def check_in_model(model: Callable, inputs: tuple, train: bool, target: str, db:
 
     runs: list[Callable[[], Any]] = []
     outputs: list[tuple[list[torch.Tensor], list[torch.Tensor]]] = []
-    for variant in variants:
+    for variant in list(variants):
+        # The rules and all the choices are always compared; the subsets while half the budget lasts
+        # (compiles are most of the check's time), the rest of it is for timing.
+        if variant.name not in ("rules", "all") and time.perf_counter() - start > budget_s / 2:
+            variants.remove(variant)
+            result.not_timed.append(variant.name)
+            continue
         m = copy.deepcopy(model)
         # The first call compiles: the variant's set-aside answers must be in force then.
         with config.patch(tuning=bool(variant.keys)), setting_aside(all_keys - variant.keys):
@@ -181,7 +189,7 @@ def check_in_model(model: Callable, inputs: tuple, train: bool, target: str, db:
         if not worst_out <= out_tol or not worst_grad <= grad_tol:
             variant.error = f"differs from the rules' program (outputs {worst_out:.2e}, gradients {worst_grad:.2e})"
     correct = [i for i, v in enumerate(variants) if not v.error]
-    per_variant = max(1.0, budget_s / len(correct))
+    per_variant = max(1.0, (budget_s - (time.perf_counter() - start)) / len(correct))
     times = time_interleaved_ms([runs[i] for i in correct], dev, per_variant, rounds=7)
     for i, ms in zip(correct, times):
         variants[i].ms = ms

@@ -311,6 +311,6 @@ def run_cli(args: Any) -> int:
         with config.patch(tuning_db=str(db_path)):
             check = check_in_model(model, inputs, args.mode == "train", args.target, db, device_key(device.type),
                                    known, loss, torch.bfloat16 if args.precision == "bf16" else torch.float32,
-                                   budget_s=max(10.0, min(60.0, args.budget - report.seconds)), shared=shared)
+                                   budget_s=max(20.0, args.budget - report.seconds), shared=shared)
         console.print(check.line())
     return 0
