@@ -92,3 +92,21 @@ def test_export_import_round_trip(tmp_path: Path, suffix: str) -> None:
     assert dst.choices(["k"], "dev")["k"].config == {"XBLOCK": 8}
     assert dst.fingerprints() == {"dev": {"kind": "cpu"}}
     assert sum(r.failed for r in dst.all()) == 1
+
+
+@pytest.mark.parametrize("suffix", [".json", ".sqlite"])
+def test_whole_model_verdicts_travel_with_export_and_import(tmp_path: Path, suffix: str) -> None:
+    db = TuningDB(tmp_path / "a.sqlite")
+    db.record([Result("k1", "cpu-x", {}, 2.0, "ok"), Result("k1", "cpu-x", {"impl": "aten"}, 1.0, "ok")])
+    db.demote([Result("k1", "cpu-x", {"impl": "aten"}, 1.0, "ok")], "whole model rules 1.0 ms, all 1.2 ms")
+    verdict = {"kept": "rules", "demoted": ["k1"], "variants": {"rules": 1.0, "all": 1.2}, "at": 0.0}
+    db.note("model_check:abc", verdict)
+    db.note("schema-like", None)  # reading a missing note answers None and writes nothing
+    out = tmp_path / f"export{suffix}"
+    db.export(out)
+    other = TuningDB(tmp_path / "b.sqlite")
+    other.import_from(out)
+    assert other.note("model_check:abc") == verdict and other.notes() == {"model_check:abc": verdict}
+    rows = other.results("k1", "cpu-x")
+    assert [r.status for r in rows] == ["ok", "slower_in_model"] and not any(r.failed for r in rows)
+    assert other.choices(["k1"], "cpu-x")["k1"].config == {}  # the demoted choice is not the answer

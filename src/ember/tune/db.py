@@ -207,6 +207,10 @@ class TuningDB:
             conn.execute("INSERT OR REPLACE INTO meta VALUES (?, ?)", (key, json.dumps(value, sort_keys=True)))
         return value
 
+    def notes(self) -> dict[str, dict]:
+        """Every whole-model verdict (they travel with export and import)."""
+        return {k: json.loads(v) for k, v in self._query("SELECT key, value FROM meta WHERE key LIKE 'model_check:%'")}
+
     @staticmethod
     def _transaction(conn: sqlite3.Connection):
         class _Tx:
@@ -276,9 +280,10 @@ class TuningDB:
         (usable as ``EMBER_TUNING_SHARED``)."""
         path = Path(path)
         results = list(self.all())
+        notes = self.notes()
         if path.suffix == ".json":
             doc = {"schema": SCHEMA_VERSION, "devices": self.fingerprints(),
-                   "results": [dict(zip(_COLUMNS.split(", "), r.row())) for r in results]}
+                   "results": [dict(zip(_COLUMNS.split(", "), r.row())) for r in results], "notes": notes}
             path.write_text(json.dumps(doc, indent=1))
             return len(results)
         path.unlink(missing_ok=True)
@@ -287,6 +292,8 @@ class TuningDB:
             out.record(results)
             for device, fp in self.fingerprints().items():
                 out._connect().execute("INSERT OR REPLACE INTO devices VALUES (?, ?)", (device, json.dumps(fp)))
+            for key, value in notes.items():
+                out.note(key, value)
             out._connect().execute("PRAGMA wal_checkpoint(TRUNCATE)")
         finally:
             out.close()
@@ -299,14 +306,16 @@ class TuningDB:
             doc = json.loads(path.read_text())
             cols = _COLUMNS.split(", ")
             results = [_result(tuple(r[c] for c in cols)) for r in doc["results"]]
-            devices = doc.get("devices", {})
+            devices, notes = doc.get("devices", {}), doc.get("notes", {})
         else:
             src = TuningDB(path, read_only=True)
             try:
-                results, devices = list(src.all()), src.fingerprints()
+                results, devices, notes = list(src.all()), src.fingerprints(), src.notes()
             finally:
                 src.close()
         self.record(results)
+        for key, value in notes.items():
+            self.note(key, value)
         conn = self._connect()
         for device, fp in devices.items():
             conn.execute("INSERT OR REPLACE INTO devices VALUES (?, ?)", (device, json.dumps(fp, sort_keys=True)))
