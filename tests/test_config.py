@@ -186,12 +186,10 @@ def test_patch_checks_names_and_types() -> None:
 
 
 def test_block_sizes_are_part_of_the_program_cache_key() -> None:
-    from ember.codegen import triton_kernel
-
-    before = triton_kernel.tuning()
+    before = config.block_settings()
     with config.patch(loop_rblock=8):
-        assert triton_kernel.tuning() != before
-    assert triton_kernel.tuning() == before
+        assert config.block_settings() != before
+    assert config.block_settings() == before
 
 
 def test_compile_jobs_carry_the_worker_niceness_a_patch_sets(tmp_path: Path,

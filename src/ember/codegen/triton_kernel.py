@@ -27,15 +27,11 @@ from ember.codegen.lowering import KernelValue, compute_dtype, value_dtype
 from ember.codegen.triton_dialect import TL_DTYPE, TRITON, TritonValue, literal
 from ember.codegen.triton_reductions import TritonReductions
 from ember.codegen.triton_tiles import Split, next_pow2, order_dims, plan_split
-from ember.config import block_settings, settings
+from ember.config import settings
 from ember.schedule.dim_map import reduction_keepdim
 from ember.schedule.plan import Dims, FusedGroup
 
 aten = torch.ops.aten
-
-# Block-size rules: the settings persistent_rblock_max ... interpret_split_target_programs
-# (ember/config.py BLOCK_SETTINGS).
-tuning = block_settings
 
 # Reductions go through the builtin tl.reduce with these combine functions (max/min propagate
 # NaN as torch does); float sums use tl.standard._sum_combine (triton_reductions.combine_fn).

@@ -25,7 +25,7 @@ import torch
 import triton
 from torch._prims_common import suggest_memory_format
 
-from ember.ops.windows import channels_last, empty_like_layout, window_kernels
+from ember.ops.windows import KERNEL_DTYPES, channels_last, empty_like_layout, window_kernels
 
 MAX_WINDOW = 127  # positions are int8
 BLOCK = 1024
@@ -34,9 +34,7 @@ BLOCK = 1024
 def supported(x: torch.Tensor, kernel: tuple[int, int], stride: tuple[int, int], padding: tuple[int, int],
               dilation: tuple[int, int], ceil_mode: bool) -> bool:
     """Whether these kernels take this pooling (anything else stays ATen's)."""
-    # The kernels hold values in float32 (ops/window_kernels.py): float64 stays ATen's, exact.
-    return (x.dim() == 4 and x.dtype in (torch.float32, torch.float16, torch.bfloat16) and dilation == (1, 1)
-            and not ceil_mode
+    return (x.dim() == 4 and x.dtype in KERNEL_DTYPES and dilation == (1, 1) and not ceil_mode
             and kernel[0] * kernel[1] <= MAX_WINDOW and min(kernel) >= 1 and min(stride) >= 1
             and all(0 <= p <= k // 2 for p, k in zip(padding, kernel))
             and x.shape[2] + 2 * padding[0] >= kernel[0] and x.shape[3] + 2 * padding[1] >= kernel[1]

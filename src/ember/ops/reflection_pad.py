@@ -23,7 +23,7 @@ from __future__ import annotations
 import torch
 import triton
 
-from ember.ops.windows import WINDOW_KERNELS, channels_last, empty_like_layout, window_kernels
+from ember.ops.windows import KERNEL_DTYPES, WINDOW_KERNELS, channels_last, empty_like_layout, window_kernels
 from ember.runtime import precompile
 
 aten = torch.ops.aten
@@ -81,9 +81,7 @@ def _(grad: torch.Tensor, input_size: list[int], padding: list[int]) -> torch.Te
 
 
 def _supported(x: torch.Tensor, padding: list[int]) -> bool:
-    # The kernels sum in float32 (ops/window_kernels.py): float64 stays ATen's, exact.
-    if not (x.dim() in (3, 4) and x.dtype in (torch.float32, torch.float16, torch.bfloat16) and len(padding) == 4
-            and x.numel() > 0):
+    if not (x.dim() in (3, 4) and x.dtype in KERNEL_DTYPES and len(padding) == 4 and x.numel() > 0):
         return False
     h, w = x.shape[-2], x.shape[-1]
     padded = x.numel() // (h * w) * (h + padding[2] + padding[3]) * (w + padding[0] + padding[1])

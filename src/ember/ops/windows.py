@@ -12,6 +12,9 @@ from torch._prims_common import suggest_memory_format
 from ember.runtime.kernels import load_module
 
 WINDOW_KERNELS = Path(__file__).with_name("window_kernels.py")
+# What the window kernels take: they hold values in float32, so float64 would come back rounded
+# and stays ATen's.
+KERNEL_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
 
 def window_kernels(interpret: bool) -> ModuleType:

@@ -107,9 +107,18 @@ def _variants(choices: dict[str, dict]) -> list[Variant]:
     return out
 
 
-def _rel(a: torch.Tensor, ref: torch.Tensor) -> float:
-    a, ref = a.detach().double(), ref.detach().double()
-    return ((a - ref).norm() / ref.norm().clamp_min(1e-12)).item()
+def run_step(fn: Callable, inputs: tuple, train: bool, loss: Callable[[Any], torch.Tensor] | None = None
+             ) -> torch.Tensor:
+    """One call of ``fn`` as ``ember tune`` makes it: inference under no_grad, or forward, the loss
+    (else the sum of the primary output) and backward. Returns the primary output, detached."""
+    from ember.bench.models import primary_tensor
+
+    with torch.enable_grad() if train else torch.no_grad():
+        out = fn(*inputs)
+        value = primary_tensor(out)
+        if train:
+            (loss(out) if loss is not None else value.float().sum()).backward()
+    return value.detach()
 
 
 def check_in_model(model: Callable, inputs: tuple, train: bool, target: str, db: TuningDB, device: str,
@@ -122,7 +131,7 @@ def check_in_model(model: Callable, inputs: tuple, train: bool, target: str, db:
     ``choices`` (the tuned answers the model uses, as ``tuned_choices`` reads them) saves a compile
     when the caller has them; else the model is compiled once with tuning on to find them."""
     import ember
-    from ember.bench.models import primary_tensor
+    from ember.bench.check import _rel
     from ember.tune.measure import time_interleaved_ms
 
     start = time.perf_counter()
@@ -131,12 +140,8 @@ def check_in_model(model: Callable, inputs: tuple, train: bool, target: str, db:
                 else contextlib.nullcontext())
 
     def call(fn: Callable) -> torch.Tensor:
-        with autocast, (torch.enable_grad() if train else torch.no_grad()):
-            out = fn(*inputs)
-            value = primary_tensor(out)
-            if train:
-                (loss(out) if loss is not None else value.float().sum()).backward()
-        return value.detach()
+        with autocast:
+            return run_step(fn, inputs, train, loss)
 
     # Every variant is a compile of the same frames: start from a clean Dynamo state so that they
     # all fit its recompile limit (this runs in ``ember tune``'s own process).
@@ -162,7 +167,7 @@ def check_in_model(model: Callable, inputs: tuple, train: bool, target: str, db:
     variants = _variants(choices)
 
     runs: list[Callable[[], Any]] = []
-    outputs: list[tuple[list[torch.Tensor], list[torch.Tensor]]] = []
+    outputs: list[tuple[torch.Tensor, list[torch.Tensor]]] = []
     for variant in list(variants):
         # The rules and all the choices are always compared; the subsets while half the budget lasts
         # (compiles are most of the check's time), the rest of it is for timing.
@@ -176,20 +181,17 @@ def check_in_model(model: Callable, inputs: tuple, train: bool, target: str, db:
             fn = ember.compile(m, target=target, cache=False)
             got = call(fn)
         grads = [p.grad.detach().clone() for p in m.parameters() if p.grad is not None] if train else []
-        outputs.append(([got], grads))
-        if train:
-            def run(fn=fn, m=m) -> None:
-                for p in m.parameters():
-                    p.grad = None
-                call(fn)
-        else:
-            def run(fn=fn) -> None:
-                call(fn)
+        outputs.append((got, grads))
+
+        def run(fn=fn, m=m) -> None:
+            for p in m.parameters() if train else ():
+                p.grad = None
+            call(fn)
         runs.append(run)
     out_tol, grad_tol = _TOLERANCE.get(precision, _TOLERANCE[torch.float32])
     ref_out, ref_grads = outputs[0]
     for variant, (got, grads) in zip(variants, outputs):
-        worst_out = max((_rel(a, b) for a, b in zip(got, ref_out)), default=0.0)
+        worst_out = _rel(got, ref_out)
         worst_grad = max((_rel(a, b) for a, b in zip(grads, ref_grads)), default=0.0)
         if not worst_out <= out_tol or not worst_grad <= grad_tol:
             variant.error = f"differs from the rules' program (outputs {worst_out:.2e}, gradients {worst_grad:.2e})"
@@ -201,7 +203,7 @@ def check_in_model(model: Callable, inputs: tuple, train: bool, target: str, db:
     rules_ms = variants[0].ms
     assert rules_ms is not None
     best = min((v for v in variants if v.ms is not None), key=lambda v: v.ms)
-    if best.ms is None or best.ms * MIN_GAIN > rules_ms:
+    if best.ms * MIN_GAIN > rules_ms:
         best = variants[0]
     result.variants, result.kept = variants, best.name
     result.demoted = sorted(all_keys - best.keys)

@@ -72,16 +72,11 @@ def collect_work(model: Callable, inputs: tuple, train: bool, target: str = "aut
                 found.extend((g, tgt) for g in artifact.fused())
 
     compiled = ember.compile(model, target=target, cache=False)
+    from ember.tune.model_check import run_step, tuned_choices
+
     with instrument(after=after), collecting_sites() as sites:
-        grad = torch.enable_grad() if train else torch.no_grad()
-        with grad:
-            out = compiled(*inputs)
-            if train:
-                from ember.bench.models import primary_tensor
-                value = loss(out) if loss is not None else primary_tensor(out).float().sum()
-                value.backward()
+        run_step(compiled, inputs, train, loss)
     if tuned is not None:
-        from ember.tune.model_check import tuned_choices
         tuned.update(tuned_choices(compiled))
     distinct = list({site.key: site for site in sites if len(site.impls) > 1}.values())
     return found, distinct
