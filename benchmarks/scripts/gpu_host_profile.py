@@ -1,4 +1,4 @@
-"""Where a training step's host time goes: Python's profiler over steps of one backend.
+"""Where a step's host time goes: Python's profiler over steps of one backend.
 
 Run on the device (from the repo root):
     PYTHONPATH=src python benchmarks/scripts/gpu_host_profile.py densenet121 resnet50 --backend ember,inductor-cudagraphs --out $OUT
@@ -27,14 +27,15 @@ import torch
 from ember.bench import harness, models
 
 
-def profile_case(name: str, backend: str, steps: int, top: int) -> tuple[dict, str]:
+def profile_case(name: str, backend: str, steps: int, top: int, mode: str = "train",
+                 batch: int | None = None) -> tuple[dict, str]:
     device = torch.device("cuda")
     case = models.get_case(name)
     torch.manual_seed(0)
-    model = case.build(False).to(device).train(True)
-    opt = torch.optim.SGD(model.parameters(), lr=1e-3, momentum=0.9)
-    step, _ = harness._backend_step(case, backend, model, "train", "bf16", device, opt)
-    batches = models.make_batches(case, case.default_batch("train"), device, count=2)
+    model = case.build(False).to(device).train(mode == "train")
+    opt = torch.optim.SGD(model.parameters(), lr=1e-3, momentum=0.9) if mode == "train" else None
+    step, _ = harness._backend_step(case, backend, model, mode, "bf16", device, opt)
+    batches = models.make_batches(case, batch or case.default_batch(mode), device, count=2)
     t0 = time.perf_counter()
     for i in range(6):
         step(*batches[i % 2])
@@ -56,12 +57,12 @@ def profile_case(name: str, backend: str, steps: int, top: int) -> tuple[dict, s
     prof.disable()
     text = io.StringIO()
     stats = pstats.Stats(prof, stream=text)
-    text.write(f"== {name} train {backend}: host {statistics.median(host):.2f} ms, "
+    text.write(f"== {name} {mode} bs{batch or case.default_batch(mode)} {backend}: host {statistics.median(host):.2f} ms, "
                f"step {statistics.median(wall):.2f} ms (median of {steps})\n-- by own time\n")
     stats.sort_stats("tottime").print_stats(top)
     text.write("-- by time with callees\n")
     stats.sort_stats("cumulative").print_stats(top)
-    row = {"model": name, "backend": backend, "host_ms_median": statistics.median(host),
+    row = {"model": name, "mode": mode, "batch": batch or case.default_batch(mode), "backend": backend, "host_ms_median": statistics.median(host),
            "ms_median": statistics.median(wall), "warmup_s": warm_s, "steps": steps}
     return row, text.getvalue()
 
@@ -71,6 +72,8 @@ def main() -> int:
     parser.add_argument("models", nargs="+")
     parser.add_argument("--backend", default="ember,inductor-cudagraphs")
     parser.add_argument("--steps", type=int, default=20)
+    parser.add_argument("--mode", default="train", choices=["train", "infer"])
+    parser.add_argument("--batch", type=int, default=None, help="batch size (default: the model's for the mode)")
     parser.add_argument("--top", type=int, default=35)
     parser.add_argument("--out", default="host_profile")
     args = parser.parse_args()
@@ -80,11 +83,11 @@ def main() -> int:
     for name in args.models:
         for backend in args.backend.split(","):
             try:
-                row, text = profile_case(name, backend, args.steps, args.top)
+                row, text = profile_case(name, backend, args.steps, args.top, args.mode, args.batch)
             except Exception as err:  # noqa: BLE001 - one failed run must not lose the others
                 row, text = {"model": name, "backend": backend, "error": repr(err)[:500]}, repr(err)
             rows.append(row)
-            (out / f"host_{name}_{backend}.txt").write_text(text)
+            (out / f"host_{name}_{args.mode}_{backend}.txt").write_text(text)
             print(text.split("\n", 1)[0] if "error" not in row else f"{name} {backend}: {row['error']}", flush=True)
             (out / "host_profile.json").write_text(json.dumps(rows, indent=1))
             torch.cuda.empty_cache()

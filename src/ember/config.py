@@ -218,10 +218,14 @@ class Settings:
                                                  "statistics, buffer updates) stay in Ember's program as copy_ "
                                                  "into the input; off: AOTAutograd copies them back after each "
                                                  "call (capture/backend.py)", "EMBER_INPUT_MUTATIONS_IN_GRAPH")
-    one_pass_var_mean: bool = _item(False, "var_mean (batch norm's statistics) over large rows of a tensor already "
-                                          "in memory as two shifted sums in one pass over it; off (default: less "
-                                          "accurate than eager on instance norm, cyclegan and style_transfer "
-                                          "gradients): mean, then centred squares (capture/var_mean.py)", "EMBER_ONE_PASS_VAR_MEAN")
+    one_pass_var_mean: str = _item("auto", "var_mean (batch norm's statistics) over large rows of a tensor already "
+                                           "in memory as two shifted sums in one pass over it. auto: where that "
+                                           "tensor is bfloat16/float16 (autocast), whose own rounding is far above "
+                                           "the shifted sums' cancellation; always: float32 tensors too (on instance "
+                                           "norm, cyclegan's and style_transfer's float32 gradients moved 40-60x "
+                                           "further from float64 than eager's); off: mean, then centred squares, one "
+                                           "more pass (capture/var_mean.py)", "EMBER_ONE_PASS_VAR_MEAN",
+                                    choices=("auto", "always", "off"))
     one_pass_var_mean_min: int = _item(4096, "fewest elements per row for which var_mean takes the one-pass form "
                                              "(capture/var_mean.py)")
     explain_steps: int = _item(3, "steps ember.explain times after the first call and two warm-up steps, for "

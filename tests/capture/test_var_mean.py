@@ -7,6 +7,7 @@ picks the form; and the kernels a split batch-norm forward takes with each form.
 from __future__ import annotations
 
 import contextlib
+import copy
 
 import pytest
 import torch
@@ -29,10 +30,13 @@ SPLIT = {"interpret_split_target_programs": 64, "loop_rblock": 64, "persistent_r
 
 
 @contextlib.contextmanager
-def one_pass(enabled: bool = True, min_row: int = MIN_ROW, **extra):
+def one_pass(enabled: bool | str = True, min_row: int = MIN_ROW, **extra):
+    """The one-pass form for every dtype (``True``: ``always``), never (``False``) or by the rule's
+    dtype test (``"auto"``, the default setting)."""
+    mode = enabled if isinstance(enabled, str) else ("always" if enabled else "off")
     torch._dynamo.reset()
     try:
-        with config.patch(strict=True, one_pass_var_mean=enabled, one_pass_var_mean_min=min_row, **extra):
+        with config.patch(strict=True, one_pass_var_mean=mode, one_pass_var_mean_min=min_row, **extra):
             yield
     finally:
         torch._dynamo.reset()
@@ -174,6 +178,51 @@ def test_rule_one_pass_above_the_threshold_two_passes_below(fn):
         assert _statistics_levels(fn, x) == [2]
 
 
+@pytest.mark.parametrize("fn", [_bn_train, lambda x: sum(torch.var_mean(x, dim=(0, 2, 3)))], ids=["bn", "var_mean"])
+def test_rule_by_default_one_pass_over_half_precision_tensors_only(fn):
+    """``auto``: a bfloat16/float16 tensor (autocast's activations) takes the one-pass form, whose
+    cancellation lies far below its own rounding; a float32 one keeps two passes."""
+    assert config.settings().one_pass_var_mean == "auto"
+    x = torch.randn(2, 3, 8, 8)
+    with one_pass("auto", min_row=128):
+        assert _statistics_levels(fn, x) == [2]
+        assert _statistics_levels(fn, x.to(torch.bfloat16)) == [1]
+        assert _statistics_levels(fn, x.to(torch.float16)) == [1]
+
+
+@pytest.mark.parametrize("target", TARGETS)
+def test_bfloat16_batch_norm_by_default_is_as_accurate_as_eager(target):
+    """The default rule's one-pass statistics of a bfloat16 activation (rows far from zero, where
+    unshifted sums would lose every digit) against a float64 reference, forward and input
+    gradient: at most eager bfloat16's own error (or a bfloat16 ulp of the output)."""
+    torch.manual_seed(0)
+    x = (data((4, 6, 16, 16), 50.0) * 3).to(torch.bfloat16).requires_grad_()
+    model = torch.nn.BatchNorm2d(6).to(torch.bfloat16)
+    with torch.no_grad():
+        model.weight.copy_(torch.rand(6) + 0.5)
+        model.bias.copy_(torch.randn(6))
+    eager, ref = copy.deepcopy(model), copy.deepcopy(model).double()
+    grad = torch.randn(4, 6, 16, 16).to(torch.bfloat16)
+    with one_pass("auto", **SPLIT):
+        compiled = ember.compile(model, target=target)
+        out = compiled(x)
+        (gx,) = torch.autograd.grad(out, x, grad)
+    forward = [g for g in log_of(compiled).graphs if g.kind == "forward"]
+    assert forward and all(" slice" in g.plan_text for g in forward), "the one-pass form was not taken"
+    want = eager(x)
+    (gx_eager,) = torch.autograd.grad(want, x, grad)
+    x64 = x.detach().double().requires_grad_()
+    out64 = ref(x64)
+    (gx64,) = torch.autograd.grad(out64, x64, grad.double())
+    for what, got, theirs, exact in (("output", out, want, out64), ("input gradient", gx, gx_eager, gx64)):
+        ours = (got.double() - exact).abs().max().item()
+        eagers = (theirs.double() - exact).abs().max().item()
+        ulp = exact.abs().max().item() * 2.0 ** -8
+        assert ours <= max(eagers, ulp), f"{what}: {ours:.3e} from float64 (eager bfloat16 {eagers:.3e})"
+    assert_close(model.running_mean.float(), ref.running_mean.float(), "running_mean", rtol=1e-2, atol=1e-2)
+    assert_close(model.running_var.float(), ref.running_var.float(), "running_var", rtol=2e-2, atol=1e-2)
+
+
 def test_rule_keeps_two_passes_for_a_value_a_fused_group_computes():
     """A shift of ``x * 2 + 1`` would need that value stored first: two passes, one group."""
     x = torch.randn(2, 3, 8, 8)
@@ -184,7 +233,7 @@ def test_rule_keeps_two_passes_for_a_value_a_fused_group_computes():
 def test_rule_default_threshold_is_4096_elements_per_row():
     assert config.settings().one_pass_var_mean_min == 4096
     x = torch.randn(2, 3, 32, 64)  # 4096 per channel
-    with config.patch(one_pass_var_mean=True):
+    with config.patch(one_pass_var_mean="always"):
         assert _statistics_levels(_bn_train, x) == [1]
         assert _statistics_levels(_bn_train, x[:, :, :, :63].contiguous()) == [2]
 
