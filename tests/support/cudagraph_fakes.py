@@ -105,7 +105,9 @@ class FakeGraphs(CudaBackend):
         made = [x for x, y in zip(inputs, given) if x is not y]
         for x, y in zip(inputs, given):
             if x is not y:  # this capture runs the program: it must read the call's values
-                x.data.copy_(y)
+                # An expanded buffer (a broadcast mask, BERT's token-type ids) has one memory
+                # location per broadcast row: written once, as the runner's copy_in does.
+                _write(x.data, y)
         saved = [x.clone() if isinstance(x, torch.Tensor) else None for x in inputs]
         rng = torch.get_rng_state()
         outputs = run(list(inputs))

@@ -14,6 +14,7 @@ from torch import nn
 
 import ember
 from ember.instruments import instrument
+from ember.runtime.cudagraphs.runner import CudaGraphRunner
 
 
 class _AttentionLayer(nn.Module):
@@ -93,3 +94,40 @@ def test_an_expanded_input_that_moves_is_copied_one_element_per_broadcast_dim() 
     (got,) = runner([x, mask])
     torch.testing.assert_close(got, (x * mask).sum(1))
     assert "no longer expanded" in runner.status or runner.captures == 2, runner.status
+
+
+def _tanh_layer_and_input_grad(args: list) -> tuple:
+    """y = tanh(x * mask) @ w and, for the upstream gradient g, dy/dx: a forward and its backward
+    in one program that only reads its inputs (so their copy buffers may live in the graph's pool)."""
+    x, mask, w, g = args
+    args.clear()
+    h = torch.tanh(x * mask)
+    return h @ w, (g @ w.T) * (1 - h * h) * mask
+
+
+def test_a_moving_expanded_input_read_only_is_copied_into_a_pooled_buffer_and_matches_eager() -> None:
+    # The buffer of an input the program only reads is allocated inside the capture, in the
+    # graph's pool, with the input's strides: for an expanded input (a broadcast mask, BERT's
+    # saved token-type ids in its backward) one memory location per broadcast row. The CPU
+    # stand-in fills it with the call's values before running the program; a plain copy_ into
+    # it raised "more than one element of the written-to tensor refers to a single memory
+    # location" and the graph ran uncaptured from then on.
+    runner = CudaGraphRunner(_tanh_layer_and_input_grad, "test", backend=FakeGraphs(),
+                             read_only=frozenset(range(4)))
+    w = torch.randn(8, 5)
+    rows = []
+    for _ in range(5):
+        row = torch.randn(1, 8)
+        rows.append(row)  # every call's mask in new memory: the input moves, so it is copied in
+        mask, x, g = row.expand(3, 8), new_batch(), torch.randn(3, 5)
+        assert mask.stride() == (0, 1)
+        y, gx = runner([x, mask, w, g])
+        xr = x.clone().requires_grad_(True)
+        want = torch.tanh(xr * mask) @ w
+        want.backward(g)
+        torch.testing.assert_close(y, want.detach())
+        torch.testing.assert_close(gx, xr.grad)
+        del y, gx
+    assert runner.disabled is None, runner.status
+    assert runner.captures == 1 and runner.replays >= 4, runner.status
+    assert runner.g is not None and 1 in runner.g.pooled and 1 in runner.g.dynamic_idx  # the path under test
