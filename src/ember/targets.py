@@ -141,6 +141,14 @@ def cpu_codegen_unavailable() -> str:
     return _NUMBA_PROBLEM[0]
 
 
+def frame_values(gm: object, example_inputs: Iterable[object]) -> list[object]:
+    """A Dynamo frame's inputs and the values its graph computes (``example_value`` meta): a frame
+    with no CUDA input can still make CUDA tensors (``torch.arange(n, device="cuda")`` of a mask
+    builder), and must then take the GPU target, not the CPU one."""
+    nodes = getattr(getattr(gm, "graph", None), "nodes", ())
+    return list(example_inputs) + [n.meta.get("example_value") for n in nodes]
+
+
 def resolve_target(requested: str, tensors: Iterable[object]) -> Target:
     """The Target for ``requested`` (an Options.target name) given the frame's tensors."""
     if requested != "auto":

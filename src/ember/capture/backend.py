@@ -45,7 +45,7 @@ from ember.report.records import CompileLog, GraphRecord
 from ember.runtime.cudagraphs.runner import GraphPool, share_pool
 from ember.runtime.precompile import start_workers
 from ember.runtime.program import CompiledGraph, boxed
-from ember.targets import Target, resolve_target
+from ember.targets import Target, frame_values, resolve_target
 
 # Compiles of one frame Dynamo still allows after its static budget (more dynamic dims, a new
 # dtype or grad mode) before it runs the frame eagerly.
@@ -224,7 +224,7 @@ class EmberBackend:
             return compiler
 
         # The frame's target, resolved once: its graphs (forward, backward) compile for it.
-        target = resolve_target(self.options.target, example_inputs)
+        target = resolve_target(self.options.target, frame_values(gm, example_inputs))
         gpu = target.gpu_code_path  # the interpreter included: CI runs the GPU code path through it
         if target.precompiles():
             start_workers()  # their start-up overlaps AOTAutograd's capture (runtime/precompile.py)
