@@ -90,8 +90,8 @@ def compile_graph(gm: fx.GraphModule, example_inputs: list, options: Options, re
     reference = fx.GraphModule(gm, _copy_graph(gm.graph)) if options.check else None
     try:
         if target is None:
-            target = resolve_target(options.target, [n.meta.get("val") for n in gm.graph.nodes
-                                                     if n.op == "placeholder"])
+            # Every value, not the inputs alone: a graph with no CUDA input can make CUDA tensors.
+            target = resolve_target(options.target, [n.meta.get("val") for n in gm.graph.nodes])
         # An unusable cache folder: kernels go to a temporary folder, no program cache (warned once).
         options, cache_problem = usable_options(options)
         job = GraphJob(gm, example_inputs, options, record, target, debug_folder(record.title), config.debug_level(),
