@@ -23,20 +23,14 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from gpu_host_profile import bench_step  # noqa: E402
 from gpu_profile import profile_case  # noqa: E402
 
 from ember import config  # noqa: E402
-from ember.bench import harness, models  # noqa: E402
 
 
 def wall_ms(name: str, backend: str, mode: str, steps: int) -> float:
-    device = torch.device("cuda")
-    case = models.get_case(name)
-    torch.manual_seed(0)
-    model = case.build(False).to(device).train(mode == "train")
-    opt = torch.optim.SGD(model.parameters(), lr=1e-3, momentum=0.9) if mode == "train" else None
-    step, _ = harness._backend_step(case, backend, model, mode, "bf16", device, opt)
-    batches = models.make_batches(case, case.default_batch(mode), device, count=2)
+    step, batches = bench_step(name, backend, mode)
     for i in range(5):
         step(*batches[i % 2])
     times = []

@@ -27,15 +27,22 @@ import torch
 from ember.bench import harness, models
 
 
-def profile_case(name: str, backend: str, steps: int, top: int, mode: str = "train",
-                 batch: int | None = None) -> tuple[dict, str]:
+def bench_step(name: str, backend: str, mode: str = "train", batch: int | None = None) -> tuple:
+    """The bench's step of ``name`` under ``backend`` on the GPU (bf16, SGD with momentum when
+    training) and two batches for it."""
     device = torch.device("cuda")
     case = models.get_case(name)
     torch.manual_seed(0)
     model = case.build(False).to(device).train(mode == "train")
     opt = torch.optim.SGD(model.parameters(), lr=1e-3, momentum=0.9) if mode == "train" else None
     step, _ = harness._backend_step(case, backend, model, mode, "bf16", device, opt)
-    batches = models.make_batches(case, batch or case.default_batch(mode), device, count=2)
+    return step, models.make_batches(case, batch or case.default_batch(mode), device, count=2)
+
+
+def profile_case(name: str, backend: str, steps: int, top: int, mode: str = "train",
+                 batch: int | None = None) -> tuple[dict, str]:
+    case = models.get_case(name)
+    step, batches = bench_step(name, backend, mode, batch)
     t0 = time.perf_counter()
     for i in range(6):
         step(*batches[i % 2])
