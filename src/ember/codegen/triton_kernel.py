@@ -159,23 +159,12 @@ class TritonWriter(TritonReductions):
         strides = node.meta["val"].stride()
         stride_of: dict[int, int] = {}
         for j, s in enumerate(dims):
-            if s is None or self.shape[s] == 1:
-                continue
-            if s in stride_of:  # one group dim walked twice (a diagonal): no merging
-                stride_of[s] += strides[j]
-                return self._offset_per_dim(stride_of)
-            stride_of[s] = strides[j]
-        terms = (self._merged_terms(self.kept_order, "xindex", self.xnumel, stride_of)
-                 + self._merged_terms(self.reduced_order, "rindex", self.rnumel, stride_of))
-        if not any(t.startswith(("x_", "xindex", "(xindex")) for t in terms):
-            terms.append("0 * xindex")  # keeps every load block-shaped
-        return " + ".join(terms)
-
-    def _offset_per_dim(self, stride_of: dict[int, int]) -> str:
-        terms = [self._coord(s) if st == 1 else f"{self._coord(s)} * {st}" for s, st in stride_of.items()]
-        if not any(t.startswith("x_") for t in terms):
-            terms.append("0 * xindex")
-        return " + ".join(terms)
+            if s is not None and self.shape[s] != 1:
+                # A group dim walked twice (a diagonal) steps by both strides at once.
+                stride_of[s] = stride_of.get(s, 0) + strides[j]
+        kept = self._merged_terms(self.kept_order, "xindex", self.xnumel, stride_of)
+        reduced = self._merged_terms(self.reduced_order, "rindex", self.rnumel, stride_of)
+        return " + ".join(kept + reduced + ([] if kept else ["0 * xindex"]))  # keeps every load block-shaped
 
     def _merged_terms(self, order: list[int], index: str, numel: int, stride_of: dict[int, int]) -> list[str]:
         """Address terms of the dims in ``order`` (walked by ``index``): neighbouring dims that
