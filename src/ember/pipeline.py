@@ -41,7 +41,7 @@ from ember.report import progress
 from ember.report.records import GraphRecord
 from ember.runtime.artifacts import ProgramStore, StoredProgram, graph_key, restore_record, stored_program
 from ember.runtime.cache_folder import usable_options
-from ember.runtime.cudagraphs.rules import cudagraph_blocker, read_only_inputs
+from ember.runtime.cudagraphs.rules import cudagraph_blocker, read_only_inputs, tensor_free
 from ember.runtime.cudagraphs.runner import CudaGraphRunner
 from ember.runtime.kernels import kernel_file
 from ember.runtime.precompile import PendingCompile, job_for, submit
@@ -120,9 +120,13 @@ def _compile(job: GraphJob, reference: fx.GraphModule | None) -> CompiledGraph:
     # Decided on the captured graph, before the passes rewrite it in place.
     rule = instruments.active().capture_rule or cudagraph_blocker
     blocker = rule(gm, job.example_inputs, record.kind, job.target.name, job.options.cudagraphs)
-    # Whole-step programs turn per-graph capture off and capture the step around this program.
-    record.whole_step_blocker = (blocker if job.options.cudagraphs
-                                 else rule(gm, job.example_inputs, record.kind, job.target.name, True))
+    # Whole-step programs turn per-graph capture off and capture the step around this program; a
+    # graph without tensors (its target is the CPU's for want of any) runs no device work there.
+    if tensor_free(gm, job.example_inputs):
+        record.whole_step_blocker = None
+    else:
+        record.whole_step_blocker = (blocker if job.options.cudagraphs
+                                     else rule(gm, job.example_inputs, record.kind, job.target.name, True))
     read_only = read_only_inputs(gm) if blocker is None else frozenset()
     store, key = _cache_key(job)
     if store is not None and key is not None and not job.options.debug_dir and job.level == 0:

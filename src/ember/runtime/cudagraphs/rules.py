@@ -96,6 +96,19 @@ def cudagraph_blocker(gm: fx.GraphModule, example_inputs: Sequence[object], kind
     return _graph_blocker(gm)
 
 
+def tensor_free(gm: fx.GraphModule, example_inputs: Sequence[object]) -> bool:
+    """Whether a graph neither takes nor makes a tensor (a Dynamo frame around Python-only code,
+    such as a model's config checks between graph breaks): it has no device work, so a CUDA graph
+    around the whole step neither holds nor misses anything of it."""
+    if any(isinstance(t, torch.Tensor) for t in example_inputs):
+        return False
+    for node in gm.graph.nodes:
+        val = node.meta.get("val")
+        if any(isinstance(v, torch.Tensor) for v in (val if isinstance(val, (list, tuple)) else [val])):
+            return False
+    return True
+
+
 def _graph_blocker(gm: fx.GraphModule) -> str | None:
     # root: value -> the graph input it may share memory with (views, getitems of views).
     root: dict[fx.Node, fx.Node] = {}
