@@ -118,3 +118,35 @@ def test_key_covers_code_generator_settings() -> None:
     assert key != graph_key(gm, [x], "aten", "inference")
     with config.patch(loop_rblock=config.settings().loop_rblock // 2):
         assert key != graph_key(gm, [x], "triton-interpret", "inference")
+
+
+def test_zero_dim_constant_is_keyed_by_value(tmp_path: Path) -> None:
+    """A 0-dim tensor constant (swin_t's stochastic depth makes one) is hashed into the key by
+    its value; reading its bytes once failed and sent the whole graph to ATen."""
+    import torch
+    from torch import fx
+
+    import ember
+    from ember import config
+    from ember.runtime.artifacts import graph_key
+
+    class Scaled(torch.nn.Module):
+        def __init__(self, scale: float) -> None:
+            super().__init__()
+            self.scale = torch.tensor(scale)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return torch.ops.aten.mul.Tensor(x, self.scale)
+
+    x = torch.randn(4)
+    keys = {graph_key(fx.symbolic_trace(Scaled(s)), [x], "cpu", "inference") for s in (0.5, 2.0)}
+    assert len(keys) == 2 and None not in keys
+
+    class Model(torch.nn.Module):
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return torch.relu(x) * torch.tensor(0.75)
+
+    x = torch.randn(3, 5)
+    with config.patch(strict=True):
+        compiled = ember.compile(Model(), target="triton-interpret", cache_dir=str(tmp_path))
+        torch.testing.assert_close(compiled(x), torch.relu(x) * 0.75)

@@ -122,7 +122,7 @@ def graph_key(gm: fx.GraphModule, inputs: list, target: str, kind: str) -> str |
             if value.numel() > _SMALL_CONSTANT:
                 return None
             h.update(f"{node.target}|{value.dtype}|{tuple(value.shape)}".encode())
-            h.update(value.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes())
+            h.update(value.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes())
         else:
             h.update(f"{node.target}|{type(value).__name__}".encode())
     return h.hexdigest()
