@@ -184,3 +184,12 @@ def test_compiled_optimizer_peer_trains_like_eager() -> None:
     assert losses["inductor-cudagraphs-compiled-optimizer"] == pytest.approx(losses["eager"], rel=1e-5)
     for got, want in zip(params["inductor-cudagraphs-compiled-optimizer"], params["eager"]):
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+
+
+def test_whole_step_rows_say_how_the_step_ran() -> None:
+    # On the CPU the whole-step program compiles but captures no CUDA graph: the row says so.
+    (row,) = _run(["ember-whole-step"], iters=2, warmup=1)
+    assert row["error"] is None, row["error"]
+    ws = row["whole_step"]
+    assert ws["captured_calls"] == 0 and ws["calls"] >= row["iters"] + row["warmup"] + 1
+    assert ws["status"].startswith("uncaptured") and any("cpu tensors" in why for why in ws["uncaptured"]), ws

@@ -286,6 +286,11 @@ def _measure(
         row["peak_mem_bytes"] = measure_cpu_peak(step, *batches[iters % len(batches)])[1].peak
         row["peak_mem_source"] = "cpu_profiler_step_peak"
 
+    whole = getattr(step, "whole_step", None)
+    if whole is not None:  # how the whole-step program ran, and why any call ran uncaptured
+        report = whole.explain()
+        row["whole_step"] = {"status": report.mode, "captured_calls": report.captured_calls,
+                             "calls": report.calls, "uncaptured": dict(report.uncaptured_calls)}
     median = statistics.median(times_ms)
     row["ms_median"] = median
     row["ms_min"] = min(times_ms)
