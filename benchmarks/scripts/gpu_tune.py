@@ -40,7 +40,7 @@ from ember.bench import models
 from ember.instruments import instrument
 from ember.tune.apply import forget_open
 from ember.tune.db import TuningDB
-from ember.tune.device import describe
+from ember.tune.device import describe, device_key
 from ember.tune.session import collect_groups, tune_groups
 
 
@@ -121,6 +121,8 @@ def run_model(name: str, budget: float, steps: int, warmup: int, cache: Path, to
         "incomplete": sum(k.incomplete for k in report.kernels),
         "candidates": sum(k.tried for k in report.measured), "rejected": sum(k.failed for k in report.measured),
         "errors": [k.error for k in report.kernels if k.error][:5],
+        "rejected_why": [f"{r.kernel} {r.config}: {r.detail}" for k in report.measured
+                         for r in db.results(k.kernel, device_key("cuda")) if r.failed][:10],
         "tuned_in_use": sum(tuned_in_use), "second_tune_s": second_s,
         "second_tune_measured": len(again.measured),
         "top_gains": [{"kernel": k.label, "default_ms": k.default_ms, "best_ms": k.best_ms, "config": k.best_config}

@@ -112,3 +112,18 @@ def test_looped_and_split_reduction_candidates_pass_the_check(tmp_path: Path) ->
                          progress=False)
     (kernel,) = report.kernels
     assert kernel.tried == 3 and kernel.failed == 0, kernel.failures
+
+
+def test_float32_check_allows_reordered_long_sums_but_not_wrong_values() -> None:
+    from ember.tune.measure import mismatch
+
+    # A long reduction summed in another order: results near zero move by about eps * sqrt(n) * the
+    # size of the terms, measured against the output's largest value.
+    x = torch.randn(4, 401_408, dtype=torch.float64)
+    ref = x.sum(1).float()
+    reordered = x.float().view(4, 784, 512).sum(2).sum(1)
+    assert mismatch([ref], [reordered]) == ""
+    ref = torch.tensor([1000.0, 1e-3])
+    assert mismatch([ref], [torch.tensor([1000.0, 1.5e-3])]) == ""
+    assert "differ" in mismatch([ref], [torch.tensor([1000.0, 1.0])])
+    assert "differ" in mismatch([torch.tensor([1.0, 0.5])], [torch.tensor([1.0, 0.52])])
