@@ -74,3 +74,22 @@ def test_compiled_shape_only_mask_matches_eager() -> None:
     x = torch.randn(16, 16, 16, requires_grad=True)
     fn = lambda x: _shifted_window_mask(x.sin()).softmax(-1)  # noqa: E731
     check(fn, [x], expect_ops=["aten.sin"])
+
+
+def test_folded_mask_survives_the_program_cache(tmp_path) -> None:
+    # The second compile is a cache hit: the passes do not run, so the folded mask must come
+    # from the stored program, not from an attribute of the captured module.
+    import ember
+    from ember.runtime import kernels
+
+    x = torch.randn(16, 16, 16)
+    want = _shifted_window_mask(x.sin()).softmax(-1)
+    records = []
+    for _ in range(2):
+        torch._dynamo.reset()
+        kernels.forget_loaded()
+        compiled = ember.compile(lambda x: _shifted_window_mask(x.sin()).softmax(-1), target="triton-interpret",
+                                 cache_dir=str(tmp_path), cache=True)
+        torch.testing.assert_close(compiled(x), want)
+        records += compiled._ember_backend.log.graphs
+    assert [g.cache for g in records] == ["stored", "hit"]
