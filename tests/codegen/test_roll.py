@@ -1,4 +1,4 @@
-"""torch.roll as slices and a cat (capture/decompositions.py), generated inside kernels vs eager.
+"""torch.roll and constant padding as slices and a cat (capture/decompositions.py), generated inside kernels vs eager.
 
 A roll over several dims is a cat of cats; the outer cat inlines the inner ones
 (schedule/plan.py, codegen/kernel_writer.py), so the whole roll and its consumers are one
@@ -61,3 +61,11 @@ def test_flattened_roll_stays_correct():
     x = torch.randn(3, 4)
     compiled = ember.compile(lambda x: torch.roll(x + 1, 5) * 2, target="triton-interpret")
     assert_close(compiled(x), torch.roll(x + 1, 5) * 2)
+
+
+@pytest.mark.parametrize("pad", [(0, 0, 0, 2, 0, 3), (0, 0, 0, 0, 0, 0), (1, -2, 0, 0, -1, 2)],
+                         ids=["window", "zero", "mixed"])
+def test_constant_pad_is_generated(pad):
+    # swin's F.pad to a multiple of the window (channels last, (B, H, W, C)); a zero pad; crops.
+    x = make_input((2, 5, 6, 4), "contiguous", requires_grad=True)
+    check(lambda x: torch.nn.functional.pad(x * 2.0, pad, value=0.5).sigmoid(), [x], expect_ops=["aten.sigmoid"])

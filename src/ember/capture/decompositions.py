@@ -180,6 +180,35 @@ def _roll(x: torch.Tensor, shifts: int | Sequence[int], dims: int | Sequence[int
     return aten.clone.default(out) if out is x else out
 
 
+def _constant_pad(x: torch.Tensor, pad: Sequence[int], value: float = 0.0) -> torch.Tensor:
+    """``constant_pad_nd`` as slices (negative pads) and a cat with fills (positive pads) per dim,
+    which the scheduler fuses like roll's cats; a zero pad is a clone. ATen's kernel is a copy of
+    its own (swin pads every window attention's input to a multiple of the window, by zero at
+    224x224, and its gradient crops it back)."""
+    if len(pad) % 2 or len(pad) // 2 > x.dim() or x.numel() == 0:
+        return NotImplemented
+    out = x
+    for i in range(len(pad) // 2):
+        dim, lo, hi = x.dim() - 1 - i, pad[2 * i], pad[2 * i + 1]
+        size = out.shape[dim]
+        start, end = max(-lo, 0), size - max(-hi, 0)
+        if end <= start:
+            return NotImplemented  # cropped to nothing: ATen's kernel
+        if start or end < size:
+            out = aten.slice.Tensor(out, dim, start, end)
+        pieces = []
+        for width in (max(lo, 0), None, max(hi, 0)):
+            if width is None:
+                pieces.append(out)
+            elif width:
+                shape = list(out.shape)
+                shape[dim] = width
+                pieces.append(aten.full.default(shape, value, dtype=x.dtype, device=x.device))
+        if len(pieces) > 1:
+            out = torch.cat(pieces, dim)
+    return aten.clone.default(out, memory_format=torch.contiguous_format)
+
+
 def decomposition_table(cpu_inference: bool = False, gpu: bool = False) -> dict[object, Callable]:
     """The table handed to AOTAutograd (``cpu_inference``: activations stay whole, see above;
     ``gpu``: a Triton target, where convolution biases are added by generated kernels)."""
@@ -206,6 +235,7 @@ def decomposition_table(cpu_inference: bool = False, gpu: bool = False) -> dict[
         table[aten.max_pool2d_with_indices.default] = pooling.max_pool2d_with_indices
         table[aten.stack.default] = _stack
         table[aten.roll.default] = _roll
+        table[aten.constant_pad_nd.default] = _constant_pad
         table[aten.max_pool2d_with_indices_backward.default] = pooling.max_pool2d_with_indices_backward
         if settings().reflection_pad:  # EMBER_REFLECTION_PAD=0: ATen's padding kernels
             table[aten.reflection_pad2d.default] = reflection_pad.decompose_forward
