@@ -89,6 +89,13 @@ def current_compile_id() -> str | None:
     return f"{cid.frame_id}/{cid.frame_compile_id}"
 
 
+def outside_tracing() -> Any:
+    """A context without the compile's tracing context: ``torch.load`` inside a backend call
+    detects the fake mode of the frame being compiled and loads tensors as meta (no data)."""
+    from torch._guards import tracing
+    return tracing(None)
+
+
 def detect_fake_mode(inputs: Sequence[object]) -> Any:
     from torch._guards import detect_fake_mode as detect
     return detect(inputs)

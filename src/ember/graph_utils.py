@@ -10,6 +10,11 @@ import torch.fx as fx
 _REQUIRED = object()
 
 
+# The attribute names of values the cleanup pass folds (passes/cleanup.py); the program keeps
+# them itself (codegen/program.py).
+FOLDED_PREFIX = "_ember_folded_"
+
+
 def get_attr(gm: fx.GraphModule, target: str, default: object = _REQUIRED) -> object:
     """The attribute a ``get_attr`` node names (``"layer1.0.weight"``); ``default`` where any part
     of the dotted name is missing (without it a missing part raises AttributeError)."""

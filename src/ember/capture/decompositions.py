@@ -159,6 +159,56 @@ def _stack(tensors: Sequence[torch.Tensor], dim: int = 0) -> torch.Tensor:
     return torch.cat([t.unsqueeze(dim) for t in tensors], dim)
 
 
+def _roll(x: torch.Tensor, shifts: int | Sequence[int], dims: int | Sequence[int] = ()) -> torch.Tensor:
+    """``roll`` as a ``cat`` of two slices per rolled dim (nested for several dims), which the
+    scheduler fuses as masked shifted loads into the consumers (schedule/range_select.py, a
+    nested cat is inlined into the outer one's pieces). PyTorch's reference is an
+    ``index_select`` per dim, an ATen gather kernel each (swin's shifted windows: two rolls per
+    block forward and two backward)."""
+    shifts = [shifts] if isinstance(shifts, int) else list(shifts)
+    dims = [dims] if isinstance(dims, int) else list(dims)
+    if not dims or len(shifts) != len(dims) or x.dim() == 0 or x.numel() == 0:
+        return NotImplemented  # flattened roll, invalid arguments, empty: the reference handles them
+    out = x
+    for shift, dim in zip(shifts, dims):
+        dim = dim % x.dim()
+        size = x.shape[dim]
+        shift = shift % size
+        if shift:
+            out = torch.cat([aten.slice.Tensor(out, dim, size - shift, size), aten.slice.Tensor(out, dim, 0, size - shift)],
+                            dim)
+    return aten.clone.default(out) if out is x else out
+
+
+def _constant_pad(x: torch.Tensor, pad: Sequence[int], value: float = 0.0) -> torch.Tensor:
+    """``constant_pad_nd`` as slices (negative pads) and a cat with fills (positive pads) per dim,
+    which the scheduler fuses like roll's cats; a zero pad is a clone. ATen's kernel is a copy of
+    its own (swin pads every window attention's input to a multiple of the window, by zero at
+    224x224, and its gradient crops it back)."""
+    if len(pad) % 2 or len(pad) // 2 > x.dim() or x.numel() == 0:
+        return NotImplemented
+    out = x
+    for i in range(len(pad) // 2):
+        dim, lo, hi = x.dim() - 1 - i, pad[2 * i], pad[2 * i + 1]
+        size = out.shape[dim]
+        start, end = max(-lo, 0), size - max(-hi, 0)
+        if end <= start:
+            return NotImplemented  # cropped to nothing: ATen's kernel
+        if start or end < size:
+            out = aten.slice.Tensor(out, dim, start, end)
+        pieces = []
+        for width in (max(lo, 0), None, max(hi, 0)):
+            if width is None:
+                pieces.append(out)
+            elif width:
+                shape = list(out.shape)
+                shape[dim] = width
+                pieces.append(aten.full.default(shape, value, dtype=x.dtype, device=x.device))
+        if len(pieces) > 1:
+            out = torch.cat(pieces, dim)
+    return aten.clone.default(out, memory_format=torch.contiguous_format)
+
+
 def decomposition_table(cpu_inference: bool = False, gpu: bool = False) -> dict[object, Callable]:
     """The table handed to AOTAutograd (``cpu_inference``: activations stay whole, see above;
     ``gpu``: a Triton target, where convolution biases are added by generated kernels)."""
@@ -184,6 +234,8 @@ def decomposition_table(cpu_inference: bool = False, gpu: bool = False) -> dict[
         table[aten.convolution_backward.default] = _convolution_backward_bias_apart
         table[aten.max_pool2d_with_indices.default] = pooling.max_pool2d_with_indices
         table[aten.stack.default] = _stack
+        table[aten.roll.default] = _roll
+        table[aten.constant_pad_nd.default] = _constant_pad
         table[aten.max_pool2d_with_indices_backward.default] = pooling.max_pool2d_with_indices_backward
         if settings().reflection_pad:  # EMBER_REFLECTION_PAD=0: ATen's padding kernels
             table[aten.reflection_pad2d.default] = reflection_pad.decompose_forward

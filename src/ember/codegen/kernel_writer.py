@@ -24,7 +24,7 @@ from ember.codegen.kernel_source import node_source
 from ember.codegen.lowering import Dialect, KernelValue, lower_pointwise, value_dtype
 from ember.schedule.op_support import STRUCTURAL_ARGS
 from ember.schedule.plan import Dims, FusedGroup
-from ember.schedule.range_select import RangeSelect, source_coords
+from ember.schedule.range_select import RANGE_SELECT_OPS, RangeSelect, select_of, source_coords
 from ember.schedule.rules import OpClass, constant_value
 
 
@@ -199,7 +199,9 @@ class KernelWriter:
         key = ("tree", n, tuple(coords), cond)
         if key in home.cache:
             return home.cache[key]
-        if self.group.classes[n] == OpClass.VIEW:
+        if n.target in RANGE_SELECT_OPS:  # a cat inlined into the piece: its own select, at these coordinates
+            result = self._nested_select(select, sel, n, coords, cond, scope, home)
+        elif self.group.classes[n] == OpClass.VIEW:
             src = n.args[0]
             result = self._tree_value(select, sel, src, source_coords(n, src, coords, "0", _affine), cond, scope, home)
         else:
@@ -220,6 +222,28 @@ class KernelWriter:
             result = self.value_type(var, n.meta["val"].dtype)
         home.cache[key] = result
         return result
+
+
+    def _nested_select(self, select: fx.Node, sel: RangeSelect, n: fx.Node, coords: list[str], cond: str,
+                       scope: Scope, home: Scope) -> KernelValue:
+        """Tree node ``n``, a cat, at ``coords``: each of its pieces at shifted coordinates, its
+        loads masked to the outer piece's range and its own, joined by selects."""
+        inner = select_of(n)
+        dt = value_dtype(n)
+        c, size = coords[inner.dim], n.meta["val"].shape[inner.dim]
+        values = []
+        for p in inner.pieces:
+            shifted = list(coords)
+            shifted[inner.dim] = c if p.lo == 0 else f"({c} - {p.lo})"
+            own = ([f"({c} >= {p.lo})"] if p.lo > 0 else []) + ([f"({c} < {p.hi})"] if p.hi < size else [])
+            values.append(self._tree_value(select, sel, p.root, shifted, " & ".join(([cond] if cond else []) + own),
+                                           scope, home))
+        result = values[-1].as_(dt)
+        for v, p in zip(values[-2::-1], inner.pieces[-2::-1]):
+            result = self.dialect.select(f"({c} < {p.hi})", v.as_(dt), result)
+        var = self._tmp()
+        home.lines.append(f"{var} = {result}  # {node_source(n)}")
+        return self.value_type(var, n.meta["val"].dtype)
 
 
 def _affine(c: str, start: int, step: int) -> str:

@@ -18,7 +18,7 @@ from ember.codegen.input_writes import plan_input_writes
 from ember.codegen.kernel_source import KernelSource
 from ember.codegen.memory_plan import START, SlotKey, plan_memory, reuse_storage
 from ember.config import settings
-from ember.graph_utils import get_attr
+from ember.graph_utils import FOLDED_PREFIX, get_attr
 from ember.runtime.frozen import FrozenValues
 from ember.schedule.plan import FusedGroup, KernelPlan, Step
 from ember.schedule.rules import constant_value
@@ -119,7 +119,11 @@ class _Writer:
             body.append(f"{', '.join(self.name(p) for p in placeholders)}, = args")
         body.append("args.clear()")
         for n in graph.nodes:
-            if n.op == "get_attr":
+            if n.op == "get_attr" and n.target.startswith(FOLDED_PREFIX):
+                # A value the cleanup pass folded: kept with the program (a cached program is
+                # linked against the captured module, which has no such attribute).
+                self.prelude.append(f"{self.name(n)} = {self.const(get_attr(self.gm, n.target))}")
+            elif n.op == "get_attr":
                 self.ns[self.name(n)] = get_attr(self.gm, n.target)
                 self.attrs[self.name(n)] = n.target
         # A written input whose strides are checked keeps its own name: _expect may rebind the

@@ -8,13 +8,26 @@ import operator
 import torch
 import torch.fx as fx
 
-from ember.schedule.rules import RANDOM_OPS
+from ember.graph_utils import FOLDED_PREFIX
+from ember.schedule.op_support import POINTWISE_OPS
+from ember.schedule.rules import CONSTANT_OPS, RANDOM_OPS
 
 aten = torch.ops.aten
 
 # Folding a fill into a tensor constant trades a free inline constant for memory; only
-# fold results this small.
+# fold results this small, unless computing them takes a kernel of its own (below).
 FOLD_MAX_NUMEL = 64
+# Largest value folded where the kernels could not compute it inline (swin_t's attention mask at
+# 224x224: 64 windows x 49 x 49 = 153,664 elements). Computed once at compile time, kept by the
+# program (codegen/program.py stores folded values with the program, not as module attributes).
+SHAPE_CONSTANT_MAX_NUMEL = 1 << 20
+# Values with no tensor input that fold: fills (CONSTANT_OPS) and aranges.
+SHAPE_SOURCES = CONSTANT_OPS | {aten.arange.default, aten.arange.start, aten.arange.start_step}
+# Ops a kernel computes inline from constants: a chain of only these stays unfolded when large.
+_INLINE_OPS = CONSTANT_OPS | POINTWISE_OPS | {
+    aten.unsqueeze.default, aten.squeeze.dim, aten.squeeze.dims, aten.squeeze.default, aten.permute.default,
+    aten.expand.default, aten.alias.default, aten.t.default, aten.transpose.int,
+}
 
 
 def _is_pure(node: fx.Node) -> bool:
@@ -76,42 +89,72 @@ def eliminate_common_subexpressions(gm: fx.GraphModule) -> int:
     return replaced
 
 
-def fold_constants(gm: fx.GraphModule) -> int:
-    """Evaluate nodes whose tensor inputs are all constants (get_attr or small fills).
+def _constant_source(node: fx.Node) -> bool:
+    """A fill or an arange: a value given by its arguments alone (no tensor input)."""
+    return (node.op == "call_function" and node.target in SHAPE_SOURCES and not node.all_input_nodes
+            and isinstance(node.meta.get("val"), torch.Tensor))
 
-    The result becomes a new module attribute. Random ops are never folded.
-    """
-    constant: dict[fx.Node, torch.Tensor] = {}
+
+def fold_constants(gm: fx.GraphModule) -> int:
+    """Evaluate nodes whose tensor inputs are all constants (get_attr, fills, aranges).
+
+    A folded value becomes a module attribute where something not folded reads it. Small
+    results (``FOLD_MAX_NUMEL``) always fold; results up to ``SHAPE_CONSTANT_MAX_NUMEL`` fold
+    where their computation has a step a kernel cannot compute inline (a slice_scatter, a
+    reshape of a computed value: swin's shifted-window attention mask, built from the input's
+    shape alone on every call). Fills alone, and views and pointwise ops of them, stay inline
+    constants. Random ops are never folded (neither are ``empty`` and the like: no value)."""
+    value: dict[fx.Node, torch.Tensor] = {}
+    structural: dict[fx.Node, bool] = {}  # the value's computation has a step no kernel inlines
     for node in gm.graph.nodes:
         if node.op == "get_attr":
-            value = getattr(gm, node.target, None)
-            if isinstance(value, torch.Tensor):
-                constant[node] = value
-    folded = 0
-    for node in list(gm.graph.nodes):
+            attr = getattr(gm, node.target, None)
+            if isinstance(attr, torch.Tensor):
+                value[node] = attr
+                structural[node] = False  # a module constant: ops on it fold when small, as before
+            continue
         if not _is_pure(node) or node.target is operator.getitem:
             continue
         inputs = node.all_input_nodes
-        if not inputs or not all(i in constant for i in inputs):
+        if inputs and not all(i in value for i in inputs):
+            continue
+        if not inputs and not _constant_source(node):
             continue
         val = node.meta.get("val")
-        if not isinstance(val, torch.Tensor) or val.numel() > FOLD_MAX_NUMEL:
+        if not isinstance(val, torch.Tensor) or val.numel() > SHAPE_CONSTANT_MAX_NUMEL:
             continue
-        args, kwargs = torch.fx.node.map_arg((node.args, node.kwargs), lambda n: constant[n])
+        args, kwargs = torch.fx.node.map_arg((node.args, node.kwargs), lambda n: value[n])
         with torch.no_grad():
             result = node.target(*args, **kwargs)
         if not isinstance(result, torch.Tensor):
             continue
-        name = f"_ember_folded_{folded}_{node.name}"
+        value[node] = result
+        structural[node] = (node.target not in _INLINE_OPS or any(structural[i] for i in inputs)
+                            or not inputs and node.target not in CONSTANT_OPS)
+    folded = 0
+    outputs = _outputs(gm)
+    for node in list(gm.graph.nodes):
+        if node.op == "get_attr" or node not in value or not node.all_input_nodes:
+            continue
+        if node not in outputs and all(u in value for u in node.users):
+            continue  # only folded nodes read it
+        result = value[node]
+        if result.numel() > FOLD_MAX_NUMEL and not structural[node]:
+            continue
+        name = f"{FOLDED_PREFIX}{folded}_{node.name}"
         gm.register_buffer(name, result)
         with gm.graph.inserting_before(node):
             attr = gm.graph.get_attr(name)
-        attr.meta["val"] = val
+        attr.meta["val"] = node.meta.get("val")
         node.replace_all_uses_with(attr)
         gm.graph.erase_node(node)
-        constant[attr] = result
         folded += 1
     return folded
+
+
+def _outputs(gm: fx.GraphModule) -> set[fx.Node]:
+    output = next(n for n in reversed(gm.graph.nodes) if n.op == "output")
+    return set(output.all_input_nodes)
 
 
 def _dense_format(t: torch.Tensor) -> torch.memory_format | None:

@@ -32,6 +32,7 @@ from typing import Any
 import torch
 from torch import fx
 
+from ember import compat
 from ember.config import block_settings, settings
 from ember.graph_utils import get_attr
 from ember.report.records import GraphRecord
@@ -267,7 +268,8 @@ def _encode(p: StoredProgram) -> bytes:
 def _decode(payload: bytes) -> StoredProgram:
     n = int.from_bytes(payload[:8], "little")
     meta = json.loads(payload[8:8 + n].decode())
-    consts = torch.load(io.BytesIO(payload[8 + n:]), weights_only=True)
+    with compat.outside_tracing():  # inside the compile's tracing context tensors would load as meta
+        consts = torch.load(io.BytesIO(payload[8 + n:]), weights_only=True)
     return StoredProgram(meta["text"], [StoredKernel(a, b) for a, b in meta["kernels"]], consts,
                          meta["attrs"], meta["record"])
 

@@ -306,15 +306,19 @@ class _Partitioner:
             return False
         cls = classify(node).cls
         if cls == OpClass.POINTWISE:
-            return node.target in POINTWISE_OPS
+            # A fusable cat inlines too (a select evaluated at the outer piece's coordinates): a
+            # roll over two dims is a cat of cats (capture/decompositions.py).
+            return node.target in POINTWISE_OPS or node.target == aten.cat.default
         return cls == OpClass.VIEW and tree_view_supported(node)
 
     def _plan_selects(self) -> None:
-        """Each fusable cat / slice_scatter, with the producer trees its pieces inline."""
+        """Each fusable cat / slice_scatter, with the producer trees its pieces inline. Latest
+        first, so an outer cat claims the inner cats its pieces are made of."""
         if not self.fuse_range_select:
             return
-        for node in self.graph.nodes:
-            if node.op != "call_function" or node.target not in RANGE_SELECT_OPS or node in self.step_of:
+        for node in reversed(self.graph.nodes):
+            if (node.op != "call_function" or node.target not in RANGE_SELECT_OPS or node in self.step_of
+                    or node in self.inlined):
                 continue
             if self._classify(node).cls != OpClass.POINTWISE:
                 continue
