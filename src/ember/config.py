@@ -148,6 +148,10 @@ class Options:
                                     "saved with Dynamo's guards and Ember's programs; a new process loads it "
                                     "instead of tracing again (capture/warm_start.py, warm_function.py)",
                              "EMBER_WARM_START")
+    frame_cache: bool = _item(True, "every Dynamo frame Ember compiles is kept (AOTAutograd's forward/backward split "
+                                    "with Ember's programs) in <cache_dir>/programs.sqlite, keyed by its Dynamo graph; "
+                                    "a new process that traces the same graph skips AOTAutograd and Ember's stages "
+                                    "(capture/frame_cache.py)", "EMBER_FRAME_CACHE")
     pad_matmul: str = _item("auto", "GPU targets: pad bf16/fp16 (and TF32) matmul dims that are not a multiple of 16 "
                                     "bytes with zeros where the rule says it pays (passes/matmul_padding_rule.py); "
                                     "always: every such matmul; off: none", "EMBER_PAD_MATMUL",

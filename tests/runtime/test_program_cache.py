@@ -18,7 +18,8 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 def _spawn(cache: Path, batch: int = 2) -> subprocess.Popen:
-    env = {**os.environ, "EMBER_CACHE_DIR": str(cache), "PYTHONPATH": str(ROOT / "src")}
+    # The frame cache off: with it, a warm process loads whole frames and never asks this cache.
+    env = {**os.environ, "EMBER_CACHE_DIR": str(cache), "PYTHONPATH": str(ROOT / "src"), "EMBER_FRAME_CACHE": "0"}
     env.pop("EMBER_STRICT", None)
     return subprocess.Popen([sys.executable, str(WORKER), str(batch)], env=env, stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True)

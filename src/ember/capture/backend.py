@@ -35,6 +35,7 @@ from torch._subclasses.fake_tensor import unset_fake_temporarily
 from ember import compat
 from ember.capture.aot_settings import aot_graph_text_off, backward_with_forward, gc_paused, rng_ops_kept
 from ember.capture.decompositions import decomposition_table
+from ember.capture.frame_cache import compile_frame as compile_cached_frame
 from ember.capture.instance_norm import rewrite_instance_norm
 from ember.config import Options, settings
 from ember.graph_utils import is_symbolic
@@ -225,6 +226,16 @@ class EmberBackend:
 
         # The frame's target, resolved once: its graphs (forward, backward) compile for it.
         target = resolve_target(self.options.target, frame_values(gm, example_inputs))
+        if dynamic:
+            self.log.frame_cache.append(f"frame {cid}: not cached: dynamic shapes")
+            return self._trace_frame(gm, example_inputs, target, make)
+        # A frame compiled before (any process): AOTAutograd's result with Ember's programs, loaded.
+        return compile_cached_frame(self, gm, example_inputs, target, cid, n,
+                                    lambda: self._trace_frame(gm, example_inputs, target, make))
+
+    def _trace_frame(self, gm: fx.GraphModule, example_inputs: list, target: Target,
+                     make: Callable[[str], Callable]) -> Callable:
+        """AOTAutograd over the Dynamo graph, Ember's compilers (``make``) for its graphs."""
         gpu = target.gpu_code_path  # the interpreter included: CI runs the GPU code path through it
         if target.precompiles():
             start_workers()  # their start-up overlaps AOTAutograd's capture (runtime/precompile.py)

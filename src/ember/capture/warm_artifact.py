@@ -33,6 +33,10 @@ API = compat.aot_compile_api()  # ImportError on a torch without it: warm_start.
 
 # The EmberBackend a warm start is loading into (its options, its log, its CUDA-graph pool).
 LOADING: contextvars.ContextVar[Any] = contextvars.ContextVar("ember_warm_loading", default=None)
+# What a loaded graph's record says: (its frame's compile id, the backend's graph number) when the
+# frame cache (capture/frame_cache.py) loads it inside Dynamo's compile; None for a warm start.
+LOADING_FRAME: contextvars.ContextVar[tuple[str, int] | None] = contextvars.ContextVar("ember_loading_frame",
+                                                                                      default=None)
 
 
 @dataclasses.dataclass
@@ -47,6 +51,7 @@ class EmberOutputCode(API.OutputCode):  # type: ignore[misc,name-defined]
     blocker: str | None = None
     read_only: tuple[int, ...] = ()
     unserializable: str = ""  # why this graph cannot be saved ("" when it can)
+    whole_step_blocker: str | None = None  # the record's (pipeline._compile): compile_step reads it
 
     def __post_init__(self) -> None:
         self._run: Callable[[list], object] | None = None
@@ -69,6 +74,7 @@ class EmberOutputCode(API.OutputCode):  # type: ignore[misc,name-defined]
                 torch.save(attrs, buf)
                 out.attrs = buf.getvalue()
                 out.blocker, out.read_only = saved["blocker"], tuple(saved["read_only"])
+                out.whole_step_blocker = record.whole_step_blocker
             except Exception as err:  # noqa: BLE001 - the compiled graph still runs; it is just not saved
                 out.unserializable = f"{record.title}: {type(err).__name__}: {err}"
         out._run = compiled
@@ -99,11 +105,18 @@ class EmberOutputCode(API.OutputCode):  # type: ignore[misc,name-defined]
 
         backend = LOADING.get()
         if not isinstance(backend, EmberBackend):
-            raise RuntimeError("an Ember warm-start artifact must be loaded by ember.compile(warm_start=True)")
+            raise RuntimeError("an Ember warm-start artifact must be loaded by Ember's backend (warm start or frame cache)")
         stored = _decode(self.program)
         attrs = torch.load(io.BytesIO(self.attrs), weights_only=True)
-        record = GraphRecord(title=self.title, kind=self.kind, frame="warm start", target=self.target)
-        record.cache = "warm start"
+        frame = LOADING_FRAME.get()
+        if frame is None:
+            record = GraphRecord(title=self.title, kind=self.kind, frame="warm start", target=self.target)
+            record.cache = "warm start"
+        else:
+            cid, n = frame
+            record = GraphRecord(title=f"{self.kind} {n} (frame {cid})", kind=self.kind, frame=cid, target=self.target)
+            record.cache = "frame cache"
+        record.whole_step_blocker = getattr(self, "whole_step_blocker", None)
         with kernels_in_background():  # CPU kernels load on runtime/cpu_background.py's thread
             graph = link_stored(stored, attrs, backend.options, record, BY_NAME[self.target], self.blocker,
                                 frozenset(self.read_only))

@@ -178,7 +178,7 @@ class ExplainReport:
                              "reasons": [{"reason": r, "count": n, "where": self.break_locations.get(r, [])}
                                          for r, n in self.graph_breaks.items()]},
             "recompiles": list(self.recompiles),
-            "capture_rewrites": dict(+self.log.rewrites),
+            "capture_rewrites": dict(+self.log.rewrites), "frame_cache": list(self.log.frame_cache),
             "model_history": {"compiles": list(self.model_compiles), "recompiles": list(self.model_recompiles),
                               "dynamic_shape_graphs": list(self.model_dynamic),
                               "frames_run_eagerly": list(self.model_gave_up)},
@@ -275,6 +275,7 @@ class ExplainReport:
         lines.append(f"Kernels generated: {self.kernels} (unique after dedupe: {self.unique_kernels}){hint}")
         lines += [f"CUDA graph, {g.title}: {g.cudagraph}" for g in self.graphs if g.cudagraph]
         lines += [f"Compile cache, {g.title}: {g.cache}" for g in self.graphs if g.cache]
+        lines += [f"Frame cache, {line}" for line in self.log.frame_cache]
         lines.append(f"First call: {_ms(self.total_s)} (capture ~{_ms(self.capture_s)}, Ember stages "
                      f"{_ms(self.ember_s)}, first run {_ms(self.first_run_s)})")
         return Section("Summary", lines)

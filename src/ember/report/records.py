@@ -58,6 +58,8 @@ class CompileLog:
     gave_up: list[str] = field(default_factory=list)
     # What the warm start did (capture/warm_start.py): loaded, compiled and saved, or why it is off.
     warm_start: list[str] = field(default_factory=list)
+    # What the frame cache did per Dynamo frame (capture/frame_cache.py): loaded, stored, or why not.
+    frame_cache: list[str] = field(default_factory=list)
 
     def stage_totals(self) -> dict[str, float]:
         """Ember's compile time per stage, summed over all graphs."""

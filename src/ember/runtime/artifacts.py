@@ -9,6 +9,9 @@ its generated kernels' module sources, its constants (``torch.save``, loaded wit
 ``weights_only=True``), the graph attributes it reads, and the explain record; a SHA-256 of
 the payload is checked on every load.
 
+The same file has a second table, ``frames``: whole Dynamo frames (AOTAutograd's bundled entry
+around Ember's programs, capture/frame_cache.py), stored as opaque checksummed bytes.
+
 Safety: SQLite in WAL mode with a busy timeout lets concurrent processes read and write the
 same file; ``INSERT OR REPLACE`` of identical payloads makes racing writers harmless. A row
 that fails its checksum, cannot be decoded or does not execute is deleted and the graph is
@@ -38,6 +41,7 @@ from ember.graph_utils import get_attr
 from ember.report.records import GraphRecord
 
 SCHEMA = 1
+TABLES = ("programs", "frames")  # the compiled graphs; whole Dynamo frames (capture/frame_cache.py)
 _RECORD_FIELDS = ("op_classes", "placement", "fallback_reasons", "steps", "fusion_decisions", "kernels", "unique_kernels",
                   "plan_text", "program", "kernel_sources", "layout", "tuned",
                   "matmul_padding")
@@ -157,13 +161,15 @@ class ProgramStore:
     def __init__(self, folder: str | os.PathLike[str]) -> None:
         self.path = Path(folder) / "programs.sqlite"
         self.error = ""  # why the last open or save failed, for explain's cache line
+        self.discarded = ""  # why load_bytes deleted the row it read ("" when it did not)
 
     def _connect(self) -> sqlite3.Connection:
         self.path.parent.mkdir(parents=True, exist_ok=True)
         conn = sqlite3.connect(self.path, timeout=30.0)
         conn.execute("PRAGMA journal_mode=WAL")
-        conn.execute("CREATE TABLE IF NOT EXISTS programs (key TEXT PRIMARY KEY, payload BLOB NOT NULL, "
-                     "sha256 TEXT NOT NULL, title TEXT, created REAL)")
+        for table in TABLES:
+            conn.execute(f"CREATE TABLE IF NOT EXISTS {table} (key TEXT PRIMARY KEY, payload BLOB NOT NULL, "
+                         "sha256 TEXT NOT NULL, title TEXT, created REAL)")
         return conn
 
     def _open(self) -> sqlite3.Connection | None:
@@ -184,26 +190,37 @@ class ProgramStore:
             return None
 
     def load(self, key: str) -> StoredProgram | None:
+        payload = self.load_bytes(key, "programs")
+        if payload is None:
+            return None
+        try:
+            return _decode(payload)
+        except Exception:  # noqa: BLE001 - any damage means: discard and rebuild
+            self.discard(key)
+            return None
+
+    def load_bytes(self, key: str, table: str) -> bytes | None:
+        """A row's payload, its checksum checked (a row that fails it is deleted: None)."""
+        assert table in TABLES
+        self.discarded = ""
         conn = self._open()
         if conn is None:
             return None
         try:
             with conn:
-                row = conn.execute("SELECT payload, sha256 FROM programs WHERE key = ?", (key,)).fetchone()
-            if row is None:
-                return None
-            payload, digest = row
-            try:
-                if hashlib.sha256(payload).hexdigest() != digest:
-                    raise ValueError("checksum mismatch")
-                return _decode(payload)
-            except Exception:  # noqa: BLE001 - any damage means: discard and rebuild
-                self.discard(key)
-                return None
+                row = conn.execute(f"SELECT payload, sha256 FROM {table} WHERE key = ?", (key,)).fetchone()
         except sqlite3.Error:
             return None
         finally:
             conn.close()
+        if row is None:
+            return None
+        payload, digest = row
+        if not isinstance(payload, bytes) or hashlib.sha256(payload).hexdigest() != digest:
+            self.discarded = "checksum mismatch"
+            self.discard(key, table)
+            return None
+        return payload
 
     def save(self, key: str, program: StoredProgram, title: str) -> bool:
         try:
@@ -212,12 +229,16 @@ class ProgramStore:
         except Exception as err:  # noqa: BLE001 - an uncacheable program is still a compiled program
             self.error = f"its constants cannot be stored ({type(err).__name__}: {err})"
             return False
+        return self.save_bytes(key, payload, title, "programs")
+
+    def save_bytes(self, key: str, payload: bytes, title: str, table: str) -> bool:
+        assert table in TABLES
         conn = self._open()
         if conn is None:
             return False
         try:
             with conn:
-                conn.execute("INSERT OR REPLACE INTO programs VALUES (?, ?, ?, ?, ?)",
+                conn.execute(f"INSERT OR REPLACE INTO {table} VALUES (?, ?, ?, ?, ?)",
                              (key, payload, hashlib.sha256(payload).hexdigest(), title, time.time()))
             return True
         except sqlite3.Error as err:
@@ -226,26 +247,28 @@ class ProgramStore:
         finally:
             conn.close()
 
-    def discard(self, key: str) -> None:
+    def discard(self, key: str, table: str = "programs") -> None:
+        assert table in TABLES
         conn = self._open()
         if conn is None:
             return
         try:
             with conn:
-                conn.execute("DELETE FROM programs WHERE key = ?", (key,))
+                conn.execute(f"DELETE FROM {table} WHERE key = ?", (key,))
         except sqlite3.Error:
             pass
         finally:
             conn.close()
 
-    def count(self) -> int:
+    def count(self, table: str = "programs") -> int:
+        assert table in TABLES
         if not self.path.exists():
             return 0
         conn = self._open()
         if conn is None:
             return 0
         try:
-            return conn.execute("SELECT COUNT(*) FROM programs").fetchone()[0]
+            return conn.execute(f"SELECT COUNT(*) FROM {table}").fetchone()[0]
         except sqlite3.Error:
             return 0
         finally:

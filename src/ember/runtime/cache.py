@@ -41,7 +41,8 @@ def cache_info(path: str | os.PathLike[str] | None = None) -> dict[str, Any]:
     db_bytes = store.path.stat().st_size if store.path.exists() else 0
     damaged = _damaged_databases(root)
     return {"path": str(root), "usable": (folder_problem(str(root)) or "yes") if root.exists() else "yes (not created yet)",
-            "compiled programs": store.count(), "program database bytes": db_bytes,
+            "compiled programs": store.count(), "cached frames": store.count("frames"),
+            "program database bytes": db_bytes,
             "damaged databases moved aside": len(damaged),
             "damaged database bytes": sum(p.stat().st_size for p in damaged),
             "kernel modules": n_kernels, "kernel module bytes": kernel_bytes,
@@ -61,12 +62,12 @@ def clear_cache(path: str | os.PathLike[str] | None = None) -> str:
         return f"nothing removed: {root} is a file, not a cache folder"
     n, size = _usage(root / "kernels")
     store = ProgramStore(root)
-    programs = store.count()
+    programs, frames = store.count(), store.count("frames")
     store.clear()
     damaged = _damaged_databases(root)
     for p in damaged:
         p.unlink(missing_ok=True)
     shutil.rmtree(root / "kernels", ignore_errors=True)
     kernels.forget_loaded()
-    return (f"removed {programs} compiled programs, {len(damaged)} damaged program databases and {n} kernel "
+    return (f"removed {programs} compiled programs, {frames} cached frames, {len(damaged)} damaged program databases and {n} kernel "
             f"files ({size} bytes) from {root}")
