@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import copy
 
+import pytest
 import torch
 import torch.fx as fx
 from ember_check import check
@@ -76,9 +77,11 @@ def test_compiled_shape_only_mask_matches_eager() -> None:
     check(fn, [x], expect_ops=["aten.sin"])
 
 
-def test_folded_mask_survives_the_program_cache(tmp_path) -> None:
-    # The second compile is a cache hit: the passes do not run, so the folded mask must come
-    # from the stored program, not from an attribute of the captured module.
+@pytest.mark.parametrize("frame_cache", [False, True])
+def test_folded_mask_survives_the_program_cache(tmp_path, frame_cache: bool) -> None:
+    # The second compile is a cache hit (the program cache's, or the frame cache's, which holds
+    # the same stored program): the passes do not run, so the folded mask must come from the
+    # stored program, not from an attribute of the captured module.
     import ember
     from ember.runtime import kernels
 
@@ -89,7 +92,7 @@ def test_folded_mask_survives_the_program_cache(tmp_path) -> None:
         torch._dynamo.reset()
         kernels.forget_loaded()
         compiled = ember.compile(lambda x: _shifted_window_mask(x.sin()).softmax(-1), target="triton-interpret",
-                                 cache_dir=str(tmp_path), cache=True)
+                                 cache_dir=str(tmp_path), cache=True, frame_cache=frame_cache)
         torch.testing.assert_close(compiled(x), want)
         records += compiled._ember_backend.log.graphs
-    assert [g.cache for g in records] == ["stored", "hit"]
+    assert [g.cache for g in records] == ["stored", "frame cache" if frame_cache else "hit"]

@@ -218,7 +218,9 @@ def _compile_split(fn: Callable[..., Any], total_s: float) -> dict[str, Any] | N
     first_run = sum(g.first_call_s or 0.0 for g in graphs)
     return {"ember_s": ember_s, "ember_stages_s": stages, "first_run_s": first_run,
             "capture_and_rest_s": max(0.0, total_s - ember_s - first_run), "graphs": len(graphs),
-            "kernels": sum(g.kernels for g in graphs), "unique_kernels": sum(g.unique_kernels for g in graphs)}
+            "kernels": sum(g.kernels for g in graphs), "unique_kernels": sum(g.unique_kernels for g in graphs),
+            "frame_cache": list(getattr(backend.log, "frame_cache", [])),  # each frame: loaded, stored or why not
+            "warm_start": list(backend.log.warm_start)}
 
 
 def _measure(
