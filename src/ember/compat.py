@@ -8,9 +8,10 @@ touches ``torch._C`` or ``torch._guards``; passes and the runtime import from he
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import logging
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import torch
@@ -94,6 +95,16 @@ def outside_tracing() -> Any:
     detects the fake mode of the frame being compiled and loads tensors as meta (no data)."""
     from torch._guards import tracing
     return tracing(None)
+
+
+@contextlib.contextmanager
+def real_tensors() -> Iterator[None]:
+    """Neither the compile's tracing context nor an active fake mode: ``torch.load`` here makes
+    tensors with data. Under an active FakeTensorMode torch 2.14 loads FakeTensors (the data
+    silently lost) and torch 2.11 raises ("set the storage of a tensor on device meta")."""
+    from torch._subclasses.fake_tensor import unset_fake_temporarily
+    with outside_tracing(), unset_fake_temporarily():
+        yield
 
 
 def detect_fake_mode(inputs: Sequence[object]) -> Any:

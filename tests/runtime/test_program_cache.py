@@ -151,3 +151,18 @@ def test_zero_dim_constant_is_keyed_by_value(tmp_path: Path) -> None:
     with config.patch(strict=True):
         compiled = ember.compile(Model(), target="triton-interpret", cache_dir=str(tmp_path))
         torch.testing.assert_close(compiled(x), torch.relu(x) * 0.75)
+
+
+def test_stored_constants_keep_their_data_under_an_active_fake_mode() -> None:
+    # The frame cache links stored programs inside Dynamo's compile, where a fake mode may be
+    # active: torch.load there made FakeTensors (torch 2.14) or raised (torch 2.11).
+    import torch
+    from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
+
+    from ember.runtime.artifacts import StoredProgram, _decode, _encode
+
+    t = torch.randn(5)
+    with FakeTensorMode():
+        (back,) = _decode(_encode(StoredProgram("text", [], [t], {}, {}))).consts
+    assert not isinstance(back, FakeTensor)
+    torch.testing.assert_close(back, t)

@@ -71,7 +71,8 @@ class EmberOutputCode(API.OutputCode):  # type: ignore[misc,name-defined]
                 out.program = _encode(saved["program"])
                 attrs = {name: _attr(gm, path) for name, path in saved["program"].attrs.items()}
                 buf = io.BytesIO()
-                torch.save(attrs, buf)
+                with compat.real_tensors():
+                    torch.save(attrs, buf)
                 out.attrs = buf.getvalue()
                 out.blocker, out.read_only = saved["blocker"], tuple(saved["read_only"])
                 out.whole_step_blocker = record.whole_step_blocker
@@ -107,7 +108,8 @@ class EmberOutputCode(API.OutputCode):  # type: ignore[misc,name-defined]
         if not isinstance(backend, EmberBackend):
             raise RuntimeError("an Ember warm-start artifact must be loaded by Ember's backend (warm start or frame cache)")
         stored = _decode(self.program)
-        attrs = torch.load(io.BytesIO(self.attrs), weights_only=True)
+        with compat.real_tensors():  # post_compile may run inside a compile (the frame cache)
+            attrs = torch.load(io.BytesIO(self.attrs), weights_only=True)
         frame = LOADING_FRAME.get()
         if frame is None:
             record = GraphRecord(title=self.title, kind=self.kind, frame="warm start", target=self.target)

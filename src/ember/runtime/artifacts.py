@@ -281,7 +281,8 @@ class ProgramStore:
 
 def _encode(p: StoredProgram) -> bytes:
     consts = io.BytesIO()
-    torch.save(p.consts, consts)
+    with compat.real_tensors():
+        torch.save(p.consts, consts)
     meta = {"text": p.text, "kernels": [[k.name, k.text] for k in p.kernels], "attrs": p.attrs,
             "record": p.record}
     head = json.dumps(meta).encode()
@@ -291,7 +292,7 @@ def _encode(p: StoredProgram) -> bytes:
 def _decode(payload: bytes) -> StoredProgram:
     n = int.from_bytes(payload[:8], "little")
     meta = json.loads(payload[8:8 + n].decode())
-    with compat.outside_tracing():  # inside the compile's tracing context tensors would load as meta
+    with compat.real_tensors():  # inside a compile tensors would load as meta or fake (no data)
         consts = torch.load(io.BytesIO(payload[8 + n:]), weights_only=True)
     return StoredProgram(meta["text"], [StoredKernel(a, b) for a, b in meta["kernels"]], consts,
                          meta["attrs"], meta["record"])
