@@ -166,3 +166,32 @@ def test_stored_constants_keep_their_data_under_an_active_fake_mode() -> None:
         (back,) = _decode(_encode(StoredProgram("text", [], [t], {}, {}))).consts
     assert not isinstance(back, FakeTensor)
     torch.testing.assert_close(back, t)
+
+
+def test_a_frame_entry_made_under_an_active_fake_mode_keeps_its_attribute_data() -> None:
+    import io
+    import types
+
+    import torch
+    from torch import fx
+    from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
+
+    from ember.capture.warm_artifact import EmberOutputCode
+    from ember.report.records import GraphRecord
+    from ember.runtime.artifacts import StoredProgram
+
+    root = torch.nn.Module()
+    root.register_buffer("c", torch.randn(4))
+    graph = fx.Graph()
+    graph.output(graph.get_attr("c"))
+    gm = fx.GraphModule(root, graph)
+    program = StoredProgram("text", [], [], {"c_in_program": "c"}, {})
+    compiled = types.SimpleNamespace(ember_graph=types.SimpleNamespace(
+        saved={"program": program, "blocker": None, "read_only": []}))
+    with FakeTensorMode(allow_non_fake_inputs=True):
+        code = EmberOutputCode.wrap(compiled, gm, GraphRecord(title="forward 0", kind="forward", frame="0/0",
+                                                              target="cpu"))
+    assert code.unserializable == ""
+    attrs = torch.load(io.BytesIO(code.attrs), weights_only=True)
+    assert not isinstance(attrs["c_in_program"], FakeTensor)
+    torch.testing.assert_close(attrs["c_in_program"], root.c)

@@ -68,10 +68,12 @@ class EmberOutputCode(API.OutputCode):  # type: ignore[misc,name-defined]
                                   " and has no program to save")
         else:
             try:
-                out.program = _encode(saved["program"])
-                attrs = {name: _attr(gm, path) for name, path in saved["program"].attrs.items()}
-                buf = io.BytesIO()
+                # The frame cache wraps inside Dynamo's compile, where torch 2.11 keeps a fake mode
+                # active: a graph attribute read there would turn into a FakeTensor without data.
                 with compat.real_tensors():
+                    out.program = _encode(saved["program"])
+                    attrs = {name: _attr(gm, path) for name, path in saved["program"].attrs.items()}
+                    buf = io.BytesIO()
                     torch.save(attrs, buf)
                 out.attrs = buf.getvalue()
                 out.blocker, out.read_only = saved["blocker"], tuple(saved["read_only"])
