@@ -147,7 +147,9 @@ def test_cli_second_tune_reports_shared_answers(tmp_path: Path, capsys) -> None:
     script.write_text("import torch\nmodel = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.ReLU()).eval()\n"
                       "example_inputs = (torch.randn(4, 16),)\n")
     team = tmp_path / "team.sqlite"
-    args = ["tune", str(script), "--device", "cpu", "--mode", "infer", "--budget", "20"]
+    # Without the whole-model check: it times the model, and a choice it demotes on a busy machine
+    # changes which kernels the second tune meets (seen as an intermittent failure).
+    args = ["tune", str(script), "--device", "cpu", "--mode", "infer", "--budget", "20", "--no-model-check"]
     assert main([*args, "--db", str(team)]) == 0
     first = capsys.readouterr().out
     assert "1 library choice(s)" in " ".join(first.split())
