@@ -21,6 +21,7 @@ import sys
 import torch
 from torch import nn
 from torch._dynamo.utils import counters
+from worker_step import run_beside_eager  # tests/support, the script's folder
 
 import ember
 
@@ -58,17 +59,7 @@ def run(cache_dir: str, mode: str, variant: str) -> dict:
     if variant == "step":
         return _step(model, ref, x, options, traced_before)
     compiled = ember.compile(model, **options)
-    if mode == "train":
-        out = compiled(x)
-        out.square().sum().backward()
-        want = ref(x)
-        want.square().sum().backward()
-        grads = {n: p.grad.double().sum().item() for n, p in model.named_parameters()}
-        grad_err = max((p.grad - q.grad).abs().max().item() for p, q in zip(model.parameters(), ref.parameters()))
-    else:
-        with torch.no_grad():
-            out, want = compiled(x), ref(x)
-        grads, grad_err = {}, 0.0
+    out, want, grads, grad_err = run_beside_eager(compiled, model, ref, x, mode)
     log = compiled._ember_backend.log
     return {"variant": variant, "log": log.frame_cache, "warm_start": log.warm_start,
             "caches": [g.cache for g in log.graphs], "aot_traces": counters["aot_autograd"]["total"] - traced_before,

@@ -20,6 +20,7 @@ import sys
 
 import torch
 from torch._dynamo.utils import counters
+from worker_step import run_beside_eager  # tests/support, the script's folder
 
 import ember
 from ember.capture import warm_start
@@ -43,17 +44,7 @@ def run(cache_dir: str, mode: str, variant: str) -> dict:
     ref = copy.deepcopy(model)
     compiled = ember.compile(model, warm_start=True, cache_dir=cache_dir, target="cpu")
     graphs_before = counters["stats"]["unique_graphs"]
-    if mode == "train":
-        out = compiled(x)
-        out.square().sum().backward()
-        want = ref(x)
-        want.square().sum().backward()
-        grads = {n: p.grad.double().sum().item() for n, p in model.named_parameters()}
-        grad_err = max((p.grad - q.grad).abs().max().item() for p, q in zip(model.parameters(), ref.parameters()))
-    else:
-        with torch.no_grad():
-            out, want = compiled(x), ref(x)
-        grads, grad_err = {}, 0.0
+    out, want, grads, grad_err = run_beside_eager(compiled, model, ref, x, mode)
     return {"variant": variant, "log": compiled._ember_backend.log.warm_start,
             "traced_graphs": counters["stats"]["unique_graphs"] - graphs_before,
             "caches": [g.cache for g in compiled._ember_backend.log.graphs],
