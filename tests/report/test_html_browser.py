@@ -208,7 +208,9 @@ def test_browser_renders_every_section_and_table(report: ExplainReport, tmp_path
         assert all(MS.match(c.text) or c.text == "-" for c in cells[2:]), [c.text for c in cells]
         compiled = all(MS.match(cells[i].text) for i in ran)
         cache_hit = MS.match(cells[2 + STAGES.index("cache_load")].text)  # an earlier explain stored it
-        assert (compiled or cache_hit) and MS.match(cells[-1].text), [c.text for c in cells]
+        # or the frame cache held the whole frame: no Ember stage ran for it in this process
+        framed = cells[0].text in {g.title for g in report.graphs if g.cache == "frame cache"}
+        assert framed or ((compiled or cache_hit) and MS.match(cells[-1].text)), [c.text for c in cells]
     assert [cells[1].text for _, cells in stages.rows[:-1]] == ["aten", "aten"]
 
     # Ops by category: integer counts whose total row adds up, with the library ops (addmm, mm) there.
