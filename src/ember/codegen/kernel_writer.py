@@ -172,12 +172,8 @@ class KernelWriter:
             for v, cond in zip(values, conds):
                 result = self.dialect.select(cond, v.as_(dt), result) if cond else v.as_(dt)
         else:
-            result = values[-1].as_(dt)
-            for v, p in zip(values[-2::-1], sel.pieces[-2::-1]):
-                result = self.dialect.select(f"({c} < {p.hi})", v.as_(dt), result)
-        var = self._tmp()
-        home.lines.append(f"{var} = {result}  # {node_source(node)}")
-        return self.value_type(var, node.meta["val"].dtype)
+            result = self._piece_selects(values, sel.pieces, c, dt)
+        return self._assign(result, node, home)
 
     def _tree_operand(self, select: fx.Node, a: fx.Node, coords: list[str], cond: str, scope: Scope,
                       home: Scope, leaf_of_tree: bool = True) -> KernelValue:
@@ -238,12 +234,20 @@ class KernelWriter:
             own = ([f"({c} >= {p.lo})"] if p.lo > 0 else []) + ([f"({c} < {p.hi})"] if p.hi < size else [])
             values.append(self._tree_value(select, sel, p.root, shifted, " & ".join(([cond] if cond else []) + own),
                                            scope, home))
+        return self._assign(self._piece_selects(values, inner.pieces, c, dt), n, home)
+
+    def _piece_selects(self, values: list, pieces: list, c: str, dt: object) -> str:
+        """The value of the piece whose range holds coordinate ``c``: a chain of selects, last piece
+        first (a cat's pieces are contiguous, so ``c < hi`` picks among the earlier ones)."""
         result = values[-1].as_(dt)
-        for v, p in zip(values[-2::-1], inner.pieces[-2::-1]):
+        for v, p in zip(values[-2::-1], pieces[-2::-1]):
             result = self.dialect.select(f"({c} < {p.hi})", v.as_(dt), result)
+        return result
+
+    def _assign(self, result: str, node: fx.Node, home: Scope) -> KernelValue:
         var = self._tmp()
-        home.lines.append(f"{var} = {result}  # {node_source(n)}")
-        return self.value_type(var, n.meta["val"].dtype)
+        home.lines.append(f"{var} = {result}  # {node_source(node)}")
+        return self.value_type(var, node.meta["val"].dtype)
 
 
 def _affine(c: str, start: int, step: int) -> str:
