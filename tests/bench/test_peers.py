@@ -193,3 +193,29 @@ def test_whole_step_rows_say_how_the_step_ran() -> None:
     ws = row["whole_step"]
     assert ws["captured_calls"] == 0 and ws["calls"] >= row["iters"] + row["warmup"] + 1
     assert ws["status"].startswith("uncaptured") and any("cpu tensors" in why for why in ws["uncaptured"]), ws
+
+
+def test_each_backend_gets_batches_no_earlier_backend_touched(monkeypatch: pytest.MonkeyPatch) -> None:
+    # A dynamic-shape graph compiled by AOTAutograd stamps the inputs it saves for backward
+    # (``_dynamo_propagated_dynamic_indices``); Dynamo then traces those dims as dynamic in any
+    # later compile. Batches shared between backends carried that into the next backend's row.
+    seen: dict[str, list] = {"stamped": [], "values": []}
+
+    def compile_dynamic(model: torch.nn.Module) -> Any:
+        return torch.compile(model, backend="aot_eager", dynamic=True)
+
+    def compile_observer(model: torch.nn.Module) -> Any:
+        def forward(*inputs: torch.Tensor) -> Any:
+            seen["stamped"].extend(hasattr(x, "_dynamo_propagated_dynamic_indices") for x in inputs)
+            seen["values"].append([x.clone() for x in inputs])
+            return model(*inputs)
+        return forward
+
+    monkeypatch.setitem(backends.BACKENDS, "dynamic", backends.Backend(compile_dynamic, "dynamic shapes"))
+    monkeypatch.setitem(backends.BACKENDS, "observer", backends.Backend(compile_observer, "looks at its inputs"))
+    rows = _run(["observer", "dynamic", "observer"], iters=1, warmup=0)
+    assert [r["error"] for r in rows] == [None, None, None], [r.get("traceback") for r in rows]
+    assert seen["stamped"] and not any(seen["stamped"])
+    half = len(seen["values"]) // 2  # the two observer rows saw the same batches, value for value
+    for before, after in zip(seen["values"][:half], seen["values"][half:], strict=True):
+        assert all(torch.equal(a, b) for a, b in zip(before, after, strict=True))

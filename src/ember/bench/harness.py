@@ -201,6 +201,23 @@ def _backend_step(
     return _make_step(case, fn, mode, precision, device, optimizer), fn
 
 
+def _fresh_copies(batches: list) -> list:
+    """New tensors with the batches' values for one backend. AOTAutograd stamps tensors that a
+    dynamic-shape graph saved for backward (``_dynamo_propagated_dynamic_indices``) and Dynamo
+    traces a stamped dim as dynamic in every later compile, whatever the backend's shape policy;
+    shared batches carried one backend's dynamic-shape recompile (Inductor's automatic dynamic
+    shapes on an embedding called at two lengths) into the backends measured after it."""
+    def clone(x: Any) -> Any:
+        if isinstance(x, torch.Tensor):
+            return x.clone()
+        if isinstance(x, (tuple, list)):
+            return type(x)(clone(v) for v in x)
+        if isinstance(x, dict):
+            return {k: clone(v) for k, v in x.items()}
+        return x
+    return [clone(b) for b in batches]
+
+
 def _median(values: list[float] | None) -> float | None:
     return statistics.median(values) if values else None
 
@@ -424,8 +441,8 @@ def run_benchmark(
                         else:
                             assert base is not None
                             try:
-                                out = _measure(case, base, name, batches, mode, prec, dev, warmup, iters, row,
-                                               prog, label)
+                                out = _measure(case, base, name, _fresh_copies(batches), mode, prec, dev, warmup,
+                                               iters, row, prog, label)
                                 if out is not None:
                                     outputs[name] = out
                             except Exception as err:
