@@ -127,3 +127,36 @@ def test_float32_check_allows_reordered_long_sums_but_not_wrong_values() -> None
     assert mismatch([ref], [torch.tensor([1000.0, 1.5e-3])]) == ""
     assert "differ" in mismatch([ref], [torch.tensor([1000.0, 1.0])])
     assert "differ" in mismatch([torch.tensor([1.0, 0.5])], [torch.tensor([1.0, 0.52])])
+
+
+def test_candidates_go_to_the_compile_workers_before_they_are_measured(tmp_path: Path, monkeypatch) -> None:
+    # On the GPU Triton compiles a kernel on its first launch, in the tuner's process, one at a
+    # time; the tuner hands the next kernels' candidates to the compile workers first.
+    import dataclasses
+
+    from ember.runtime import precompile
+    from ember.targets import TRITON_INTERPRET
+    from ember.tune import kernels, session
+
+    model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.LayerNorm(32), torch.nn.GELU(), torch.nn.Linear(32, 8),
+                                torch.nn.LayerNorm(8))
+    groups = collect_groups(model, (torch.randn(8, 16),), train=False, target="triton-interpret")
+    compiling = dataclasses.replace(TRITON_INTERPRET, name="triton-compiled-ahead", interpret=False)
+    assert compiling.precompiles()
+    submitted: list[str] = []
+    measured: list[tuple[str, bool]] = []
+    monkeypatch.setattr(precompile, "submit", lambda jobs: submitted.extend(j.name for j in jobs))
+    real_tune = kernels.tune_group
+
+    def tune_group(group, target, *args, prepared=None, **kwargs):
+        names = [prepared.default.name, *(ks.name for _, ks in prepared.chosen)] if prepared else []
+        measured.append((kernels.generate(group, target, {}).name, bool(names) and set(names) <= set(submitted)))
+        return real_tune(group, TRITON_INTERPRET, *args, prepared=prepared, **kwargs)
+
+    monkeypatch.setattr(session, "tune_group", tune_group)
+    report = tune_groups([(g, compiling) for g, _ in groups], TuningDB(tmp_path / "t.sqlite"), tmp_path / "kernels",
+                         budget_s=120, top=2, progress=False)
+    assert len(measured) >= 2 and all(ahead for _, ahead in measured), measured
+    assert all(not k.error for k in report.kernels) and sum(k.tried for k in report.kernels) >= 2
+    # the jobs name every kernel file, written where the launches will load them from
+    assert all((tmp_path / "kernels" / f"{name}.py").exists() for name in submitted)

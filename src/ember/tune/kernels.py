@@ -94,39 +94,76 @@ def measured_configs(db: TuningDB, kernel: str, device: str) -> set[str]:
     return {config_text(r.config) for r in db.results(kernel, device) if r.status != "incomplete"}
 
 
-def tune_group(group: FusedGroup, target: Target, kernel_dir: Path, db: TuningDB, device: str,
-               top: int = 4, per_candidate_s: float = 0.2, force: bool = False,
-               deadline: float | None = None) -> KernelTuning:
-    """Tune ``group``'s kernel unless ``db`` already has complete results for it on ``device``.
-    Stops between candidates once ``deadline`` (a ``perf_counter`` time) has passed."""
+@dataclass
+class Prepared:
+    """One kernel's default and the candidates still to measure (generated, not yet run)."""
+
+    default: KernelSource
+    chosen: list[tuple[dict[str, int], KernelSource]]
+    done: set[str]  # configurations an earlier run the budget cut short already measured
+    failures: list[str] = field(default_factory=list)  # configurations the generator rejected
+
+
+def prepare(group: FusedGroup, target: Target, db: TuningDB, device: str, top: int = 4,
+            force: bool = False) -> Prepared | None:
+    """The model's best ``top`` distinct candidates of ``group``'s kernel (configurations that
+    generate the default kernel again, or the same kernel as an earlier one, are skipped); None
+    when ``db`` already holds complete results (and ``force`` is off)."""
     default = generate(group, target, {})
-    out = KernelTuning(default.name, label(group))
     done: set[str] = set()
-    if force:
-        db.forget(default.name, device, INCOMPLETE)
-    else:
+    if not force:
         known = db.results(default.name, device)
         if is_complete(known):
-            return from_db(out, known, "user")
+            return None
         done = {config_text(r.config) for r in known if r.status != "incomplete"}
-    # The model's best ``top`` distinct candidates (configs that generate the default kernel
-    # again, or the same kernel as an earlier one, are skipped).
+    prepared = Prepared(default, [], done)
     seen = {default.name}
-    chosen: list[tuple[dict[str, int], KernelSource]] = []
     for cand in candidates(group, target):
         try:
             ks = generate(group, target, cand.config)
         except Exception as err:  # noqa: BLE001 - a config the generator rejects is a failed candidate
-            out.failures.append(f"{cand.config}: {type(err).__name__}: {err}")
+            prepared.failures.append(f"{cand.config}: {type(err).__name__}: {err}")
             continue
         if ks.name in seen:
             continue
         seen.add(ks.name)
         if config_text(cand.config) in done:
             continue  # measured by an earlier run the budget cut short
-        chosen.append((cand.config, ks))
-        if len(chosen) >= top:
+        prepared.chosen.append((cand.config, ks))
+        if len(prepared.chosen) >= top:
             break
+    return prepared
+
+
+def compile_ahead(prepared: list[Prepared], target: Target, kernel_dir: Path) -> object | None:
+    """Hand the kernels of ``prepared`` to the compile workers (runtime/precompile.py) without
+    waiting: Triton would compile each on its first launch, one at a time, while the tuner waits;
+    the workers compile the next kernels' candidates while this one is measured. Returns the
+    pending compile (None where the target does not precompile)."""
+    if not target.precompiles() or not prepared:
+        return None
+    from ember.runtime import precompile
+    from ember.runtime.kernels import kernel_file
+    jobs = [precompile.job_for(kernel_file(k, kernel_dir), k.name, k.arg_dtypes(), k.meta)
+            for p in prepared for ks in [p.default, *(c for _, c in p.chosen)] for k in ks.launch_order()]
+    return precompile.submit(jobs)
+
+
+def tune_group(group: FusedGroup, target: Target, kernel_dir: Path, db: TuningDB, device: str,
+               top: int = 4, per_candidate_s: float = 0.2, force: bool = False,
+               deadline: float | None = None, prepared: Prepared | None = None) -> KernelTuning:
+    """Tune ``group``'s kernel unless ``db`` already has complete results for it on ``device``.
+    Stops between candidates once ``deadline`` (a ``perf_counter`` time) has passed. ``prepared``:
+    what ``prepare`` returned for this group earlier (generated again when None)."""
+    if force:
+        db.forget(generate(group, target, {}).name, device, INCOMPLETE)
+    if prepared is None:
+        prepared = prepare(group, target, db, device, top, force)
+        if prepared is None:
+            default = generate(group, target, {})
+            return from_db(KernelTuning(default.name, label(group)), db.results(default.name, device), "user")
+    default, chosen = prepared.default, prepared.chosen
+    out = KernelTuning(default.name, label(group), failures=list(prepared.failures))
     if target.language == "numba":
         from ember.runtime.kernels import compile_cpu_kernels
         failed = compile_cpu_kernels([default], kernel_dir)

@@ -4,9 +4,9 @@ against the default configuration's output, and timing.
 Every candidate is checked before it may be chosen: the default kernel and the candidate run on
 the same fresh random inputs (new for every kernel), and every output must match within the
 dtype's tolerance (NaN where the reference has NaN). Outputs start as NaN (float) or a sentinel,
-so a candidate that skips elements fails too. Timing: on CUDA ``triton.testing.do_bench`` with
-a CUDA graph when available (launch noise removed), else its plain form; on CPU the median of
-``perf_counter`` timings after a warm-up.
+so a candidate that skips elements fails too. Timing: on CUDA one CUDA graph of back-to-back
+launches per candidate (launch noise removed), the candidates' graphs replayed in turn; on CPU the
+median of ``perf_counter`` timings after a warm-up, candidates in turn too.
 """
 
 from __future__ import annotations
@@ -127,12 +127,11 @@ def mismatch(reference: list[torch.Tensor], got: list[torch.Tensor]) -> str:
 def time_ms(run: Callable[[], None], device: torch.device, budget_s: float = 0.2) -> float:
     """The median time of ``run`` in milliseconds."""
     if device.type == "cuda":
-        from triton.testing import do_bench
         try:
-            from triton.testing import do_bench_cudagraph
-            with torch.cuda.stream(torch.cuda.Stream()):
-                return float(do_bench_cudagraph(run, rep=max(10, int(budget_s * 1000))))
+            return _cuda_graph_times([run], budget_s, rounds=5)[0]
         except Exception:  # noqa: BLE001 - capture not possible here: plain event timing
+            from triton.testing import do_bench
+            torch.cuda.synchronize()
             return float(do_bench(run, warmup=5, rep=max(10, int(budget_s * 1000))))
     run()  # warm-up (first call may load or compile)
     t0 = time.perf_counter()
@@ -147,13 +146,54 @@ def time_ms(run: Callable[[], None], device: torch.device, budget_s: float = 0.2
     return statistics.median(samples) * 1e3
 
 
+def _cuda_graph_times(runs: list[Callable[[], None]], budget_s: float, rounds: int) -> list[float]:
+    """Per run: a CUDA graph of enough back-to-back launches to take about its share of the
+    budget per replay (launch overhead removed), replayed once per round in turn with the others;
+    the median over rounds of (replay time / launches). triton's do_bench_cudagraph replays one
+    graph ten times with ``rep`` milliseconds each: a 0.2 s budget became 2 s per candidate."""
+    stream = torch.cuda.Stream()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    per_replay_ms = max(0.5, budget_s * 1e3 / (rounds * len(runs)))
+    graphs: list[tuple[torch.cuda.CUDAGraph, int]] = []
+    with torch.cuda.stream(stream):
+        for run in runs:
+            run()  # warm-up: loads the kernel, allocates nothing later launches need
+            start.record()
+            for _ in range(3):
+                run()
+            end.record()
+            end.synchronize()
+            launches = max(1, min(2000, int(per_replay_ms / max(start.elapsed_time(end) / 3, 1e-4))))
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, stream=stream):
+                for _ in range(launches):
+                    run()
+            graphs.append((graph, launches))
+        samples: list[list[float]] = [[] for _ in runs]
+        for _ in range(rounds):
+            for i, (graph, launches) in enumerate(graphs):
+                start.record()
+                graph.replay()
+                end.record()
+                end.synchronize()
+                samples[i].append(start.elapsed_time(end) / launches)
+    return [statistics.median(s) for s in samples]
+
+
 def time_interleaved_ms(runs: list[Callable[[], None]], device: torch.device, budget_s: float = 0.2,
                         rounds: int = 5) -> list[float]:
     """The times of ``runs`` (ms), measured in turn so that a burst of load from elsewhere on a
     shared machine falls on every candidate alike: ``rounds`` rounds, each timing every run a few
     times and keeping its fastest; the result per run is the median of its rounds."""
-    if device.type == "cuda" or not runs:
-        return [time_ms(run, device, budget_s) for run in runs]
+    if not runs:
+        return []
+    if device.type == "cuda":
+        try:
+            return _cuda_graph_times(runs, budget_s, rounds)
+        except Exception:  # noqa: BLE001 - capture not possible here: plain event timing, one by one
+            from triton.testing import do_bench
+            torch.cuda.synchronize()
+            return [float(do_bench(run, warmup=5, rep=max(10, int(budget_s * 1000 / len(runs))))) for run in runs]
     once = []
     for run in runs:
         run()  # warm-up

@@ -29,7 +29,16 @@ from ember.targets import BY_NAME, Target
 from ember.tune.apply import collecting_sites
 from ember.tune.db import TuningDB
 from ember.tune.device import describe, device_key
-from ember.tune.kernels import KernelTuning, from_db, generate, is_complete, tune_group
+from ember.tune.kernels import (
+    KernelTuning,
+    Prepared,
+    compile_ahead,
+    from_db,
+    generate,
+    is_complete,
+    prepare,
+    tune_group,
+)
 from ember.tune.kernels import label as kernel_label
 from ember.tune.library import tune_site
 from ember.tune.space import _group_bytes
@@ -122,9 +131,12 @@ def tune_groups(groups: list[tuple[FusedGroup, Target]], db: TuningDB, kernel_di
         task = bar.add_task("tuning", total=len(order) + len(site_order))
         work = [(site.key, site.label, site, None) for site in site_order] + \
             [(name, None, group, target) for name, (group, target) in order]
-        for name, site_label, what, target in work:
+        ahead = _CompileAhead(work, db, shared, kernel_dir, top, force)
+        for i, (name, site_label, what, target) in enumerate(work):
             device = device_key(target.device_type if target is not None else "cpu")
             answer = None if force else _answered(name, device, db, shared)
+            if target is not None and answer is None and time.perf_counter() < deadline:
+                ahead.reach(i)
             if answer is not None:
                 text = site_label if site_label is not None else kernel_label(what)
                 result = from_db(KernelTuning(name, text, kind="library" if target is None else "kernel"),
@@ -140,7 +152,7 @@ def tune_groups(groups: list[tuple[FusedGroup, Target]], db: TuningDB, kernel_di
                         result.kind = "library"
                     else:
                         result = tune_group(what, target, kernel_dir, db, device, top=top, force=force,
-                                            deadline=deadline)
+                                            deadline=deadline, prepared=ahead.take(name))
                 except Exception as err:  # noqa: BLE001 - one kernel's trouble never stops the run
                     text = site_label if site_label is not None else kernel_label(what)
                     result = KernelTuning(name, text, error=f"{type(err).__name__}: {err}")
@@ -148,6 +160,47 @@ def tune_groups(groups: list[tuple[FusedGroup, Target]], db: TuningDB, kernel_di
             bar.update(task, advance=1, description=f"tuning ({result.label[:40]})")
     report.seconds = time.perf_counter() - start
     return report
+
+
+class _CompileAhead:
+    """Candidates of the kernels about to be measured, generated and handed to the compile workers
+    a few kernels ahead of the measuring (tune/kernels.compile_ahead): on the GPU the tuner then
+    loads compiled binaries instead of compiling every candidate on its first launch."""
+
+    LOOKAHEAD = 8  # kernels in flight: enough to keep every worker busy, little wasted at the deadline
+
+    def __init__(self, work: list, db: TuningDB, shared: TuningDB | None, kernel_dir: Path, top: int,
+                 force: bool) -> None:
+        self.work, self.db, self.shared, self.kernel_dir = work, db, shared, kernel_dir
+        self.top, self.force = top, force
+        self.next = 0  # the first work item not looked at yet
+        self.prepared: dict[str, Prepared | None] = {}
+
+    def reach(self, i: int) -> None:
+        """Prepare and submit work items up to ``i + LOOKAHEAD``."""
+        batches: dict[Target, list[Prepared]] = {}
+        while self.next < min(len(self.work), i + self.LOOKAHEAD + 1):
+            name, _, group, tgt = self.work[self.next]
+            self.next += 1
+            if tgt is None or name in self.prepared:
+                continue
+            device = device_key(tgt.device_type)
+            if not self.force and _answered(name, device, self.db, self.shared) is not None:
+                continue
+            try:
+                self.prepared[name] = p = prepare(group, tgt, self.db, device, self.top, self.force)
+            except Exception:  # noqa: BLE001 - tune_group meets the same trouble and reports it
+                continue
+            if p is not None:
+                batches.setdefault(tgt, []).append(p)
+        for tgt, batch in batches.items():
+            try:
+                compile_ahead(batch, tgt, self.kernel_dir)
+            except Exception:  # noqa: BLE001 - compiling ahead only saves time: launches compile anyway
+                pass
+
+    def take(self, name: str) -> Prepared | None:
+        return self.prepared.pop(name, None)
 
 
 def _site_work(site: LibrarySite) -> int:
