@@ -1,13 +1,14 @@
-"""Where a warm first call goes on CPU: one bench case's first call in THIS process, as
+"""Where a warm first call goes: one bench case's first call in THIS process, as
 ``ember bench --first-call`` runs it (the harness's own step), with time stamps and optionally cProfile.
 
     EMBER_WARM_START=1 EMBER_CACHE_DIR=/tmp/c/ember TORCHINDUCTOR_CACHE_DIR=/tmp/c/inductor \
-      PYTHONPATH=src python benchmarks/scripts/cpu_warm_first_call_profile.py resnet18 infer ember \
-      [--profile out.prof] [--top 40]
+      PYTHONPATH=src python benchmarks/scripts/warm_first_call_profile.py resnet18 infer ember \
+      [--device cuda] [--profile out.prof] [--top 40]
 
 Run it twice with the same caches: the first run compiles (cold), the second is the warm first call.
-Prints one line per stamp (seconds since the script started) and the warm-start log, then, with
-``--profile``, the functions with the largest cumulative time in the first call. CPU only; ~10 s warm.
+Prints one line per stamp (seconds since the script started) and the warm-start and frame-cache
+logs, then, with ``--profile``, the functions with the largest cumulative time in the first call.
+On the CPU: small inputs, fp32 (~10 s warm); on CUDA: the bench's full-size inputs, bf16.
 """
 
 from __future__ import annotations
@@ -33,6 +34,7 @@ def main() -> None:
     parser.add_argument("--profile")
     parser.add_argument("--top", type=int, default=40)
     parser.add_argument("--batch", type=int, default=None)
+    parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
     parser.add_argument("--numba-before", choices=["none", "sync", "thread"], default="none",
                         help="experiment: load numba before the timed call (sync) or in a thread at compile")
     args = parser.parse_args()
@@ -43,11 +45,14 @@ def main() -> None:
     stamp("ember.bench imported")
 
     case = models.get_case(args.model)
-    device = torch.device("cpu")
+    device = torch.device(args.device)
+    small = device.type == "cpu"
     torch.manual_seed(0)
-    model = case.build(True).train(args.mode == "train")
-    batch = args.batch or (1 if args.mode == "infer" else case.default_batch(args.mode))
-    batches = models.make_batches(case, batch, device, small=True, count=2)
+    model = case.build(small).train(args.mode == "train").to(device)
+    batch = args.batch or (1 if args.mode == "infer" and small else case.default_batch(args.mode))
+    batches = models.make_batches(case, batch, device, small=small, count=2)
+    if device.type == "cuda":
+        torch.cuda.synchronize()
     optimizer = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9) if args.mode == "train" else None
     stamp("model and batches built")
     if args.numba_before != "none":
@@ -62,7 +67,8 @@ def main() -> None:
         else:
             threading.Thread(target=numba_ready, daemon=True).start()
         stamp(f"numba: {args.numba_before}")
-    step, fn = harness._backend_step(case, args.backend, model, args.mode, "fp32", device, optimizer)
+    precision = "bf16" if device.type == "cuda" else "fp32"
+    step, fn = harness._backend_step(case, args.backend, model, args.mode, precision, device, optimizer)
     stamp("compiled (ember.compile / torch.compile returned)")
 
     prof = cProfile.Profile() if args.profile else None
@@ -70,17 +76,23 @@ def main() -> None:
     if prof:
         prof.enable()
     step(*batches[0])
+    if device.type == "cuda":
+        torch.cuda.synchronize()
     if prof:
         prof.disable()
     first = time.perf_counter() - start
     stamp(f"first call done: {first:.3f} s")
     start = time.perf_counter()
     step(*batches[1])
+    if device.type == "cuda":
+        torch.cuda.synchronize()
     stamp(f"second call: {time.perf_counter() - start:.3f} s")
     backend = getattr(fn, "_ember_backend", None)
     if backend is not None:
         for line in backend.log.warm_start:
             print("  warm start:", line)
+        for line in backend.log.frame_cache:
+            print("  frame cache:", line)
         for g in backend.log.graphs:
             print(f"  graph {g.title}: cache {g.cache}, first run {g.first_call_s}")
     if prof:
