@@ -160,3 +160,22 @@ def test_identity_guards_are_rechecked(tmp_path: Path) -> None:
     other = by["decorated_other_act"]
     assert any("an identity guard fails" in line for line in other["log"]), other["log"]
     assert _compiled(other) and not _loaded(other)
+
+
+def test_builtins_read_as_globals_pass_the_external_reference_check() -> None:
+    # torch 2.11 saves no builtins with an ahead-of-time compiled function yet checks every global
+    # its bytecode reads, so bert ("Missing required external references: ['type']") got no warm start.
+    import types
+
+    from ember import compat
+    env_class = getattr(__import__("torch._dynamo.convert_frame", fromlist=["x"]), "GraphRuntimeEnv", None)
+    if env_class is None or not hasattr(env_class, "_check_external_refs"):
+        pytest.skip("this torch has no external-reference check")
+    reads_builtins = types.SimpleNamespace(external_refs={"type", "len", "helper"})
+    reads_unknown = types.SimpleNamespace(external_refs={"type", "not_saved_anywhere"})
+    with pytest.raises(RuntimeError, match="type"):
+        env_class._check_external_refs(reads_builtins, {"helper": 1})  # torch's own check
+    with compat.builtin_references_allowed():
+        env_class._check_external_refs(reads_builtins, {"helper": 1})
+        with pytest.raises(RuntimeError, match=r"\['not_saved_anywhere'\]"):
+            env_class._check_external_refs(reads_unknown, {"helper": 1})

@@ -48,6 +48,7 @@ from typing import Any
 
 import torch
 
+from ember import compat
 from ember.capture.warm_rechecks import Rechecks, replaceable
 
 MAGIC = b"EMBERWARM1\n"
@@ -266,8 +267,9 @@ class WarmStart:
         token = wa.LOADING.set(self.backend)
         try:
             closure = self.external_data()
-            fn = (wa.API.AOTCompiledFunction.deserialize(data, f_globals=f_globals, external_closure_data=closure)
-                  if closure else wa.API.AOTCompiledFunction.deserialize(data, f_globals=f_globals))
+            with compat.builtin_references_allowed():
+                fn = (wa.API.AOTCompiledFunction.deserialize(data, f_globals=f_globals, external_closure_data=closure)
+                      if closure else wa.API.AOTCompiledFunction.deserialize(data, f_globals=f_globals))
         finally:
             wa.LOADING.reset(token)
         changed = _changed_sources(fn)
@@ -313,7 +315,7 @@ class WarmStart:
         backend.output_wrapper = wa.EmberOutputCode.wrap
         try:
             with torch._dynamo.config.patch(automatic_dynamic_shapes=False, assume_static_by_default=True), \
-                    _functions_by_code():
+                    _functions_by_code(), compat.builtin_references_allowed():
                 fn = wa.API.aot_compile_fullgraph(self.traced(), (args, kwargs), wa.API.Hooks(guard_filter_fn=keep),
                                                   serializable_backend)
         except Exception as err:  # noqa: BLE001 - a graph break, or anything torch's AOT compile refuses
@@ -329,8 +331,9 @@ class WarmStart:
         try:
             modules = _installed_modules(fn, self.frame_globals())
             closure = self.external_data()
-            result = (wa.API.AOTCompiledFunction.serialize(fn, closure) if closure
-                      else wa.API.AOTCompiledFunction.serialize(fn))
+            with compat.builtin_references_allowed():
+                result = (wa.API.AOTCompiledFunction.serialize(fn, closure) if closure
+                          else wa.API.AOTCompiledFunction.serialize(fn))
             data = getattr(result, "serialized_data", result)  # torch >= 2.13 wraps the bytes
             _write(path, data, parts, rechecked, modules)
             self.note(f"saved {path.name} ({len(data)} bytes)")
