@@ -333,6 +333,7 @@ def run_cli(args: Any) -> int:
         return 0
     report = tune_groups([], db, options.kernel_dir(), args.budget, top=args.top, force=args.force,
                          progress=console.is_terminal, sites=sites, shared=shared)
+    report.device = describe(device.type)  # (the library sites alone would name the CPU)
     if any(k.best_config for k in report.kernels):
         # A library call that is not the rule any more leaves its epilogue to a generated kernel:
         # compile again with the new choices to tune the kernels the program will really run.
