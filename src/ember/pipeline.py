@@ -21,6 +21,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
+import torch
 import torch.fx as fx
 
 from ember import config, instruments
@@ -354,6 +355,9 @@ def _link(job: GraphJob, text: str, kernels: list, consts: list, attrs: dict[str
     run = namespace["run"]
     if "refresh_frozen" in namespace:  # the CUDA-graph runner calls it before each replay
         run.refresh_frozen = namespace["refresh_frozen"]
+    # Tensors the program holds (graph attributes, folded values): an output that is one of them
+    # is handed out as it is by every replay, not as graph memory (runtime/cudagraphs/recording.py).
+    run.constants = [v for v in (*attrs.values(), *consts) if isinstance(v, torch.Tensor)]
     return run
 
 

@@ -189,6 +189,12 @@ class GraphRecorder:
             container, leaves = None, [outputs]
         if any(isinstance(x, (tuple, list, dict)) for x in leaves):
             raise TypeError("nested program outputs")
+        # Storages of tensors the program itself holds (its constants): the caller gets those as
+        # they are, as from an uncaptured run; as graph memory they would look held by somebody
+        # (the program) at every call and force a capture per call (T5's folded masks and position
+        # buckets, saved for the backward).
+        held_by_program = {t.untyped_storage().data_ptr() for t in getattr(self.run, "constants", ())
+                           if isinstance(t, torch.Tensor) and t.numel() > 0}
         by_storage: dict[int, int] = {}
         for i in sorted(stores):
             if not stores[i].expired():  # a weak reference keeps the address from being reused
@@ -212,7 +218,7 @@ class GraphRecorder:
             if leaf.numel() == 0:
                 slots.append(Slot("empty", meta_of(leaf)))  # no memory to hold
                 continue
-            if not self.backend.on_device(leaf):
+            if not self.backend.on_device(leaf) or leaf.untyped_storage().data_ptr() in held_by_program:
                 # A host tensor made at capture (attention's unused seed without dropout): the
                 # graph never writes it, so every replay hands out the same one.
                 slots.append(Slot("const", leaf))
