@@ -93,3 +93,39 @@ def test_what_the_kernels_do_not_take_stays_aten(why: str) -> None:
     else:
         k, p = [2, 2], [2, 2]  # more than half the window: ATen refuses it too
     assert pooling.max_pool2d_with_indices(x, k, s, p, d, ceil) is NotImplemented
+
+
+def test_the_compile_jobs_follow_the_graphs_dtypes_windows_and_layouts() -> None:
+    # One job per kernel, dtype, window and memory format, with as many arguments as the kernels
+    # take before their constexprs, none of them specialised on (the workers build the kernels from
+    # dtypes alone). Fake CUDA tensors: no GPU needed to build them.
+    from torch._subclasses import FakeTensorMode
+
+    from ember.ops import max_pool
+    from ember.runtime import precompile
+
+    with FakeTensorMode():
+        x = torch.empty(2, 4, 9, 9, device="cuda", dtype=torch.bfloat16).to(memory_format=torch.channels_last)
+        g = torch.empty(2, 4, 5, 5, device="cuda")
+        pos = torch.empty(2, 4, 5, 5, device="cuda", dtype=torch.int8)
+        gm = torch.fx.symbolic_trace(lambda a, b, p: (
+            torch.ops.ember.max_pool2d.default(a, [3, 3], [2, 2], [1, 1]),
+            torch.ops.ember.max_pool2d_backward.default(b, p, [2, 4, 9, 9], [3, 3], [2, 2], [1, 1])))
+        placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+        for node, value in zip(placeholders, (x, g, pos)):
+            node.meta["val"] = value
+        forward_node, backward_node = [n for n in gm.graph.nodes if n.op == "call_function"]
+        backward_node.meta["val"] = max_pool.max_pool2d_backward(g, pos, [2, 4, 9, 9], [3, 3], [2, 2], [1, 1])
+    forward, backward = max_pool.compile_jobs(gm)
+    assert (forward.name, backward.name) == ("max_pool2d_forward", "max_pool2d_backward")
+    assert forward.arg_dtypes[:3] == ("bfloat16", "bfloat16", "int8")
+    assert backward.arg_dtypes[:3] == ("float32", "int8", "float32")
+    assert set(forward.arg_dtypes[3:]) == set(backward.arg_dtypes[3:]) == {precompile.SCALAR_INT32}
+    meta_f, meta_b = dict(forward.meta), dict(backward.meta)
+    assert meta_f["CHANNELS_LAST"] and not meta_b["CHANNELS_LAST"] and meta_b["ROUND_BF16"] is False
+    assert (meta_f["KH"], meta_f["SH"], meta_f["PH"]) == (3, 2, 1)
+    kernels = max_pool.window_kernels(False)  # compiled mode: built at a launch, none here
+    for job in (forward, backward):
+        fn = getattr(kernels, job.name)
+        assert len(job.arg_dtypes) == len([p for p in fn.params if not p.is_constexpr])
+        assert set(fn.do_not_specialize) == set(range(3, 17)), "the launch must take the binary the workers built"

@@ -25,7 +25,8 @@ import torch
 import triton
 from torch._prims_common import suggest_memory_format
 
-from ember.ops.windows import KERNEL_DTYPES, channels_last, empty_like_layout, window_kernels
+from ember.ops.windows import KERNEL_DTYPES, WINDOW_KERNELS, channels_last, empty_like_layout, window_kernels
+from ember.runtime import precompile
 
 MAX_WINDOW = 127  # positions are int8
 BLOCK = 1024
@@ -96,3 +97,26 @@ def max_pool2d_backward(grad: torch.Tensor, positions: torch.Tensor, input_size:
 def _(grad: torch.Tensor, positions: torch.Tensor, input_size: list[int], kernel: list[int],
       stride: list[int], padding: list[int]) -> torch.Tensor:
     return empty_like_layout(tuple(input_size), positions, grad.dtype)
+
+
+def compile_jobs(gm: torch.fx.GraphModule) -> list[precompile.CompileJob]:
+    """The pooling kernels a graph launches, as compile jobs for the workers: one per dtype, window
+    and memory format, read from the graph after Ember's passes (the layout pass decides the
+    format). The kernels take no specialisation from their integer arguments."""
+    jobs = []
+    ints = [precompile.SCALAR_INT32] * 14
+    for node in gm.graph.find_nodes(op="call_function", target=torch.ops.ember.max_pool2d.default):
+        x = node.args[0].meta.get("val") if isinstance(node.args[0], torch.fx.Node) else None
+        if not isinstance(x, torch.Tensor) or x.device.type != "cuda":
+            continue
+        kernel, stride, padding = node.args[1:4]
+        jobs.append(precompile.job_for(WINDOW_KERNELS, "max_pool2d_forward", [x.dtype, x.dtype, torch.int8, *ints],
+                                       _meta(kernel, stride, padding, channels_last(x))))
+    for node in gm.graph.find_nodes(op="call_function", target=torch.ops.ember.max_pool2d_backward.default):
+        dx = node.meta.get("val")
+        if not isinstance(dx, torch.Tensor) or dx.device.type != "cuda":
+            continue
+        kernel, stride, padding = node.args[3:6]
+        jobs.append(precompile.job_for(WINDOW_KERNELS, "max_pool2d_backward", [dx.dtype, torch.int8, dx.dtype, *ints],
+                                       {**_meta(kernel, stride, padding, channels_last(dx)), "ROUND_BF16": False}))
+    return jobs
