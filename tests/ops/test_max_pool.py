@@ -95,13 +95,12 @@ def test_what_the_kernels_do_not_take_stays_aten(why: str) -> None:
     assert pooling.max_pool2d_with_indices(x, k, s, p, d, ceil) is NotImplemented
 
 
-def test_the_compile_jobs_follow_the_graphs_dtypes_windows_and_layouts() -> None:
-    # One job per kernel, dtype, window and memory format, with as many arguments as the kernels
-    # take before their constexprs, none of them specialised on (the workers build the kernels from
-    # dtypes alone). Fake CUDA tensors: no GPU needed to build them.
+def test_the_compile_jobs_follow_the_graphs_dtypes_windows_layouts_and_sizes() -> None:
+    # One job per kernel, dtype, window, memory format and shape, with as many arguments as the
+    # kernels take before their constexprs; the integers are the launch's own values (Triton
+    # specialises on them, so the workers must build that binary). Fake CUDA tensors: no GPU needed.
     from torch._subclasses import FakeTensorMode
 
-    from ember.ops import max_pool
     from ember.runtime import precompile
 
     with FakeTensorMode():
@@ -115,12 +114,16 @@ def test_the_compile_jobs_follow_the_graphs_dtypes_windows_and_layouts() -> None
         for node, value in zip(placeholders, (x, g, pos)):
             node.meta["val"] = value
         forward_node, backward_node = [n for n in gm.graph.nodes if n.op == "call_function"]
-        backward_node.meta["val"] = max_pool.max_pool2d_backward(g, pos, [2, 4, 9, 9], [3, 3], [2, 2], [1, 1])
+        forward_node.meta["val"] = out, _ = max_pool.max_pool2d(x, [3, 3], [2, 2], [1, 1])
+        backward_node.meta["val"] = dx = max_pool.max_pool2d_backward(g, pos, [2, 4, 9, 9], [3, 3], [2, 2], [1, 1])
     forward, backward = max_pool.compile_jobs(gm)
     assert (forward.name, backward.name) == ("max_pool2d_forward", "max_pool2d_backward")
     assert forward.arg_dtypes[:3] == ("bfloat16", "bfloat16", "int8")
     assert backward.arg_dtypes[:3] == ("float32", "int8", "float32")
-    assert set(forward.arg_dtypes[3:]) == set(backward.arg_dtypes[3:]) == {precompile.SCALAR_INT32}
+    ints = [precompile.int_arg(v) for v in (2 * 4 * 5 * 5, 4, 9, 9, 5, 5, *x.stride(), *out.stride())]
+    assert list(forward.arg_dtypes[3:]) == ints
+    assert list(backward.arg_dtypes[3:]) == [precompile.int_arg(v) for v in (2 * 4 * 9 * 9, 4, 9, 9, 5, 5, *g.stride(),
+                                                                              *dx.stride())]
     meta_f, meta_b = dict(forward.meta), dict(backward.meta)
     assert meta_f["CHANNELS_LAST"] and not meta_b["CHANNELS_LAST"] and meta_b["ROUND_BF16"] is False
     assert (meta_f["KH"], meta_f["SH"], meta_f["PH"]) == (3, 2, 1)
@@ -128,4 +131,3 @@ def test_the_compile_jobs_follow_the_graphs_dtypes_windows_and_layouts() -> None
     for job in (forward, backward):
         fn = getattr(kernels, job.name)
         assert len(job.arg_dtypes) == len([p for p in fn.params if not p.is_constexpr])
-        assert set(fn.do_not_specialize) == set(range(3, 17)), "the launch must take the binary the workers built"

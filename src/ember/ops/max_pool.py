@@ -100,23 +100,34 @@ def _(grad: torch.Tensor, positions: torch.Tensor, input_size: list[int], kernel
 
 
 def compile_jobs(gm: torch.fx.GraphModule) -> list[precompile.CompileJob]:
-    """The pooling kernels a graph launches, as compile jobs for the workers: one per dtype, window
-    and memory format, read from the graph after Ember's passes (the layout pass decides the
-    format). The kernels take no specialisation from their integer arguments."""
+    """The pooling kernels a graph launches, as compile jobs for the workers: one per dtype, window,
+    memory format and shape, read from the graph after Ember's passes (the layout pass decides the
+    format). The kernels specialise on their integer arguments (sizes and strides), so each job
+    carries the values the launch will pass (precompile.int_arg)."""
     jobs = []
-    ints = [precompile.SCALAR_INT32] * 14
     for node in gm.graph.find_nodes(op="call_function", target=torch.ops.ember.max_pool2d.default):
         x = node.args[0].meta.get("val") if isinstance(node.args[0], torch.fx.Node) else None
-        if not isinstance(x, torch.Tensor) or x.device.type != "cuda":
+        outs = node.meta.get("val")
+        if not isinstance(x, torch.Tensor) or x.device.type != "cuda" or not isinstance(outs, (tuple, list)):
             continue
+        out = outs[0]
         kernel, stride, padding = node.args[1:4]
-        jobs.append(precompile.job_for(WINDOW_KERNELS, "max_pool2d_forward", [x.dtype, x.dtype, torch.int8, *ints],
+        n, c, oh, ow = out.shape
+        ints = [out.numel(), c, x.shape[2], x.shape[3], oh, ow, *x.stride(), *out.stride()]
+        jobs.append(precompile.job_for(WINDOW_KERNELS, "max_pool2d_forward",
+                                       [x.dtype, x.dtype, torch.int8, *map(precompile.int_arg, ints)],
                                        _meta(kernel, stride, padding, channels_last(x))))
     for node in gm.graph.find_nodes(op="call_function", target=torch.ops.ember.max_pool2d_backward.default):
         dx = node.meta.get("val")
-        if not isinstance(dx, torch.Tensor) or dx.device.type != "cuda":
+        grad, positions = (a.meta.get("val") if isinstance(a, torch.fx.Node) else None for a in node.args[:2])
+        if not all(isinstance(t, torch.Tensor) for t in (dx, grad, positions)) or dx.device.type != "cuda":
             continue
         kernel, stride, padding = node.args[3:6]
-        jobs.append(precompile.job_for(WINDOW_KERNELS, "max_pool2d_backward", [dx.dtype, torch.int8, dx.dtype, *ints],
+        # The op lays the gradient out like the positions when its strides differ.
+        g_strides = grad.stride() if grad.stride() == positions.stride() else positions.stride()
+        ints = [dx.numel(), dx.shape[1], dx.shape[2], dx.shape[3], grad.shape[2], grad.shape[3], *g_strides,
+                *dx.stride()]
+        jobs.append(precompile.job_for(WINDOW_KERNELS, "max_pool2d_backward",
+                                       [grad.dtype, torch.int8, dx.dtype, *map(precompile.int_arg, ints)],
                                        {**_meta(kernel, stride, padding, channels_last(dx)), "ROUND_BF16": False}))
     return jobs

@@ -57,6 +57,13 @@ _LOG: list[tuple[CompileJob, float]] = []  # every job this process compiled ahe
 # parameter marked do_not_specialize always gets.
 SCALAR_INT32 = "scalar_int32"
 SCALAR_ARG = 17
+# An integer argument passed as this value ("int:64"): Triton specialises a kernel on its integer
+# arguments (equal to 1, divisible by 16), so a job that knows the launch's values builds its binary.
+INT_VALUE = "int:"
+
+
+def int_arg(value: int) -> str:
+    return f"{INT_VALUE}{int(value)}"
 
 
 @dataclass(frozen=True)
@@ -178,7 +185,8 @@ def compile_job(job: CompileJob) -> tuple[str | None, float, float]:
         module = importlib.util.module_from_spec(spec)
         spec.loader.exec_module(module)
         fn = getattr(module, job.name)
-        args = [SCALAR_ARG if d == SCALAR_INT32 else getattr(torch, d) for d in job.arg_dtypes]
+        args = [SCALAR_ARG if d == SCALAR_INT32 else int(d[len(INT_VALUE):]) if d.startswith(INT_VALUE)
+                else getattr(torch, d) for d in job.arg_dtypes]
         _build_launcher(fn.warmup(*args, grid=(1,), **dict(job.meta)))
     except Exception as err:  # the launch in the parent compiles it again and reports properly
         return f"{job.name}: {type(err).__name__}: {err}", began, time.time() - began
@@ -365,5 +373,7 @@ def compile_log() -> list[tuple[CompileJob, float]]:
 
 
 def job_for(path: Path, name: str, arg_dtypes: Sequence[object], meta: dict[str, int]) -> CompileJob:
+    """A job for kernel ``name`` of ``path``: per argument a torch dtype (a pointer), SCALAR_INT32
+    (an unspecialised int) or ``int_arg(value)``."""
     return CompileJob(str(path), name, tuple(str(d).removeprefix("torch.") for d in arg_dtypes),
                       tuple(sorted(meta.items())))
