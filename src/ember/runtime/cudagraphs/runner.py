@@ -27,7 +27,9 @@ The rules a replay must keep, and how:
   would; a mutated dynamic input is copied back into the caller's tensor after each replay.
   Changing an input's shape or strides in place is refused by ``cudagraph_blocker``.
 - Outputs live in the graph's memory pool at fixed addresses, and the next replay overwrites
-  them. An output that is (a view of) an input is rebuilt on the caller's tensor. The runner
+  them. An output that is (a view of) an input is rebuilt on the caller's tensor; one that is a
+  tensor the program itself holds (a constant, a value folded from shapes) is handed out as it is,
+  as an uncaptured run does (its references, the program's, are not a caller's). The runner
   keeps no reference to any other output: the capturing call hands out the allocator's own
   tensors, later replays tensors on a view of the same memory that the allocator does not know
   of, and a reference count above the runner's own says that somebody holds one. Before each
