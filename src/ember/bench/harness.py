@@ -24,6 +24,7 @@ from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import torch
+import torch.utils._pytree as pytree
 from torch import nn
 
 from ember.bench import launch_compiles, timing
@@ -207,15 +208,7 @@ def _fresh_copies(batches: list) -> list:
     traces a stamped dim as dynamic in every later compile, whatever the backend's shape policy;
     shared batches carried one backend's dynamic-shape recompile (Inductor's automatic dynamic
     shapes on an embedding called at two lengths) into the backends measured after it."""
-    def clone(x: Any) -> Any:
-        if isinstance(x, torch.Tensor):
-            return x.clone()
-        if isinstance(x, (tuple, list)):
-            return type(x)(clone(v) for v in x)
-        if isinstance(x, dict):
-            return {k: clone(v) for k, v in x.items()}
-        return x
-    return [clone(b) for b in batches]
+    return pytree.tree_map_only(torch.Tensor, torch.Tensor.clone, batches)
 
 
 def _median(values: list[float] | None) -> float | None:

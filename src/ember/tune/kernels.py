@@ -105,11 +105,12 @@ class Prepared:
 
 
 def prepare(group: FusedGroup, target: Target, db: TuningDB, device: str, top: int = 4,
-            force: bool = False) -> Prepared | None:
+            force: bool = False, default: KernelSource | None = None) -> Prepared | None:
     """The model's best ``top`` distinct candidates of ``group``'s kernel (configurations that
     generate the default kernel again, or the same kernel as an earlier one, are skipped); None
-    when ``db`` already holds complete results (and ``force`` is off)."""
-    default = generate(group, target, {})
+    when ``db`` already holds complete results (and ``force`` is off). ``default``: the group's
+    default kernel, if the caller generated it already."""
+    default = default if default is not None else generate(group, target, {})
     done: set[str] = set()
     if not force:
         known = db.results(default.name, device)
@@ -155,14 +156,14 @@ def tune_group(group: FusedGroup, target: Target, kernel_dir: Path, db: TuningDB
     """Tune ``group``'s kernel unless ``db`` already has complete results for it on ``device``.
     Stops between candidates once ``deadline`` (a ``perf_counter`` time) has passed. ``prepared``:
     what ``prepare`` returned for this group earlier (generated again when None)."""
+    default = prepared.default if prepared is not None else generate(group, target, {})
     if force:
-        db.forget(generate(group, target, {}).name, device, INCOMPLETE)
+        db.forget(default.name, device, INCOMPLETE)
     if prepared is None:
-        prepared = prepare(group, target, db, device, top, force)
+        prepared = prepare(group, target, db, device, top, force, default)
         if prepared is None:
-            default = generate(group, target, {})
             return from_db(KernelTuning(default.name, label(group)), db.results(default.name, device), "user")
-    default, chosen = prepared.default, prepared.chosen
+    chosen = prepared.chosen
     out = KernelTuning(default.name, label(group), failures=list(prepared.failures))
     if target.language == "numba":
         from ember.runtime.kernels import compile_cpu_kernels

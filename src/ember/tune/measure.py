@@ -124,28 +124,6 @@ def mismatch(reference: list[torch.Tensor], got: list[torch.Tensor]) -> str:
     return ""
 
 
-def time_ms(run: Callable[[], None], device: torch.device, budget_s: float = 0.2) -> float:
-    """The median time of ``run`` in milliseconds."""
-    if device.type == "cuda":
-        try:
-            return _cuda_graph_times([run], budget_s, rounds=5)[0]
-        except Exception:  # noqa: BLE001 - capture not possible here: plain event timing
-            from triton.testing import do_bench
-            torch.cuda.synchronize()
-            return float(do_bench(run, warmup=5, rep=max(10, int(budget_s * 1000))))
-    run()  # warm-up (first call may load or compile)
-    t0 = time.perf_counter()
-    run()
-    once = max(time.perf_counter() - t0, 1e-7)
-    reps = int(min(200, max(3, budget_s / once)))
-    samples = []
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        run()
-        samples.append(time.perf_counter() - t0)
-    return statistics.median(samples) * 1e3
-
-
 def _cuda_graph_times(runs: list[Callable[[], None]], budget_s: float, rounds: int) -> list[float]:
     """Per run: a CUDA graph of enough back-to-back launches to take about its share of the
     budget per replay (launch overhead removed), replayed once per round in turn with the others;
