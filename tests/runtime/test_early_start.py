@@ -25,30 +25,17 @@ def test_cuda_compiles_start_workers_at_compile_time(monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     started = []
     monkeypatch.setattr(precompile, "start_workers", lambda: started.append(1))
-    monkeypatch.setattr(early_start, "warm_triton_launcher", lambda: started.append("triton"))
     monkeypatch.setenv("EMBER_COMPILE_WORKERS", "2")
     fn = lambda x: x + 1  # noqa: E731 - no parameters: decided by the device alone
     assert early_start.start_workers_early(fn, Options())
-    assert started == ["triton", 1]
+    assert started == [1]
     # not for CPU targets, device="cpu", a model whose parameters are on the CPU, or 0 workers
     assert not early_start.wants_workers(fn, Options(target="cpu"))
     assert not early_start.wants_workers(fn, Options(device="cpu"))
     assert not early_start.wants_workers(torch.nn.Linear(2, 2), Options())
     monkeypatch.setenv("EMBER_COMPILE_WORKERS", "0")
     assert not early_start.start_workers_early(fn, Options())
-    assert started == ["triton", 1, "triton"]
-
-
-def test_tritons_cache_key_is_computed_on_a_thread_before_the_first_launch():
-    from triton.runtime.cache import triton_key
-
-    triton_key.cache_clear()
-    early_start._TRITON_WARM.clear()
-    early_start.warm_triton_launcher()
-    early_start.warm_triton_launcher()  # once per process
-    assert len(early_start._TRITON_WARM) == 1
-    early_start._TRITON_WARM[0].join(timeout=120)
-    assert triton_key.cache_info().currsize == 1  # the first launch finds it computed
+    assert started == [1]
 
 
 def test_workers_start_without_the_parents_main_module(monkeypatch):

@@ -15,8 +15,6 @@ model compiled while on the CPU and moved to the GPU later still gets its worker
 
 from __future__ import annotations
 
-import os
-import threading
 from collections.abc import Callable
 
 from ember.config import Options
@@ -45,40 +43,9 @@ def start_workers_early(model: Callable, options: Options) -> bool:
     """Start the compile workers now if this compile will use them; returns whether it did."""
     if not wants_workers(model, options):
         return False
-    warm_triton_launcher()
     from ember.runtime.precompile import start_workers, worker_count
 
     if worker_count() == 0:
         return False
     start_workers()
     return True
-
-
-_TRITON_WARM: list[threading.Thread] = []
-
-
-def _warm_triton() -> None:
-    try:
-        from triton.runtime.cache import triton_key
-        triton_key()
-    except Exception:  # noqa: BLE001 - only a head start: the first launch computes it otherwise
-        pass
-    try:
-        import triton.experimental.gluon  # noqa: F401
-    except Exception:  # noqa: BLE001 - absent in some Triton versions
-        pass
-
-
-def warm_triton_launcher() -> None:
-    """This process's first Triton launch pays once for Triton's own cache key (a SHA-256 of its
-    compiler sources and its ~0.5 GB shared library: 0.43 s on the H100 machine) and an import of
-    its gluon package (0.19 s): a third of a warm start's first call for BERT (2.8 s under cProfile).
-    Neither needs the model, and hashing and file reads release the GIL, so a thread does them
-    from ``ember.compile()`` while the main thread reads the warm-start file or traces. A fork
-    (a data loader's workers) waits for the thread first, so no child inherits a held import lock."""
-    if _TRITON_WARM:
-        return
-    thread = threading.Thread(target=_warm_triton, name="ember-triton-warm", daemon=True)
-    _TRITON_WARM.append(thread)
-    os.register_at_fork(before=lambda: thread.join(timeout=30))
-    thread.start()
