@@ -41,7 +41,9 @@ from ember.passes.pad_matmul import padding_line, padding_summary
 from ember.report import progress
 from ember.report.records import GraphRecord
 from ember.runtime.artifacts import ProgramStore, StoredProgram, graph_key, restore_record, stored_program
+from ember.runtime.aten_first import AtenFirstRun
 from ember.runtime.cache_folder import usable_options
+from ember.runtime.cpu_compile import BehindCompile
 from ember.runtime.cudagraphs.rules import cudagraph_blocker, read_only_inputs, tensor_free
 from ember.runtime.cudagraphs.runner import CudaGraphRunner
 from ember.runtime.kernels import kernel_file
@@ -140,8 +142,11 @@ def _compile(job: GraphJob, reference: fx.GraphModule | None) -> CompiledGraph:
     plan = run_stage("schedule", record, _schedule_stage, job)
     kernels = run_stage("codegen", record, _codegen_stage, job, plan)
     pending = run_stage("kernel_compile", record, _kernel_compile_stage, job, kernels)
+    behind = pending if isinstance(pending, BehindCompile) else None
     _record_plan(record, plan, kernels)
-    program = run_stage("program", record, _program_stage, job, plan, kernels)
+    program = run_stage("program", record, _program_stage, job, plan, kernels, behind)
+    if behind is not None:
+        pending = None
     job.stored = stored_program(program.source.text, [(ks.name, ks.module_source()) for ks in program.kernels],
                                 program.source.namespace["_consts"], program.source.attrs, job.record)
     if store is not None and key is not None:
@@ -215,10 +220,16 @@ def _codegen_stage(job: GraphJob, plan: KernelPlan) -> GeneratedKernels:
     return apply_tuned(job.target.generate(plan), plan, job.target, job.options.cache_root(), job.record)
 
 
-def _kernel_compile_stage(job: GraphJob, kernels: GeneratedKernels) -> PendingCompile | None:
-    """numba modules compiled now; Triton kernels submitted to the compile workers, not awaited:
-    the program's first call waits (_await_kernels). With the generated kernels go those of
-    Ember's own ops that the graph launches."""
+def _kernel_compile_stage(job: GraphJob, kernels: GeneratedKernels) -> PendingCompile | BehindCompile | None:
+    """numba modules compiled now, or, where numba has not cached them, handed to workers while
+    the first calls run through ATen (runtime/aten_first.py); Triton kernels submitted to the
+    compile workers, not awaited: the program's first call waits (_await_kernels). With the
+    generated kernels go those of Ember's own ops that the graph launches."""
+    behind = job.target.compile_behind(kernels, job.options.kernel_dir())
+    if behind is not None:
+        job.record.kernels = len(kernels.by_step)
+        job.record.unique_kernels = len({k.name for k in kernels.by_step.values()})
+        return behind
     job.target.compile_kernels(kernels, job.options.kernel_dir())
     job.record.kernels = len(kernels.by_step)
     job.record.unique_kernels = len({k.name for k in kernels.by_step.values()})
@@ -241,8 +252,10 @@ class LinkedProgram:
         return self.source.text
 
 
-def _program_stage(job: GraphJob, plan: KernelPlan, kernels: GeneratedKernels) -> LinkedProgram:
-    """Generate the program (codegen/program.py) and link it with its kernels."""
+def _program_stage(job: GraphJob, plan: KernelPlan, kernels: GeneratedKernels,
+                   behind: BehindCompile | None = None) -> LinkedProgram:
+    """Generate the program (codegen/program.py) and link it with its kernels; with kernels still
+    compiling ``behind``, link the plan's ATen program for the first calls too."""
     record = job.record
     program = generate_program(job.gm, plan, kernels.by_step, record.title, _expect_nodes(plan, kernels.by_step))
     unique = kernels.unique()
@@ -252,12 +265,24 @@ def _program_stage(job: GraphJob, plan: KernelPlan, kernels: GeneratedKernels) -
         if job.level >= 2:
             print(f"# ember: kernel {ks.name}\n{ks.source}")
     attrs = {name: program.namespace[name] for name in program.attrs}
-    run = _link(job, program.text, unique, program.namespace["_consts"], attrs)
+    if behind is None:
+        run = _link(job, program.text, unique, program.namespace["_consts"], attrs)
+    else:
+        run = _aten_first(job, plan, behind, lambda: _link(job, program.text, unique, program.namespace["_consts"], attrs))
     record.program = program.text
     job.dump("program.py", program.text)
     if job.level >= 2:
         print(program.text)
     return LinkedProgram(program, unique, run)
+
+
+def _aten_first(job: GraphJob, plan: KernelPlan, behind: BehindCompile,
+                link_kernels: Callable[[], Callable[[list], object]]) -> AtenFirstRun:
+    """The plan's program with every fused group on ATen, run until ``behind`` is done."""
+    aten = generate_program(job.gm, plan, {}, job.record.title, _expect_nodes(plan, {}))
+    job.dump("program_aten_first.py", aten.text)
+    aten_run = _link(job, aten.text, [], aten.namespace["_consts"], {name: aten.namespace[name] for name in aten.attrs})
+    return AtenFirstRun(aten_run, behind, link_kernels, on_status=lambda status: setattr(job.record, "aten_first", status))
 
 
 def _replay_stage(job: GraphJob, run: Callable[[list], object], blocker: str | None, read_only: frozenset[int],
@@ -388,6 +413,8 @@ def _record_plan(record: GraphRecord, plan: KernelPlan, kernels: GeneratedKernel
         step = plan.step_of.get(node)
         if node in stored:
             where = "generated"
+        elif isinstance(step, FusedGroup) and step.index in kernels.by_rule:
+            where, reason = "fallback", kernels.by_rule[step.index]
         elif isinstance(step, FusedGroup) or (step is not None and step.kind == "fused"):
             where = "generated" if step.index in kernels.by_step else "fused-aten"
         else:

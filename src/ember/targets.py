@@ -33,6 +33,9 @@ class GeneratedKernels:
 
     by_step: dict[int, KernelSource] = field(default_factory=dict)
     on_aten: Counter = field(default_factory=Counter)
+    # Groups a target's rule leaves to ATen on purpose (step index -> the rule's reason): reported
+    # as ATen fallbacks with that reason, not as failed code generation.
+    by_rule: dict[int, str] = field(default_factory=dict)
 
     def unique(self) -> list[KernelSource]:
         """Distinct kernels (several groups can share one by content), in plan order."""
@@ -84,7 +87,12 @@ class Target:
                 out.by_step[group.index] = generate_triton(group, interpret=self.interpret)
         elif self.language == "numba":
             from ember.codegen.cpu_kernel import CpuUnsupported, generate_cpu
+            from ember.schedule.rules import lone_reduction
             for group in plan.fused():
+                why = lone_reduction(group)
+                if why:
+                    out.by_rule[group.index] = why
+                    continue
                 try:
                     out.by_step[group.index] = generate_cpu(group)
                 except CpuUnsupported as why:
@@ -110,6 +118,18 @@ class Target:
         for index in [i for i, ks in kernels.by_step.items() if ks.digest in failed]:
             kernels.on_aten[f"CPU kernel compile error: {failed[kernels.by_step.pop(index).digest]}"] += 1
 
+    def compile_behind(self, kernels: GeneratedKernels, kernel_dir: Path) -> object | None:
+        """Start compiling the kernels numba has not cached in worker processes and return the
+        pending job (runtime/cpu_compile.BehindCompile), so the program's first calls run their
+        groups through ATen meanwhile; None where everything is compiled now (another target,
+        ``cpu_aten_first`` off, nothing uncached, no worker allowed)."""
+        from ember import config
+        if self.language != "numba" or not kernels.by_step or not config.settings().cpu_aten_first:
+            return None
+        from ember.runtime.cpu_compile import compile_behind
+        from ember.runtime.kernels import uncached_cpu_modules
+        return compile_behind(uncached_cpu_modules(list(kernels.by_step.values()), kernel_dir))
+
     def precompiles(self) -> bool:
         """Kernels go to the compile workers ahead of the first call (compiled Triton only)."""
         return self.language == "triton" and not self.interpret
@@ -130,14 +150,21 @@ _NUMBA_PROBLEM: list[str] = []
 
 
 def cpu_codegen_unavailable() -> str:
-    """Why CPU kernels cannot be generated in this process ("" when numba imports)."""
+    """Why CPU kernels cannot be generated in this process ("" when numba is installed).
+
+    Only whether numba is installed: importing it costs ~0.7 s on a 2-core CPU, which a graph with
+    no generated kernel (every op in oneDNN or ATen) need not pay. A numba that is installed but
+    fails to import fails each kernel's compile instead, and those groups run through ATen with
+    the error as the reason (Target.compile_kernels)."""
     if not _NUMBA_PROBLEM:
+        import importlib.util
+
         try:
-            import numba  # noqa: F401 - only whether it imports
-        except Exception as err:  # noqa: BLE001 - any import failure means "use ATen"
-            _NUMBA_PROBLEM.append(f"numba cannot be imported ({type(err).__name__}: {err})")
+            found = importlib.util.find_spec("numba") is not None
+        except (ImportError, ValueError) as err:  # a broken or stubbed-out installation
+            _NUMBA_PROBLEM.append(f"numba cannot be found ({type(err).__name__}: {err})")
         else:
-            _NUMBA_PROBLEM.append("")
+            _NUMBA_PROBLEM.append("" if found else "numba is not installed")
     return _NUMBA_PROBLEM[0]
 
 

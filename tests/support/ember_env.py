@@ -23,6 +23,7 @@ def clean_ember(monkeypatch: pytest.MonkeyPatch, tmp_path: Path):
     """Reset Dynamo around each test; no EMBER_* variables leak in; internal errors raise."""
     for name in _ENV:
         monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("EMBER_CPU_ATEN_FIRST", "0")  # kernels before the first call (tests/conftest.py says why)
     assert config.patched() == {}, "a config.patch leaked out of an earlier test"
     # Kernels and compiled programs go to a folder of this test, never the user's ~/.cache:
     # every test compiles from scratch unless it shares a cache on purpose.

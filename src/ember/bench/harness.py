@@ -41,6 +41,7 @@ from ember.bench.backends import (
 from ember.bench.memory import measure_cpu_peak
 from ember.bench.models import BenchCase, get_case, make_batches, primary_tensor
 from ember.bench.report import row_provenance
+from ember.runtime import cpu_compile
 
 __all__ = [
     "BACKENDS",
@@ -272,6 +273,14 @@ def _measure(
     for i in range(warmup):
         step(*batches[(i + 1) % len(batches)])
         progress.advance()
+    if name.startswith("ember") and device.type == "cpu":
+        # Kernels compiling behind the first calls (runtime/aten_first.py): time the steady state,
+        # after the step that switches to them.
+        t1 = time.perf_counter()
+        if not cpu_compile.wait_behind(timeout=1800):
+            row["note"] = "CPU kernels still compiling after 30 min: timed steps ran fused groups through ATen"
+        row["kernels_behind_wait_s"] = time.perf_counter() - t1
+        step(*batches[0])
     _sync(device)
 
     # Peak memory of the steady state: reset after warm-up so compile-time scratch

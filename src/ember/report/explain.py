@@ -275,6 +275,7 @@ class ExplainReport:
         lines.append(f"Kernels generated: {self.kernels} (unique after dedupe: {self.unique_kernels}){hint}")
         lines += [f"CUDA graph, {g.title}: {g.cudagraph}" for g in self.graphs if g.cudagraph]
         lines += [f"Compile cache, {g.title}: {g.cache}" for g in self.graphs if g.cache]
+        lines += [f"Kernels compiled behind, {g.title}: {g.aten_first}" for g in self.graphs if g.aten_first]
         lines += [f"Frame cache, {line}" for line in self.log.frame_cache]
         lines.append(f"First call: {_ms(self.total_s)} (capture ~{_ms(self.capture_s)}, Ember stages "
                      f"{_ms(self.ember_s)}, first run {_ms(self.first_run_s)})")

@@ -40,6 +40,8 @@ class GraphRecord:
     matmul_padding: dict = field(default_factory=dict)  # passes/pad_matmul.py: what was padded, what declined
     cache: str = ""  # compiled-program cache: hit | stored | miss | off | not cacheable (...)
     compile_note: str = ""  # where the kernel_compile stage went (runtime/precompile.py)
+    # CPU: the program ran its fused groups through ATen while its kernels compiled (runtime/aten_first.py).
+    aten_first: str = ""
     # Kernels compiled with a tuned configuration (ember/tune/apply.py): default kernel name ->
     # {"kernel", "config", "ms", "default_ms", "gain", "source"}.
     tuned: dict[str, dict] = field(default_factory=dict)

@@ -25,6 +25,7 @@ import os
 import select
 import subprocess
 import sys
+import threading
 import time
 from collections import deque
 from collections.abc import Callable
@@ -176,4 +177,131 @@ def compile_parallel(jobs: list[tuple[str, str]], compile_here: Callable[[str, s
                 w.busy = None
 
 
-__all__ = ["compile_parallel"]
+class BehindCompile:
+    """CPU kernel modules compiling in worker processes while the caller goes on (see
+    ``compile_behind``). ``done()`` says whether every module has an answer; ``failed`` holds the
+    paths a worker could not compile (the caller then compiles them itself, where the error is
+    reported properly)."""
+
+    def __init__(self, jobs: list[tuple[str, str]]) -> None:
+        self.jobs = jobs
+        self.failed: dict[str, str] = {}
+        self.started = time.perf_counter()
+        self.seconds: float | None = None
+        self._done = threading.Event()
+
+    def done(self) -> bool:
+        return self._done.is_set()
+
+    def wait(self, timeout: float | None = None) -> bool:
+        return self._done.wait(timeout)
+
+    def finish(self) -> None:
+        self.seconds = time.perf_counter() - self.started
+        self._done.set()
+
+
+class _BehindThread:
+    """One daemon thread feeding queued BehindCompile jobs to its own workers (not the pool
+    compile_parallel uses: that one answers the main thread). The thread only writes paths to
+    pipes and waits on them, so it takes the GIL only briefly."""
+
+    def __init__(self) -> None:
+        self.queue: deque[BehindCompile] = deque()
+        self.wake = threading.Condition()
+        self.workers: list[_Worker] = []
+        self.thread = threading.Thread(target=self._loop, name="ember-cpu-compile-behind", daemon=True)
+        self.thread.start()
+
+    def submit(self, job: BehindCompile) -> None:
+        with self.wake:
+            self.queue.append(job)
+            self.wake.notify()
+
+    def _loop(self) -> None:
+        while True:
+            with self.wake:
+                while not self.queue:
+                    self.wake.wait()
+                job = self.queue[0]
+            try:
+                self._run(job)
+            except Exception as err:  # noqa: BLE001 - the caller compiles what is left itself
+                for _, path in job.jobs:
+                    job.failed.setdefault(path, f"{type(err).__name__}: {err}")
+            finally:
+                with self.wake:
+                    self.queue.popleft()
+                job.finish()
+
+    def _run(self, job: BehindCompile) -> None:
+        self.workers = [w for w in self.workers if w.alive()]
+        while len(self.workers) < max(1, min(worker_count(), len(job.jobs))):
+            self.workers.append(_Worker())
+        todo = deque(job.jobs)
+        timeout_s = settings().cpu_worker_timeout_s
+        while todo or any(w.busy for w in self.workers):
+            for w in self.workers:
+                if w.ready and w.busy is None and w.alive() and todo:
+                    w.send(*todo.popleft())
+            pipes = {w.proc.stdout.fileno(): w for w in self.workers if w.alive()}
+            if not pipes:
+                for _, path in todo:
+                    job.failed[path] = "no compile worker could start"
+                for w in self.workers:
+                    if w.busy:
+                        job.failed[w.busy], w.busy = "the compile worker ended", None
+                return
+            readable, _, _ = select.select(list(pipes), [], [], 0.5)
+            for fd in readable:
+                w = pipes[fd]
+                line = w.proc.stdout.readline()
+                if line.startswith("ready"):
+                    w.ready = True
+                elif w.busy is not None and line:
+                    if not line.startswith("ok"):
+                        job.failed[w.busy] = line[6:].strip()
+                    w.busy = None
+            for w in self.workers:
+                if w.busy is not None and (not w.alive() or time.monotonic() - w.since > timeout_s):
+                    w.proc.kill()
+                    job.failed[w.busy], w.busy = "the compile worker ended or took too long", None
+
+
+_BEHIND: list[_BehindThread] = []
+_BEHIND_LOCK = threading.Lock()
+
+
+def compile_behind(jobs: list[tuple[str, str]]) -> BehindCompile | None:
+    """Start compiling ``jobs`` (module name, module path) in worker processes and return at
+    once; None when no worker may run (``EMBER_COMPILE_WORKERS=0``): then compile in place."""
+    if not jobs or worker_count() <= 0:
+        return None
+    job = BehindCompile(jobs)
+    with _BEHIND_LOCK:
+        if not _BEHIND:
+            _BEHIND.append(_BehindThread())
+        _BEHIND[0].submit(job)
+    return job
+
+
+def wait_behind(timeout: float | None = None) -> bool:
+    """Wait until every kernel module queued behind has an answer; whether they all have."""
+    with _BEHIND_LOCK:
+        if not _BEHIND:
+            return True
+        behind = _BEHIND[0]
+    with behind.wake:
+        pending = list(behind.queue)
+    return all(job.wait(timeout) for job in pending)
+
+
+def _shutdown_behind() -> None:
+    for behind in _BEHIND:
+        for w in behind.workers:
+            w.close()
+
+
+atexit.register(_shutdown_behind)
+
+__all__ = ["BehindCompile", "compile_behind", "compile_parallel", "wait_behind"]

@@ -168,14 +168,12 @@ def _numba_cached(path: Path) -> bool:
     return any((path.parent / "__pycache__").glob(f"{path.stem}.{path.stem}-*.nbi"))
 
 
-def compile_cpu_kernels(kernels: list[KernelSource], kernel_dir: Path) -> dict[str, str]:
-    """Import every distinct shared module among ``kernels`` (CPU kernels only), compiling the
-    ones numba has not cached yet in parallel (runtime/cpu_compile.py). Returns the kernels that
-    failed to compile: digest -> error text (their groups then run through ATen)."""
-    from ember.runtime.cpu_compile import compile_parallel
-
+def _cpu_modules_to_load(kernels: list[KernelSource], kernel_dir: Path) -> tuple[dict[str, tuple[str, str]], dict[str, str]]:
+    """The distinct shared modules among ``kernels`` (CPU kernels only) this process has not
+    imported yet, written to disk: module path -> (kernel name, digest); and the kernels whose
+    file could not be written: digest -> error text."""
     failed: dict[str, str] = {}
-    todo: dict[str, tuple[str, Path]] = {}  # module path -> (kernel name, digest)
+    todo: dict[str, tuple[str, str]] = {}
     for ks in kernels:
         if ks.backend != "cpu" or ks.digest in failed:
             continue
@@ -189,6 +187,24 @@ def compile_cpu_kernels(kernels: list[KernelSource], kernel_dir: Path) -> dict[s
             failed[ks.digest] = f"{type(err).__name__}: {err}"
             continue
         todo[str(path)] = (name, ks.digest)
+    return todo, failed
+
+
+def uncached_cpu_modules(kernels: list[KernelSource], kernel_dir: Path) -> list[tuple[str, str]]:
+    """(module name, path) of the CPU kernel modules among ``kernels`` that numba would have to
+    compile: neither imported by this process nor in numba's cache on disk."""
+    todo, _ = _cpu_modules_to_load(kernels, kernel_dir)
+    return [(_cpu_module_name(kernel_dir, name), path) for path, (name, _) in todo.items()
+            if not _numba_cached(Path(path))]
+
+
+def compile_cpu_kernels(kernels: list[KernelSource], kernel_dir: Path) -> dict[str, str]:
+    """Import every distinct shared module among ``kernels`` (CPU kernels only), compiling the
+    ones numba has not cached yet in parallel (runtime/cpu_compile.py). Returns the kernels that
+    failed to compile: digest -> error text (their groups then run through ATen)."""
+    from ember.runtime.cpu_compile import compile_parallel
+
+    todo, failed = _cpu_modules_to_load(kernels, kernel_dir)
 
     def here(modname: str, path: str) -> None:
         name, digest = todo[path]

@@ -196,3 +196,32 @@ def constant_value(node: fx.Node) -> bool | int | float:
     if dtype.is_floating_point:
         return float(value)
     return int(value)
+
+
+# A scale a reduction's result may get and still be one ATen reduction (mean is sum / n).
+_SCALES = {aten.div.Tensor, aten.mul.Tensor, aten.div.Scalar, aten.mul.Scalar}
+
+
+def lone_reduction(group: object) -> str:
+    """Why a fused group is better left to ATen on the CPU target ("" when it is not).
+
+    A group that only reduces a buffer made elsewhere (a library call's output, a graph input),
+    at most scaling the result by a number (``mean``), fuses nothing: ATen's own reduction makes
+    the same single pass over memory. A generated kernel for it would still cost numba's import
+    and set-up in every new process (~0.4 s on a 2-core CPU) and a numba compile on a cold start;
+    for a network whose other work all goes to oneDNN (a CNN's global average pool after its last
+    convolution), that is most of a warm first call."""
+    members = [n for n in group.nodes if group.classes.get(n) != OpClass.VIEW]
+    if getattr(group, "selects", None) or not members:
+        return ""
+    first, rest = members[0], members[1:]
+    if group.classes.get(first) != OpClass.REDUCTION or not isinstance(first.args[0], fx.Node):
+        return ""
+    if first.args[0] in group.nodes:  # something is fused into the reduction's input
+        return ""
+    for node in rest:
+        numbers = [a for a in node.args[1:] if isinstance(a, (int, float))]
+        if node.target not in _SCALES or len(numbers) != len(node.args) - 1:
+            return ""
+    return ("a lone reduction of a buffer made elsewhere: ATen's reduction is the same single pass, "
+            "without a generated kernel's load cost in every new process")

@@ -1,0 +1,114 @@
+"""CPU kernels numba has not cached compile in workers while the first calls run through ATen
+(runtime/aten_first.py): results match eager before and after the switch, the switch happens,
+and anything that goes wrong leaves the ATen program running, never a wrong result."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from torch import nn
+
+import ember
+from ember import config
+from ember.runtime import cpu_compile
+from ember.runtime.aten_first import AtenFirstRun
+
+pytest.importorskip("numba")
+
+
+class Block(nn.Module):
+    """Layer norm, GELU and a residual: fused groups forward and backward (numba kernels)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.norm = nn.LayerNorm(24)
+        self.fc = nn.Linear(24, 24)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + torch.nn.functional.gelu(self.fc(self.norm(x))) * 0.5
+
+
+def _train_steps(model: nn.Module, compiled, steps: int, between=None) -> None:
+    """``steps`` training steps of ``compiled`` against eager on fresh random inputs: loss and every
+    gradient within float32 tolerance at each step."""
+    ref = copy.deepcopy(model)
+    for i in range(steps):
+        x = torch.randn(6, 24)
+        got = compiled(x).square().mean()
+        got.backward()
+        want = ref(x).square().mean()
+        want.backward()
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+        for (name, p), q in zip(model.named_parameters(), ref.parameters()):
+            torch.testing.assert_close(p.grad, q.grad, rtol=1e-4, atol=1e-6, msg=f"step {i}: grad of {name}")
+        model.zero_grad()
+        ref.zero_grad()
+        if between is not None:
+            between(i)
+
+
+def test_first_calls_run_through_aten_then_the_kernels_take_over() -> None:
+    torch.manual_seed(0)
+    model = Block()
+    with config.patch(cpu_aten_first=True):
+        compiled = ember.compile(model, target="cpu")
+        log = compiled._ember_backend.log
+        statuses: list[list[str]] = []
+
+        def after(i: int) -> None:
+            statuses.append([g.aten_first for g in log.graphs])
+            if i == 0:  # the workers finish; the next call switches
+                assert cpu_compile.wait_behind(timeout=300)
+
+        _train_steps(model, compiled, 3, after)
+    kinds = {g.kind for g in log.graphs}
+    assert kinds == {"forward", "backward"}, kinds
+    assert all(g.kernels >= 1 for g in log.graphs)
+    # After the first step every graph still ran its ATen program; from the second on, its kernels.
+    assert all(s.startswith("ATen until") for s in statuses[0]), statuses[0]
+    assert all(s.startswith("generated kernels from call 2") for s in statuses[-1]), statuses[-1]
+
+
+def test_kernels_numba_has_cached_are_used_from_the_first_call(tmp_path) -> None:
+    torch.manual_seed(0)
+    with config.patch(cpu_aten_first=True, cache_dir=str(tmp_path)):
+        first = Block()
+        _train_steps(first, ember.compile(first, target="cpu", cache=False), 1)
+        assert cpu_compile.wait_behind(timeout=300)
+        torch._dynamo.reset()
+        second = Block()
+        compiled = ember.compile(second, target="cpu", cache=False)
+        _train_steps(second, compiled, 1)
+    assert all(g.aten_first == "" and g.kernels >= 1 for g in compiled._ember_backend.log.graphs)
+
+
+def test_without_workers_the_first_call_waits_for_the_kernels() -> None:
+    torch.manual_seed(0)
+    model = Block()
+    with config.patch(cpu_aten_first=True, compile_workers=0):
+        compiled = ember.compile(model, target="cpu")
+        _train_steps(model, compiled, 1)
+    assert all(g.aten_first == "" and g.kernels >= 1 for g in compiled._ember_backend.log.graphs)
+
+
+class _Done:
+    jobs = [("m", "p")]
+    seconds = 0.5
+
+    def done(self) -> bool:
+        return True
+
+
+def test_a_failed_switch_keeps_the_aten_program() -> None:
+    statuses: list[str] = []
+
+    def broken_link():
+        raise OSError("kernel module unreadable")
+
+    run = AtenFirstRun(lambda args: ("aten", list(args)), _Done(), broken_link, statuses.append)
+    assert run([1, 2]) == ("aten", [1, 2])
+    assert run([3]) == ("aten", [3])
+    assert statuses[0].startswith("ATen until")
+    assert "linking the compiled kernels failed (OSError: kernel module unreadable)" in statuses[-1]
