@@ -112,3 +112,31 @@ def test_a_failed_switch_keeps_the_aten_program() -> None:
     assert run([3]) == ("aten", [3])
     assert statuses[0].startswith("ATen until")
     assert "linking the compiled kernels failed (OSError: kernel module unreadable)" in statuses[-1]
+
+
+_EXIT_SCRIPT = """
+import torch, ember
+from torch import nn
+model = nn.Sequential(nn.LayerNorm(24), nn.GELU(), nn.Linear(24, 24), nn.LayerNorm(24))
+compiled = ember.compile(model, target="cpu")
+compiled(torch.randn(6, 24, requires_grad=True)).square().mean().backward()
+print("statuses", [g.aten_first for g in compiled._ember_backend.log.graphs])
+"""
+
+
+def test_a_process_that_exits_early_leaves_every_kernel_compiled(tmp_path) -> None:
+    """The exit waits for the kernels still compiling, so the next process finds them in numba's
+    cache instead of compiling them in its first call."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    env = dict(os.environ, EMBER_CPU_ATEN_FIRST="1", EMBER_CACHE_DIR=str(tmp_path))
+    out = subprocess.run([sys.executable, "-c", _EXIT_SCRIPT], env=env, capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert "ATen until" in out.stdout, out.stdout  # the kernels were still compiling at the first call
+    kernels = Path(tmp_path) / "kernels"
+    modules = sorted(p.stem for p in kernels.glob("ember_cpu_*.py"))
+    cached = {p.name.split(".")[0] for p in (kernels / "__pycache__").glob("*.nbi")}
+    assert modules and set(modules) <= cached, (modules, cached)

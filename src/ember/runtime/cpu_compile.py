@@ -297,6 +297,9 @@ def wait_behind(timeout: float | None = None) -> bool:
 
 
 def _shutdown_behind() -> None:
+    # Kernels still compiling are finished first, so the next process finds them in numba's cache
+    # (a warm start links them at once); the exit waits no longer than the first call would have.
+    wait_behind(timeout=settings().cpu_worker_timeout_s)
     for behind in _BEHIND:
         for w in behind.workers:
             w.close()
