@@ -240,7 +240,14 @@ class _BehindThread:
             self.workers.append(_Worker())
         todo = deque(job.jobs)
         timeout_s = settings().cpu_worker_timeout_s
+        start = time.monotonic()
         while todo or any(w.busy for w in self.workers):
+            if not any(w.ready for w in self.workers) and time.monotonic() - start > timeout_s:
+                for w in self.workers:  # none came up: the caller compiles these itself
+                    w.proc.kill()
+                for _, path in todo:
+                    job.failed[path] = "no compile worker became ready"
+                return
             for w in self.workers:
                 if w.ready and w.busy is None and w.alive() and todo:
                     w.send(*todo.popleft())
