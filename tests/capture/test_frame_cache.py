@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from cold_cache import ColdCache
 
 from ember.capture import frame_cache
 
@@ -42,11 +43,18 @@ def _stored(r: dict) -> int:
     return sum("compiled and stored in the frame cache" in line for line in r["log"])
 
 
+@pytest.fixture(scope="module")
+def cold_train(tmp_path_factory: pytest.TempPathFactory) -> ColdCache:
+    """The cache after a first process's training step, for each test that starts there."""
+    return ColdCache(tmp_path_factory.mktemp("frame_cache"), lambda cache: _run(cache, "train")[0])
+
+
 @pytest.mark.parametrize("mode", ["train", "infer"])
-def test_second_process_loads_every_frame(tmp_path: Path, mode: str) -> None:
-    (cold,) = _run(tmp_path, mode)
+def test_second_process_loads_every_frame(tmp_path: Path, mode: str, cold_train: ColdCache) -> None:
+    # Training starts from the module's cold process; inference runs its own.
+    cache, cold = cold_train.fresh() if mode == "train" else (tmp_path, _run(tmp_path, mode)[0])
     assert _stored(cold) == 2 and cold["aot_traces"] == 2, cold["log"]  # two frames around the break
-    (warm,) = _run(tmp_path, mode)
+    (warm,) = _run(cache, mode)
     assert _loaded(warm) == 2 and not _stored(warm), warm["log"]
     assert warm["aot_traces"] == 0  # AOTAutograd traced nothing in this process
     assert set(warm["caches"]) == {"frame cache"}
@@ -56,10 +64,10 @@ def test_second_process_loads_every_frame(tmp_path: Path, mode: str) -> None:
         assert len(warm["grads"]) == 6
 
 
-def test_changed_input_dtype_or_option_compiles_afresh(tmp_path: Path) -> None:
-    _run(tmp_path, "train")
+def test_changed_input_dtype_or_option_compiles_afresh(cold_train: ColdCache) -> None:
+    cache, _ = cold_train.fresh()
     variants = ("base", "input_shape", "dtype", "option", "off")
-    by = {r["variant"]: r for r in _run(tmp_path, "train", *variants)}
+    by = {r["variant"]: r for r in _run(cache, "train", *variants)}
     assert _loaded(by["base"]) == 2 and by["base"]["aot_traces"] == 0
     for name in ("input_shape", "dtype", "option"):
         r = by[name]
@@ -68,7 +76,7 @@ def test_changed_input_dtype_or_option_compiles_afresh(tmp_path: Path) -> None:
     assert not _loaded(off) and not _stored(off) and off["aot_traces"] == 2, off["log"]
     assert all("not cached: off (frame_cache=False)" in line for line in off["log"])
     # Each changed case now loads in a new process too (its own entries).
-    by = {r["variant"]: r for r in _run(tmp_path, "train", "dtype", "option")}
+    by = {r["variant"]: r for r in _run(cache, "train", "dtype", "option")}
     assert _loaded(by["dtype"]) == 2 and _loaded(by["option"]) == 2
 
 
@@ -93,14 +101,14 @@ def _damage(cache: Path, how: str) -> int:
 
 
 @pytest.mark.parametrize("how", ["checksum", "payload"])
-def test_damaged_entry_is_discarded_and_rebuilt(tmp_path: Path, how: str) -> None:
-    (cold,) = _run(tmp_path, "train")
-    assert _damage(tmp_path, how) == 2
-    (r,) = _run(tmp_path, "train")
+def test_damaged_entry_is_discarded_and_rebuilt(cold_train: ColdCache, how: str) -> None:
+    cache, cold = cold_train.fresh()
+    assert _damage(cache, how) == 2
+    (r,) = _run(cache, "train")
     assert sum("damaged frame-cache entry was discarded" in line for line in r["log"]) == 2, r["log"]
     assert _stored(r) == 2 and not _loaded(r)
     assert r["out"] == cold["out"]  # the program cache still serves Ember's programs
-    (again,) = _run(tmp_path, "train")
+    (again,) = _run(cache, "train")
     assert _loaded(again) == 2, again["log"]
 
 

@@ -10,6 +10,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from cold_cache import ColdCache
 
 WORKER = Path(__file__).parents[1] / "support" / "warm_worker.py"
 ROOT = Path(__file__).resolve().parents[2]
@@ -94,13 +95,29 @@ def _compiled(r: dict) -> bool:
     return any(line.startswith("compiled and traced") for line in r["log"])
 
 
+def _cold(tmp_path_factory: pytest.TempPathFactory, mode: str) -> ColdCache:
+    """The cache (and the model's folder inside it) after a first process, for each test that starts there."""
+    return ColdCache(tmp_path_factory.mktemp(f"warm_start_{mode}"),
+                     lambda cache: _run(cache, _models(cache), mode)[0][0])
+
+
+@pytest.fixture(scope="module")
+def cold_infer(tmp_path_factory: pytest.TempPathFactory) -> ColdCache:
+    return _cold(tmp_path_factory, "infer")
+
+
+@pytest.fixture(scope="module")
+def cold_train(tmp_path_factory: pytest.TempPathFactory) -> ColdCache:
+    return _cold(tmp_path_factory, "train")
+
+
 @pytest.mark.parametrize("mode", ["infer", "train"])
-def test_second_process_loads_without_tracing(tmp_path: Path, mode: str) -> None:
-    models = _models(tmp_path)
-    (cold,), _ = _run(tmp_path, models, mode)
+def test_second_process_loads_without_tracing(cold_infer: ColdCache, cold_train: ColdCache, mode: str) -> None:
+    cache, cold = (cold_train if mode == "train" else cold_infer).fresh()
+    models = cache / "models"
     assert _compiled(cold) and any(line.startswith("saved") for line in cold["log"]), cold["log"]
     assert cold["traced_graphs"] == 1
-    (warm,), _ = _run(tmp_path, models, mode)
+    (warm,), _ = _run(cache, models, mode)
     assert _loaded(warm) and not _compiled(warm), warm["log"]
     assert warm["traced_graphs"] == 0  # Dynamo traced nothing in this process
     assert set(warm["caches"]) == {"warm start"}
@@ -109,29 +126,28 @@ def test_second_process_loads_without_tracing(tmp_path: Path, mode: str) -> None
         assert len(warm["grads"]) == 6 and len(warm["caches"]) == 2  # forward and backward
 
 
-def test_every_changed_guard_compiles_afresh(tmp_path: Path) -> None:
-    models = _models(tmp_path)
-    _run(tmp_path, models, "train")
+def test_every_changed_guard_compiles_afresh(cold_train: ColdCache) -> None:
+    cache, _ = cold_train.fresh()
+    models = cache / "models"
     variants = ("base", "weight_dtype", "weight_shape", "ember_version", "device_name")
-    results, _ = _run(tmp_path, models, "train", *variants)
+    results, _ = _run(cache, models, "train", *variants)
     by = {r["variant"]: r for r in results}
     assert _loaded(by["base"]) and by["base"]["traced_graphs"] == 0
     for name in variants[1:]:
         assert _compiled(by[name]) and not _loaded(by[name]), (name, by[name]["log"])
     # The model's source changed (same class, same file): a fresh compile of the new code.
-    _models(tmp_path, MODEL.replace("* 2.0", "* 3.0"))
-    (changed,), _ = _run(tmp_path, models, "train")
+    _models(cache, MODEL.replace("* 2.0", "* 3.0"))
+    (changed,), _ = _run(cache, models, "train")
     assert _compiled(changed) and not _loaded(changed), changed["log"]
 
 
-def test_damaged_file_warns_and_compiles_afresh(tmp_path: Path) -> None:
-    models = _models(tmp_path)
-    _run(tmp_path, models, "infer")
-    (path,) = (tmp_path / "warm_start").glob("*.ember-warm")
+def test_damaged_file_warns_and_compiles_afresh(cold_infer: ColdCache) -> None:
+    cache, _ = cold_infer.fresh()
+    (path,) = (cache / "warm_start").glob("*.ember-warm")
     data = bytearray(path.read_bytes())
     data[len(data) // 2] ^= 0xFF
     path.write_bytes(bytes(data))
-    (r,), stderr = _run(tmp_path, models, "infer")
+    (r,), stderr = _run(cache, cache / "models", "infer")
     assert "cannot be used (ValueError: checksum mismatch); compiling afresh" in stderr
     assert _compiled(r) and any("damaged" in line for line in r["log"])
 

@@ -10,6 +10,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from cold_cache import ColdCache
 
 from ember.runtime.artifacts import ProgramStore
 
@@ -41,18 +42,24 @@ def _run(cache: Path, batch: int = 2) -> dict:
 KINDS = {"forward", "backward", "inference"}
 
 
-def test_second_process_starts_warm(tmp_path: Path) -> None:
-    first = _run(tmp_path)
+@pytest.fixture(scope="module")
+def cold(tmp_path_factory: pytest.TempPathFactory) -> ColdCache:
+    """The cache after a first process (every graph compiled and stored), for each test that starts there."""
+    return ColdCache(tmp_path_factory.mktemp("program_cache"), _run)
+
+
+def test_second_process_starts_warm(cold: ColdCache) -> None:
+    cache, first = cold.fresh()
     assert set(first["cache"]) == KINDS and set(first["cache"].values()) == {"stored"}
-    second = _run(tmp_path)
+    second = _run(cache)
     assert set(second["cache"].values()) == {"hit"}
     for kind in KINDS:  # a hit skips every compile stage
         assert set(second["stages"][kind]) == {"cache_load"}
-    assert ProgramStore(tmp_path).count() == 3
+    assert ProgramStore(cache).count() == 3
     # A new input shape is a different graph: compiled and stored, the old entries stay.
-    other = _run(tmp_path, batch=3)
+    other = _run(cache, batch=3)
     assert set(other["cache"].values()) == {"stored"}
-    assert ProgramStore(tmp_path).count() == 6
+    assert ProgramStore(cache).count() == 6
 
 
 def _db(cache: Path) -> sqlite3.Connection:
@@ -60,9 +67,9 @@ def _db(cache: Path) -> sqlite3.Connection:
 
 
 @pytest.mark.parametrize("damage", ["flipped bytes", "truncated payload", "broken program with valid checksum"])
-def test_damaged_entries_are_discarded_and_rebuilt(tmp_path: Path, damage: str) -> None:
-    _run(tmp_path)
-    with _db(tmp_path) as conn:
+def test_damaged_entries_are_discarded_and_rebuilt(cold: ColdCache, damage: str) -> None:
+    cache, _ = cold.fresh()
+    with _db(cache) as conn:
         rows = conn.execute("SELECT key, payload FROM programs").fetchall()
         for key, payload in rows:
             if damage == "flipped bytes":
@@ -79,20 +86,20 @@ def test_damaged_entries_are_discarded_and_rebuilt(tmp_path: Path, damage: str) 
                 payload = len(head).to_bytes(8, "little") + head + payload[8 + n:]
                 conn.execute("UPDATE programs SET payload = ?, sha256 = ? WHERE key = ?",
                              (payload, hashlib.sha256(payload).hexdigest(), key))
-    rebuilt = _run(tmp_path)  # correct results (checked in _run), every graph compiled again
+    rebuilt = _run(cache)  # correct results (checked in _run), every graph compiled again
     assert set(rebuilt["cache"].values()) == {"stored"}
-    assert set(_run(tmp_path)["cache"].values()) == {"hit"}
+    assert set(_run(cache)["cache"].values()) == {"hit"}
 
 
-def test_a_database_file_that_is_not_a_database_is_replaced(tmp_path: Path) -> None:
-    _run(tmp_path)
-    db = tmp_path / "programs.sqlite"
+def test_a_database_file_that_is_not_a_database_is_replaced(cold: ColdCache) -> None:
+    cache, _ = cold.fresh()
+    db = cache / "programs.sqlite"
     for suffix in ("-wal", "-shm"):
         Path(str(db) + suffix).unlink(missing_ok=True)
     db.write_bytes(b"this is not an SQLite file" * 100)
-    assert set(_run(tmp_path)["cache"].values()) == {"stored"}
-    assert list(tmp_path.glob("programs.corrupt-*")), "the damaged file is kept aside for inspection"
-    assert set(_run(tmp_path)["cache"].values()) == {"hit"}
+    assert set(_run(cache)["cache"].values()) == {"stored"}
+    assert list(cache.glob("programs.corrupt-*")), "the damaged file is kept aside for inspection"
+    assert set(_run(cache)["cache"].values()) == {"hit"}
 
 
 def test_concurrent_writers_share_one_database(tmp_path: Path) -> None:
