@@ -250,10 +250,11 @@ class Settings:
                                              "kernels load on a background thread from ember.compile() (off: no "
                                              "gain measured on a 2-core CPU; runtime/cpu_background.py)",
                                       "EMBER_CPU_BACKGROUND_LOAD")
-    cpu_aten_first: bool = _item(True, "CPU target: kernels numba has not cached compile in worker processes while "
-                                       "the program's first calls run their fused groups op by op through ATen; "
-                                       "the program switches to its kernels at the first call after they are ready "
-                                       "(off: the first call waits for every kernel; runtime/aten_first.py)",
+    cpu_aten_first: bool = _item(False, "CPU target: kernels numba has not cached compile in worker processes while "
+                                        "the program's first calls run their fused groups op by op through ATen; "
+                                        "the program switches to its kernels at the first call after they are ready "
+                                        "(off by default until the ATen program's float32 accuracy is checked on the "
+                                        "seed models; runtime/aten_first.py)",
                                  "EMBER_CPU_ATEN_FIRST")
     git_commit: str | None = _item(None, "the commit `ember bench` records, for runs from a copy of the working "
                                          "tree without its .git", "EMBER_GIT_COMMIT", "str")
