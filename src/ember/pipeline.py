@@ -226,13 +226,12 @@ def _kernel_compile_stage(job: GraphJob, kernels: GeneratedKernels) -> PendingCo
     compile workers, not awaited: the program's first call waits (_await_kernels). With the
     generated kernels go those of Ember's own ops that the graph launches."""
     behind = job.target.compile_behind(kernels, job.options.kernel_dir())
-    if behind is not None:
-        job.record.kernels = len(kernels.by_step)
-        job.record.unique_kernels = len({k.name for k in kernels.by_step.values()})
-        return behind
-    job.target.compile_kernels(kernels, job.options.kernel_dir())
+    if behind is None:
+        job.target.compile_kernels(kernels, job.options.kernel_dir())
     job.record.kernels = len(kernels.by_step)
     job.record.unique_kernels = len({k.name for k in kernels.by_step.values()})
+    if behind is not None:
+        return behind
     if not job.target.precompiles():
         return None
     jobs = [job_for(kernel_file(ks, job.options.kernel_dir()), ks.name, ks.arg_dtypes(), ks.meta)
