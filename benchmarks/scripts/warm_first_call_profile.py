@@ -33,6 +33,8 @@ def main() -> None:
     parser.add_argument("backend")
     parser.add_argument("--profile")
     parser.add_argument("--top", type=int, default=40)
+    parser.add_argument("--torch-profile", action="store_true",
+                        help="torch.profiler over the first call (every thread, CPU and CUDA): top ops")
     parser.add_argument("--batch", type=int, default=None)
     parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
     parser.add_argument("--numba-before", choices=["none", "sync", "thread"], default="none",
@@ -73,6 +75,12 @@ def main() -> None:
 
     prof = cProfile.Profile() if args.profile else None
     start = time.perf_counter()
+    tprof = None
+    if args.torch_profile:
+        from torch.profiler import ProfilerActivity, profile
+        tprof = profile(activities=[ProfilerActivity.CPU]
+                        + ([ProfilerActivity.CUDA] if device.type == "cuda" else []))
+        tprof.__enter__()
     if prof:
         prof.enable()
     step(*batches[0])
@@ -80,6 +88,8 @@ def main() -> None:
         torch.cuda.synchronize()
     if prof:
         prof.disable()
+    if tprof is not None:
+        tprof.__exit__(None, None, None)
     first = time.perf_counter() - start
     stamp(f"first call done: {first:.3f} s")
     start = time.perf_counter()
@@ -95,6 +105,10 @@ def main() -> None:
             print("  frame cache:", line)
         for g in backend.log.graphs:
             print(f"  graph {g.title}: cache {g.cache}, first run {g.first_call_s}")
+    if tprof is not None:
+        averages = tprof.key_averages()
+        print(averages.table(sort_by="self_cpu_time_total", row_limit=args.top))
+        print(averages.table(sort_by="cpu_time_total", row_limit=args.top))
     if prof:
         prof.dump_stats(args.profile)
         pstats.Stats(prof, stream=sys.stdout).sort_stats("cumulative").print_stats(args.top)

@@ -218,6 +218,10 @@ class Settings:
                                          "(runtime/cudagraphs/device.py)", "EMBER_CLEAR_WORKSPACES")
     reflection_pad: bool = _item(True, "GPU targets: reflection padding runs as Ember's kernels; off: ATen's "
                                        "(capture/decompositions.py)", "EMBER_REFLECTION_PAD")
+    depthwise_kernels: bool = _item(False, "GPU targets: depthwise convolutions in channels_last run as Ember's Triton "
+                                           "kernels, no cuDNN kernel build at each shape's first call (off by default: "
+                                           "2.5x slower than cuDNN's per step on an H100; ops/depthwise_conv.py)",
+                                    "EMBER_DEPTHWISE")
     input_mutations_in_graph: bool = _item(True, "a graph's writes into its inputs (batch norm's running "
                                                  "statistics, buffer updates) stay in Ember's program as copy_ "
                                                  "into the input; off: AOTAutograd copies them back after each "
@@ -250,11 +254,10 @@ class Settings:
                                              "kernels load on a background thread from ember.compile() (off: no "
                                              "gain measured on a 2-core CPU; runtime/cpu_background.py)",
                                       "EMBER_CPU_BACKGROUND_LOAD")
-    cpu_aten_first: bool = _item(False, "CPU target: kernels numba has not cached compile in worker processes while "
-                                        "the program's first calls run their fused groups op by op through ATen; "
-                                        "the program switches to its kernels at the first call after they are ready "
-                                        "(off by default until the ATen program's float32 accuracy is checked on the "
-                                        "seed models; runtime/aten_first.py)",
+    cpu_aten_first: bool = _item(True, "CPU target: kernels numba has not cached compile in worker processes while "
+                                       "the program's first calls run their fused groups op by op through ATen; "
+                                       "the program switches to the kernels at the first call after they are ready "
+                                       "(runtime/aten_first.py)",
                                  "EMBER_CPU_ATEN_FIRST")
     git_commit: str | None = _item(None, "the commit `ember bench` records, for runs from a copy of the working "
                                          "tree without its .git", "EMBER_GIT_COMMIT", "str")

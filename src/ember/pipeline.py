@@ -31,7 +31,7 @@ from ember.codegen.program import ProgramSource, base_namespace, generate_progra
 from ember.config import Options, settings
 from ember.graph_utils import get_attr, is_symbolic, op_family
 from ember.instruments import run_stage
-from ember.ops import max_pool, reflection_pad
+from ember.ops import depthwise_conv, max_pool, reflection_pad
 from ember.passes import PassContext, PassResult, passes_for, run_passes
 from ember.passes.attention_seeds import route_attention_seeds
 from ember.passes.freeze import static_input_indices
@@ -235,7 +235,8 @@ def _kernel_compile_stage(job: GraphJob, kernels: GeneratedKernels) -> PendingCo
     if not job.target.precompiles():
         return None
     jobs = [job_for(kernel_file(ks, job.options.kernel_dir()), ks.name, ks.arg_dtypes(), ks.meta)
-            for ks in kernels.unique()] + reflection_pad.compile_jobs(job.gm) + max_pool.compile_jobs(job.gm)
+            for ks in kernels.unique()]
+    jobs += reflection_pad.compile_jobs(job.gm) + max_pool.compile_jobs(job.gm) + depthwise_conv.compile_jobs(job.gm)
     return submit(jobs) if jobs else None
 
 

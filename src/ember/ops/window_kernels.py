@@ -1,5 +1,6 @@
 """The Triton kernels behind Ember's custom ops on (N, C, H, W) tensors: overlapping max pooling
-(ops/max_pool.py) and reflection padding (ops/reflection_pad.py), forward and backward.
+(ops/max_pool.py), reflection padding (ops/reflection_pad.py) and depthwise convolution
+(ops/depthwise_conv.py), forward and backward.
 
 Each program handles ``BLOCK`` consecutive elements of its output in that tensor's memory format,
 so neighbouring lanes touch neighbouring addresses (channels for NHWC, columns for NCHW). Every
@@ -161,3 +162,132 @@ def reflection_pad2d_backward(g_ptr, dx_ptr, total, C, H, W, OH, OW, PT, PB, PL,
         acc = round_bf16(acc)
     tl.store(dx_ptr + n.to(tl.int64) * sdn + c.to(tl.int64) * sdc + h * sdh + w * sdw,
              acc.to(dx_ptr.dtype.element_ty), mask=mask)
+
+
+# Depthwise convolution (ops/depthwise_conv.py). A program covers BLOCK_P positions (n, h, w) of
+# its output and BLOCK_C channels: in NHWC neighbouring lanes read neighbouring channels. VEC: a
+# power of two dividing every position's offset (the op computes it from the strides): Triton
+# only knows divisibility by 16 of an argument, so with 72 channels (offsets multiples of 72) it
+# loaded element by element, 10x slower than with the hint.
+
+@triton.jit
+def _aligned(offsets, VEC: tl.constexpr):
+    """1-D ``offsets`` marked as multiples of VEC (1: no mark; strides divisible by 16 need none,
+    and a mark there made some kernels slower)."""
+    if VEC > 1:
+        offsets = tl.multiple_of(offsets, [VEC])
+    return offsets
+
+
+@triton.jit
+def _aligned_2d(offsets, VEC: tl.constexpr):
+    if VEC > 1:
+        offsets = tl.multiple_of(offsets, [VEC, VEC])
+    return offsets
+
+
+@triton.jit
+def _positions(pid, P, H, W, BLOCK_P: tl.constexpr):
+    p = pid * BLOCK_P + tl.arange(0, BLOCK_P)
+    w = p % W
+    t = p // W
+    return p < P, t // H, t % H, w
+
+
+@triton.jit
+def depthwise_forward(x_ptr, w_ptr, b_ptr, y_ptr, P, C, H, W, OH, OW,
+                      sxn, sxc, sxh, sxw, swc, swh, sww, syn, syc, syh, syw,
+                      KH: tl.constexpr, KW: tl.constexpr, SH: tl.constexpr, SW: tl.constexpr,
+                      PH: tl.constexpr, PW: tl.constexpr, DH: tl.constexpr, DW: tl.constexpr,
+                      HAS_BIAS: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_C: tl.constexpr,
+                      ROUND_BF16: tl.constexpr, VEC: tl.constexpr):
+    pm, n, oh, ow = _positions(tl.program_id(0), P, OH, OW, BLOCK_P)
+    c = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
+    cm = c < C
+    xc = (c * sxc)[None, :]
+    xn = n.to(tl.int64) * sxn
+    acc = tl.full([BLOCK_P, BLOCK_C], 0.0, tl.float32)
+    for i in tl.static_range(KH):
+        h = oh * SH - PH + i * DH
+        okh = pm & (h >= 0) & (h < H)
+        for j in tl.static_range(KW):
+            w = ow * SW - PW + j * DW
+            ok = okh & (w >= 0) & (w < W)
+            v = tl.load(x_ptr + _aligned(xn + h * sxh + w * sxw, VEC)[:, None] + xc,
+                        mask=ok[:, None] & cm[None, :], other=0.0).to(tl.float32)
+            k = tl.load(w_ptr + c * swc + i * swh + j * sww, mask=cm, other=0.0).to(tl.float32)
+            acc += v * k[None, :]
+    if HAS_BIAS:  # added before the one rounding, as cuDNN does
+        acc += tl.load(b_ptr + c, mask=cm, other=0.0).to(tl.float32)[None, :]
+    if ROUND_BF16:
+        acc = round_bf16(acc)
+    out = _aligned(n.to(tl.int64) * syn + oh * syh + ow * syw, VEC)[:, None] + (c * syc)[None, :]
+    tl.store(y_ptr + out, acc.to(y_ptr.dtype.element_ty), mask=pm[:, None] & cm[None, :])
+
+
+@triton.jit
+def depthwise_backward_input(g_ptr, w_ptr, dx_ptr, P, C, H, W, OH, OW,
+                             sgn, sgc, sgh, sgw, swc, swh, sww, sdn, sdc, sdh, sdw,
+                             KH: tl.constexpr, KW: tl.constexpr, SH: tl.constexpr, SW: tl.constexpr,
+                             PH: tl.constexpr, PW: tl.constexpr, DH: tl.constexpr, DW: tl.constexpr,
+                             BLOCK_P: tl.constexpr, BLOCK_C: tl.constexpr, ROUND_BF16: tl.constexpr,
+                      VEC: tl.constexpr):
+    """A gather: input position (h, w) sums the output gradients of the taps that read it, where
+    ``h + PH - i * DH`` is a multiple of the stride."""
+    pm, n, h, w = _positions(tl.program_id(0), P, H, W, BLOCK_P)
+    c = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
+    cm = c < C
+    gc = (c * sgc)[None, :]
+    gn = n.to(tl.int64) * sgn
+    acc = tl.full([BLOCK_P, BLOCK_C], 0.0, tl.float32)
+    for i in tl.static_range(KH):
+        th = h + PH - i * DH
+        oh = th // SH
+        okh = pm & (th >= 0) & (oh * SH == th) & (oh < OH)
+        for j in tl.static_range(KW):
+            tw = w + PW - j * DW
+            ow = tw // SW
+            ok = okh & (tw >= 0) & (ow * SW == tw) & (ow < OW)
+            g = tl.load(g_ptr + _aligned(gn + oh * sgh + ow * sgw, VEC)[:, None] + gc,
+                        mask=ok[:, None] & cm[None, :], other=0.0).to(tl.float32)
+            k = tl.load(w_ptr + c * swc + i * swh + j * sww, mask=cm, other=0.0).to(tl.float32)
+            acc += g * k[None, :]
+    if ROUND_BF16:
+        acc = round_bf16(acc)
+    out = _aligned(n.to(tl.int64) * sdn + h * sdh + w * sdw, VEC)[:, None] + (c * sdc)[None, :]
+    tl.store(dx_ptr + out, acc.to(dx_ptr.dtype.element_ty), mask=pm[:, None] & cm[None, :])
+
+
+@triton.jit
+def depthwise_backward_weight(g_ptr, x_ptr, part_ptr, P, C, H, W, OH, OW, TILES,
+                                   sgn, sgc, sgh, sgw, sxn, sxc, sxh, sxw,
+                                   KH: tl.constexpr, KW: tl.constexpr, SH: tl.constexpr, SW: tl.constexpr,
+                                   PH: tl.constexpr, PW: tl.constexpr, DH: tl.constexpr, DW: tl.constexpr,
+                                   TAPS: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_C: tl.constexpr, VEC: tl.constexpr):
+    """One chunk's partial weight gradient, float32 (TAPS, C) at ``part_ptr[chunk]``: the sum over
+    ``TILES`` tiles of output positions of gradient x shifted input. Every tap's products of a tile
+    form one [TAPS, BLOCK_P, BLOCK_C] block summed in registers across tiles, and the positions are
+    reduced once at the end (a reduction per tap and tile took 15% longer on an H100). The op sums
+    the chunks (no atomics: the result does not depend on scheduling)."""
+    chunk = tl.program_id(0)
+    c = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
+    cm = c < C
+    tap = tl.arange(0, TAPS)
+    ki = (tap // KW)[:, None]
+    kj = (tap % KW)[:, None]
+    tap_ok = (tap < KH * KW)[:, None]
+    acc = tl.full([TAPS, BLOCK_P, BLOCK_C], 0.0, tl.float32)
+    for t in range(TILES):
+        pm, n, oh, ow = _positions(chunk * TILES + t, P, OH, OW, BLOCK_P)
+        g = tl.load(g_ptr + _aligned(n.to(tl.int64) * sgn + oh * sgh + ow * sgw, VEC)[:, None] + (c * sgc)[None, :],
+                    mask=pm[:, None] & cm[None, :], other=0.0).to(tl.float32)
+        h = (oh * SH - PH)[None, :] + ki * DH
+        w = (ow * SW - PW)[None, :] + kj * DW
+        ok = tap_ok & pm[None, :] & (h >= 0) & (h < H) & (w >= 0) & (w < W)
+        at = _aligned_2d((n.to(tl.int64) * sxn)[None, :] + h * sxh + w * sxw, VEC)
+        v = tl.load(x_ptr + at[:, :, None] + (c * sxc)[None, None, :], mask=ok[:, :, None] & cm[None, None, :],
+                    other=0.0).to(tl.float32)
+        acc += v * g[None, :, :]
+    part = tl.reduce(acc, 1, tl.standard._sum_combine)
+    out = chunk.to(tl.int64) * TAPS * C + tl.arange(0, TAPS)[:, None] * C + c[None, :]
+    tl.store(part_ptr + out, part, mask=tap_ok & cm[None, :])

@@ -23,6 +23,7 @@ from ember.passes.cleanup import (
     replace_functional_copies,
 )
 from ember.passes.cpu_library import lower_cpu_library_calls
+from ember.passes.depthwise import generate_depthwise_convs
 from ember.passes.fold_conv import fold_conv_affine
 from ember.passes.freeze import mark_frozen
 from ember.passes.layout import to_channels_last
@@ -72,8 +73,8 @@ class PassContext:
 def passes_for(context: PassContext) -> list[GraphPass]:
     """The pass pipeline of one graph: cleanup always; on CUDA backward graphs, the seeds of
     memory-efficient attention with dropout routed for CUDA graphs; on the GPU targets, matmul dims
-    padded to cuBLAS's alignment where the rule says it pays, and channels_last for convolutional
-    graphs; freezing, convolution folding and oneDNN library calls for CPU inference graphs whose
+    padded to cuBLAS's alignment where the rule says it pays, channels_last for convolutional
+    graphs and depthwise convolutions as Ember's kernels; freezing, convolution folding and oneDNN library calls for CPU inference graphs whose
     parameters are known; freezing alone for GPU inference graphs."""
     passes = list(DEFAULT_PASSES)
     if BY_NAME[context.target].runs_on_cuda and context.kind == "backward":
@@ -88,6 +89,8 @@ def passes_for(context: PassContext) -> list[GraphPass]:
         def channels_last_layout(gm: fx.GraphModule) -> int:
             return to_channels_last(gm, context.kind, context.example_inputs)
         passes.append(channels_last_layout)
+        if settings().depthwise_kernels:  # after the layout pass: the rule reads the layout it chose
+            passes.append(generate_depthwise_convs)
     if context.cpu_library:
         def mark_frozen_parameters(gm: fx.GraphModule) -> int:
             return mark_frozen(gm, context.static_inputs)

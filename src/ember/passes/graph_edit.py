@@ -18,14 +18,17 @@ def _fake_args(args: object) -> object:
     return fx.node.map_arg(args, lambda n: n.meta.get("val"))
 
 
+def fake_result(mode: object, target: object, args: tuple, kwargs: dict | None = None) -> object:
+    """What ``target`` returns for these node arguments, run on their fake values."""
+    with mode:
+        return target(*_fake_args(args), **_fake_args(kwargs or {}))
+
+
 def add_node(graph: fx.Graph, mode: object, target: object, args: tuple, kwargs: dict | None = None,
              frozen: bool = False, val: object = None) -> fx.Node:
     """A call_function node (at the graph's current insertion point) with ``meta['val']``."""
     node = graph.call_function(target, args, kwargs or {})
-    if val is None:
-        with mode:
-            val = target(*_fake_args(args), **_fake_args(kwargs or {}))
-    node.meta["val"] = val
+    node.meta["val"] = fake_result(mode, target, args, kwargs) if val is None else val
     node.meta[FROZEN] = frozen
     return node
 

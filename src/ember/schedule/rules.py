@@ -171,6 +171,11 @@ EMBER_OPS = {
                                  "(ops/upsample.py)",
     "max_pool2d": "Ember's Triton kernel for overlapping max-pool windows, int8 positions (ops/max_pool.py)",
     "max_pool2d_backward": "Ember's Triton gather kernel for the max-pool gradient (ops/max_pool.py)",
+    "depthwise_conv2d": "Ember's Triton kernel for a depthwise convolution, NHWC (ops/depthwise_conv.py)",
+    "depthwise_conv2d_backward_input": "Ember's Triton gather kernel for a depthwise convolution's input gradient "
+                                       "(ops/depthwise_conv.py)",
+    "depthwise_conv2d_backward_weight": "Ember's Triton kernel for a depthwise convolution's weight gradient, "
+                                        "per-chunk sums without atomics (ops/depthwise_conv.py)",
     "reflection_pad2d": "Ember's Triton gather kernel for reflection padding (ops/reflection_pad.py)",
     "pad_zeros": "a copy into a zero-padded buffer in the source's layout, for an aligned matmul "
                  "(ops/pad_zeros.py, passes/pad_matmul.py)",
