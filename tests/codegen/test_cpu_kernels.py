@@ -474,6 +474,11 @@ def test_parallel_compile_in_a_worker_process(monkeypatch: pytest.MonkeyPatch, t
         return done
 
     monkeypatch.setattr(cpu_compile, "compile_parallel", spy)
+    # The worker is up before the compile starts (workers are kept for the process): otherwise on a
+    # loaded 2-core machine this process could compile every kernel while the worker imports numba.
+    worker = cpu_compile._workers(1)[0]
+    assert worker.proc.stdout.readline().startswith("ready")
+    worker.ready = True
 
     def fn(x, y, m):  # several distinct kernels: softmax, a masked pointwise chain, a column sum
         return torch.softmax(x, -1), torch.where(m, x * y, -y).exp(), (x * y).sum(0), torch.erf(x).amax(1)
