@@ -2,7 +2,7 @@
 depthwise or not, forward and backward, for every convolution of a model, against the steady
 per-call time; variants in new processes each (the first call of a shape is once per process).
 
-    PYTHONPATH=src python benchmarks/scripts/conv_first_call.py mobilenet_v3 [--variant cudnn native benchmark nchw fp16 ember]
+    PYTHONPATH=src python benchmarks/scripts/conv_first_call.py mobilenet_v3 [--variant cudnn native benchmark nchw fp16 ember v7]
 """
 
 from __future__ import annotations
@@ -109,8 +109,11 @@ def main() -> int:
     convs = model_convs(args.model, args.batch)
     results = {}
     for variant in args.variant:
+        env = dict(os.environ)
+        if variant == "v7":  # PyTorch's cuDNN legacy (v7) API: heuristics pick a kernel, no plan to build
+            env["TORCH_CUDNN_V8_API_DISABLED"] = "1"
         proc = subprocess.run([sys.executable, "-c", CHILD, variant, json.dumps(convs), str(args.batch)],
-                              capture_output=True, text=True, env=os.environ)
+                              capture_output=True, text=True, env=env)
         line = next((ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")), None)
         if line is None:
             print(variant, "ERROR", proc.stderr[-1500:])
