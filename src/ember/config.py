@@ -222,6 +222,9 @@ class Settings:
                                            "kernels, no cuDNN kernel build at each shape's first call (off by default: "
                                            "2.5x slower than cuDNN's per step on an H100; ops/depthwise_conv.py)",
                                     "EMBER_DEPTHWISE")
+    triton_key_cache: bool = _item(True, "Triton's own cache key (a hash of its sources and libtriton, 0.4-0.8 s per "
+                                         "process) is kept in Triton's cache folder and reused while its files are "
+                                         "unchanged (runtime/triton_key.py)", "EMBER_TRITON_KEY_CACHE")
     input_mutations_in_graph: bool = _item(True, "a graph's writes into its inputs (batch norm's running "
                                                  "statistics, buffer updates) stay in Ember's program as copy_ "
                                                  "into the input; off: AOTAutograd copies them back after each "

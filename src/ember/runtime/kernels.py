@@ -26,6 +26,7 @@ from pathlib import Path
 from types import ModuleType
 
 from ember.codegen.kernel_source import KernelSource, split_module
+from ember.runtime import triton_key
 
 _LOADED: dict[tuple[str, str, bool], Callable] = {}
 _CPU_MODULES: dict[tuple[str, str], ModuleType] = {}
@@ -92,6 +93,8 @@ def load_kernel(ks: KernelSource, kernel_dir: Path, interpret: bool) -> Callable
         else:
             _LOADED[key] = _cpu_launcher(ks.module_source(), kernel_dir)
         return _LOADED[key]
+    if not interpret:
+        triton_key.install()
     path = kernel_file(ks, kernel_dir)
     spec = importlib.util.spec_from_file_location(f"ember_kernels.{ks.name}", path)
     module = importlib.util.module_from_spec(spec)
@@ -109,6 +112,8 @@ def load_module(path: Path, interpret: bool) -> ModuleType:
     """A module of hand-written ``@triton.jit`` kernels, imported once per mode: its kernels and the
     helpers they call are interpreted (CPU tensors) or compiled alike."""
     key = (str(path), interpret)
+    if not interpret:
+        triton_key.install()
     if key not in _MODULES:
         spec = importlib.util.spec_from_file_location(f"ember_kernels.{path.stem}_{int(interpret)}", path)
         module = importlib.util.module_from_spec(spec)

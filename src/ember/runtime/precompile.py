@@ -181,6 +181,8 @@ def compile_job(job: CompileJob) -> tuple[str | None, float, float]:
     if os.environ.get("EMBER_COMPILE_WORKER") == "1":  # the parent's own compiles use its folder as it is
         _use_cache_dir(job.cache_dir)
     try:
+        from ember.runtime import triton_key
+        triton_key.install()  # after the cache folder is set: the stored key lives there
         spec = importlib.util.spec_from_file_location(f"ember_precompile.{job.name}", job.path)
         module = importlib.util.module_from_spec(spec)
         spec.loader.exec_module(module)
