@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import json
 import os
+import select
 import subprocess
 import sys
 import textwrap
@@ -476,9 +477,15 @@ def test_parallel_compile_in_a_worker_process(monkeypatch: pytest.MonkeyPatch, t
     monkeypatch.setattr(cpu_compile, "compile_parallel", spy)
     # The worker is up before the compile starts (workers are kept for the process): otherwise on a
     # loaded 2-core machine this process could compile every kernel while the worker imports numba.
+    for stale in cpu_compile._WORKERS:  # one an earlier test started that never came up
+        if not stale.ready:
+            stale.proc.kill()
+            stale.proc.wait()
     worker = cpu_compile._workers(1)[0]
-    assert worker.proc.stdout.readline().startswith("ready")
-    worker.ready = True
+    if not worker.ready:
+        readable, _, _ = select.select([worker.proc.stdout], [], [], 120)
+        assert readable and worker.proc.stdout.readline().startswith("ready"), "the compile worker did not start"
+        worker.ready = True
 
     def fn(x, y, m):  # several distinct kernels: softmax, a masked pointwise chain, a column sum
         return torch.softmax(x, -1), torch.where(m, x * y, -y).exp(), (x * y).sum(0), torch.erf(x).amax(1)
