@@ -147,7 +147,7 @@ def _(grad: torch.Tensor, weight: torch.Tensor, input_size: list[int], stride: l
 
 def weight_blocks(c: int, taps: int) -> tuple[int, int]:
     """(BLOCK_P, BLOCK_C) of the weight-gradient kernel."""
-    block_c = min(64, triton.next_power_of_2(c))
+    block_c = blocks(c)[1]  # the forward's channel block
     return max(1, WEIGHT_TILE // (taps * block_c)), block_c
 
 

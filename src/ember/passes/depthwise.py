@@ -7,7 +7,8 @@ kernels take. Those run as ``ember::depthwise_conv2d`` and, in the backward, as
 gradient; every other convolution stays cuDNN's. Why (ops/depthwise_conv.py): cuDNN builds a
 kernel for each NHWC depthwise shape at its first call, ~1.3 s per shape for forward and
 backward on an H100, in every new process. NCHW depthwise convolutions already run ATen's own
-kernels (no build) and are left alone. ``EMBER_DEPTHWISE=0`` turns the pass off.
+kernels (no build) and are left alone. Off by default (``EMBER_DEPTHWISE=1`` turns it on): the
+kernels are slower than cuDNN's once those are built (docs/compile_time.md).
 """
 
 from __future__ import annotations

@@ -19,6 +19,7 @@ from ember.config import Options
 from ember.runtime import kernels
 from ember.runtime.artifacts import ProgramStore
 from ember.runtime.cache_folder import folder_problem
+from ember.runtime.triton_key import triton_cache_dir
 
 
 def cache_dir(path: str | os.PathLike[str] | None = None) -> Path:
@@ -35,7 +36,7 @@ def cache_info(path: str | os.PathLike[str] | None = None) -> dict[str, Any]:
     """Where the cache is and what it holds."""
     root = cache_dir(path)
     n_kernels, kernel_bytes = _usage(root / "kernels", "ember_*.py")
-    triton_dir = Path(os.environ.get("TRITON_CACHE_DIR") or Path.home() / ".triton" / "cache")
+    triton_dir = triton_cache_dir()
     n_triton, triton_bytes = _usage(triton_dir)
     store = ProgramStore(root)
     db_bytes = store.path.stat().st_size if store.path.exists() else 0

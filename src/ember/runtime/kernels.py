@@ -112,9 +112,9 @@ def load_module(path: Path, interpret: bool) -> ModuleType:
     """A module of hand-written ``@triton.jit`` kernels, imported once per mode: its kernels and the
     helpers they call are interpreted (CPU tensors) or compiled alike."""
     key = (str(path), interpret)
-    if not interpret:
-        triton_key.install()
     if key not in _MODULES:
+        if not interpret:
+            triton_key.install()
         spec = importlib.util.spec_from_file_location(f"ember_kernels.{path.stem}_{int(interpret)}", path)
         module = importlib.util.module_from_spec(spec)
         with jit_mode(interpret):

@@ -26,15 +26,9 @@ def _triton_dir() -> Path:
     return Path(triton.__file__).resolve().parent
 
 
-def _cache_dir() -> Path:
-    folder = os.environ.get("TRITON_CACHE_DIR")
-    if folder:
-        return Path(folder)
-    try:
-        from triton import knobs
-        return Path(knobs.cache.dir)
-    except (ImportError, AttributeError):
-        return Path.home() / ".triton" / "cache"
+def triton_cache_dir() -> Path:
+    """Triton's cache folder: ``TRITON_CACHE_DIR``, else its default under the home folder."""
+    return Path(os.environ.get("TRITON_CACHE_DIR") or Path.home() / ".triton" / "cache")
 
 
 def stamp() -> str:
@@ -62,10 +56,12 @@ def install() -> None:
     """Make ``triton.runtime.cache.triton_key`` answer from the stored key when its stamp matches
     (once per process; a no-op where the key was already computed here)."""
     global _installed
-    from ember.config import settings
-    if _installed or not settings().triton_key_cache:
+    if _installed:
         return
     _installed = True
+    from ember.config import settings
+    if not settings().triton_key_cache:
+        return
     try:
         import triton.runtime.cache as triton_cache
     except ImportError:
@@ -74,7 +70,7 @@ def install() -> None:
     info = getattr(original, "cache_info", None)
     if info is not None and info().currsize:
         return  # computed in this process already: nothing to save
-    path = _cache_dir() / _FILE
+    path = triton_cache_dir() / _FILE
     now = stamp()
     try:
         stored = json.loads(path.read_text())
