@@ -190,6 +190,63 @@ def test_generated_pooling_under_the_layout_pass_matches_eager(memory_format: to
         assert not any("max_pool" in op for ops in graph.placement.values() for op in ops), graph.placement
 
 
+class WindowPartition(nn.Module):
+    """Swin's window partition after a patch-embedding convolution: the stem's NHWC output, a
+    LayerNorm, then ``view -> permute -> contiguous -> view -> view`` into windows for a linear
+    layer. Every reshape there is a view in eager."""
+
+    def __init__(self, c: int = 8, window: int = 2) -> None:
+        super().__init__()
+        self.window = window
+        self.embed = nn.Conv2d(3, c, 2, stride=2)
+        self.norm = nn.LayerNorm(c)
+        self.fc = nn.Linear(c, c)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.norm(self.embed(x).permute(0, 2, 3, 1))
+        b, h, w, c = y.shape
+        ws = self.window
+        windows = y.view(b, h // ws, ws, w // ws, ws, c).permute(0, 1, 3, 2, 4, 5).contiguous()
+        return self.fc(windows.view(-1, ws, ws, c).view(-1, ws * ws, c))
+
+
+def test_window_partition_views_stay_views() -> None:
+    # The merge into a 4-D [windows, ws, ws, c] tensor looks like a 4-D activation, but the
+    # partition's copy is already contiguous: re-striding it as channels_last made the next view
+    # a copy (ATen's copy kernel, twice per Swin block and pass) and the partition's own copy
+    # write a transposed layout.
+    torch.manual_seed(0)
+    with strict_env():
+        want, got, compiled = _train_step(WindowPartition(), torch.randn(2, 3, 8, 8))
+    _compare(want, got)
+    for graph in compiled._ember_backend.log.graphs:
+        assert "aten.reshape.default(" not in graph.program, graph.kind
+
+
+class WindowReverse(WindowPartition):
+    """The window partition, a projection, then Swin's window reverse on a copy of the
+    projection's output (what a p=0 dropout decomposes to on some torch versions)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        windows = super().forward(x).clone()
+        ws, c = self.window, windows.shape[-1]
+        merged = windows.view(-1, 2, 2, ws, ws, c).permute(0, 1, 3, 2, 4, 5).contiguous().view(-1, 2 * ws, 2 * ws, c)
+        return torch.tanh(merged) * 3.0
+
+
+def test_a_clone_that_keeps_its_layout_is_its_source() -> None:
+    torch.manual_seed(0)
+    with strict_env():
+        want, got, compiled = _train_step(WindowReverse(), torch.randn(2, 3, 8, 8))
+    _compare(want, got)
+    fw = next(g for g in compiled._ember_backend.log.graphs if g.kind == "forward")
+    # Two copies go: the model's own, and the contiguous copy of the stem's NHWC permute (the
+    # layout pass makes the convolution's output channels_last, so the permute already is).
+    assert dict((name, changed) for name, _s, changed in fw.passes)["remove_layout_preserving_clones"] == 2
+    # The copies left: the stem's input into channels_last, the partition and the reverse.
+    assert fw.placement["generated"]["aten.clone"] == 3, fw.placement
+
+
 def test_option_off_keeps_nchw() -> None:
     torch.manual_seed(0)
     with strict_env():

@@ -20,6 +20,7 @@ from ember.passes.cleanup import (
     eliminate_common_subexpressions,
     eliminate_dead_code,
     fold_constants,
+    remove_layout_preserving_clones,
     replace_functional_copies,
 )
 from ember.passes.cpu_library import lower_cpu_library_calls
@@ -74,7 +75,8 @@ def passes_for(context: PassContext) -> list[GraphPass]:
     """The pass pipeline of one graph: cleanup always; on CUDA backward graphs, the seeds of
     memory-efficient attention with dropout routed for CUDA graphs; on the GPU targets, matmul dims
     padded to cuBLAS's alignment where the rule says it pays, channels_last for convolutional
-    graphs and (when switched on) depthwise convolutions as Ember's kernels; freezing, convolution
+    graphs and (when switched on) depthwise convolutions as Ember's kernels, then clones that keep
+    their source's layout removed; freezing, convolution
     folding and oneDNN library calls for CPU inference graphs whose parameters are known; freezing
     alone for GPU inference graphs."""
     passes = list(DEFAULT_PASSES)
@@ -92,6 +94,8 @@ def passes_for(context: PassContext) -> list[GraphPass]:
         passes.append(channels_last_layout)
         if settings().depthwise_kernels:  # after the layout pass: the rule reads the layout it chose
             passes.append(generate_depthwise_convs)
+    if BY_NAME[context.target].gpu_code_path:
+        passes.append(remove_layout_preserving_clones)  # after the layout pass: its strides decide
     if context.cpu_library:
         def mark_frozen_parameters(gm: fx.GraphModule) -> int:
             return mark_frozen(gm, context.static_inputs)

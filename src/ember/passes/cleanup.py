@@ -1,5 +1,5 @@
 """Cleanup passes: dead-code elimination, common-subexpression elimination, constant folding,
-functional copies as clones."""
+functional copies as clones, clones that keep their source's layout."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import torch.fx as fx
 
 from ember.graph_utils import FOLDED_PREFIX
 from ember.schedule.op_support import POINTWISE_OPS
-from ember.schedule.rules import CONSTANT_OPS, RANDOM_OPS
+from ember.schedule.rules import CONSTANT_OPS, RANDOM_OPS, OpClass, classify
 
 aten = torch.ops.aten
 
@@ -193,6 +193,64 @@ def replace_functional_copies(gm: fx.GraphModule) -> int:
                 new = gm.graph.call_function(aten._to_copy.default, (src,), {"dtype": d.dtype, "memory_format": fmt})
         new.meta = dict(node.meta)
         node.replace_all_uses_with(new)
+        gm.graph.erase_node(node)
+        changed += 1
+    return changed
+
+
+def _dense(t: torch.Tensor) -> bool:
+    """Non-overlapping and dense, from offset 0: a tensor that is its storage, in some dim order."""
+    step = 1
+    for size, stride in sorted(zip(t.shape, t.stride()), key=lambda d: d[1]):
+        if size != 1 and stride != step:
+            return False
+        step *= size
+    return t.storage_offset() == 0
+
+
+def _view_base(node: fx.Node) -> fx.Node:
+    """The node a chain of views starts from (``node`` itself when it is no view)."""
+    while node.op == "call_function" and classify(node).cls == OpClass.VIEW and node.args \
+            and isinstance(node.args[0], fx.Node):
+        node = node.args[0]
+    return node
+
+
+def _reaches_output(node: fx.Node) -> bool:
+    """Whether ``node`` or a view of it is a graph output (what the caller or the backward sees)."""
+    todo = [node]
+    while todo:
+        n = todo.pop()
+        for user in n.users:
+            if user.op == "output":
+                return True
+            if user.op == "call_function" and classify(user).cls == OpClass.VIEW and user.args[0] is n:
+                todo.append(user)
+    return False
+
+
+def remove_layout_preserving_clones(gm: fx.GraphModule) -> int:
+    """A ``clone`` whose result has its source's exact layout, of a value the graph computed
+    (no input, no view of one) and which nobody sees outside the graph, is its source: the graph
+    is functional, so nothing writes either between the copy and its reads. Model code calls
+    ``.contiguous()`` / ``.clone()`` on tensors that already are (Swin's window reverse copies
+    each attention output once more), and each such clone was a kernel that moved the whole
+    tensor. Run after the layout pass, whose strides decide which clones keep their layout."""
+    changed = 0
+    for node in list(gm.graph.nodes):
+        if node.op != "call_function" or node.target != aten.clone.default or not isinstance(node.args[0], fx.Node):
+            continue
+        src = node.args[0]
+        base = _view_base(src)
+        if base.op != "call_function" or base.target in RANDOM_OPS:
+            continue
+        out, val = node.meta.get("val"), src.meta.get("val")
+        if not (isinstance(out, torch.Tensor) and isinstance(val, torch.Tensor)) or out.dtype != val.dtype \
+                or out.shape != val.shape or out.device != val.device or out.stride() != val.stride():
+            continue
+        if not (_dense(val) and _dense(out)) or _reaches_output(node):
+            continue
+        node.replace_all_uses_with(src)
         gm.graph.erase_node(node)
         changed += 1
     return changed

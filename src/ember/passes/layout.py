@@ -394,8 +394,9 @@ def _restride_for_merge(node: fx.Node, mode: object) -> int:
     if classify(src).cls != OpClass.POINTWISE or src.target in RANGE_SELECT_OPS:
         return 0
     groups = _merge_groups(tuple(val.shape), tuple(out.shape))
-    if groups is None:
-        return 0
+    if groups is None or _viewable(val, tuple(out.shape)):
+        return 0  # a merge the producer's layout already views (a window partition's .contiguous()):
+        # re-striding it would turn the views after it into copies
     stride = [0] * val.dim()
     for out_stride, run in zip(dense_strides(tuple(out.shape), torch.channels_last), groups):
         step = out_stride
@@ -409,6 +410,15 @@ def _restride_for_merge(node: fx.Node, mode: object) -> int:
     if node.target != aten.reshape.default:
         node.target = aten.reshape.default
     return 1
+
+
+def _viewable(val: torch.Tensor, shape: tuple[int, ...]) -> bool:
+    """Whether a tensor laid out as ``val`` can be viewed as ``shape`` without a copy."""
+    try:
+        torch.empty_strided(tuple(val.shape), val.stride(), dtype=val.dtype, device="meta").view(shape)
+    except (RuntimeError, ValueError):  # ValueError: the meta kernel's "Cannot view a tensor ..."
+        return False
+    return True
 
 
 def _rerun(node: fx.Node, mode: object) -> int:
