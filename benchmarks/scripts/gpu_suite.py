@@ -122,7 +122,9 @@ def run_job(job: Job, backends: str, out: Path, plan: str, timeout: float, extra
         backends += ",ember-whole-step"  # Ember's whole-step program: training rows only
     cmd = [sys.executable, "-m", "ember.cli", "bench", *job.args(), "--backend", backends, "--no-progress",
            "--json", str(out / f"{stem}.json"), *extra]
-    env = {**os.environ, "PYTHONPATH": str(ROOT / "src") + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    # A PYTHONPATH given by the caller decides which Ember runs (another checkout's src, to time
+    # two versions on one machine); without one, this checkout's.
+    env = {**os.environ, "PYTHONPATH": os.environ.get("PYTHONPATH") or str(ROOT / "src")}
     if lane.gpu is not None:
         env["CUDA_VISIBLE_DEVICES"] = str(lane.gpu)
     if lane.cpus:
