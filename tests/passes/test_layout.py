@@ -392,6 +392,25 @@ def test_channel_statistics_of_channels_last_use_channel_tiles(split_reductions:
     assert "channel-contiguous" in src and "split=" in src and "ember_part1_" in src, src
 
 
+@pytest.mark.parametrize("reduce", ["sum", "mean", "amax"])
+def test_a_split_reduction_without_full_outputs_combines_in_its_storing_kernel(split_reductions: None,
+                                                                              reduce: str) -> None:
+    # A column reduction (a linear layer's bias gradient) stores nothing that walks the reduced
+    # dim: its storing kernel runs one program per column block and combines the chunks' partials
+    # itself, so the group is two kernels (partials, then combine-and-store), not three.
+    x = make_input((96, 5), "contiguous")
+
+    def fn(t: torch.Tensor) -> torch.Tensor:
+        return getattr(torch, reduce)(t * 2.0, 0) + 1.0
+
+    with strict_env(looped=True):
+        compiled = ember.compile(fn, target="triton-interpret")
+        assert_close(compiled(x), fn(x), norm_rtol=1e-5)
+    (graph,) = compiled._ember_backend.log.graphs
+    assert sorted(name.split("_")[1] for name in graph.kernel_sources) == ["part1", "red"], graph.kernel_sources
+    assert "split=" in _kernels(compiled)
+
+
 def test_a_broadcast_gradient_does_not_decide_the_tile_order(split_reductions: None) -> None:
     """A pooled gradient expanded back over H and W (ResNet's last batch-norm backward) walks
     every dim but stores only N x C: the channels_last activation orders the tile."""

@@ -132,6 +132,10 @@ class TritonWriter(TritonReductions):
         final_loops = any(self._walks_reduced(group.dims[n]) for n in group.outputs)
         # Programs per x block: every chunk for partials and full-domain stores, else one.
         self.grid_split = self.split.split if ((phase is not None and phase[0] == "part") or final_loops) else 1
+        # Without full-domain stores the storing kernel runs one program per x block, so it combines
+        # the last level's partials itself: one kernel launch fewer than a combining kernel would
+        # take (a bias or LayerNorm weight gradient is one such group).
+        self.combines_last_level = self.split.split > 1 and not final_loops
         if phase is not None and phase[0] == "comb":
             self.grid_split = 1
             sblock = min(next_pow2(self.split.split), 4096)
@@ -380,8 +384,10 @@ def generate_triton(group: FusedGroup, interpret: bool = False, config: dict[str
     if writer.split.split > 1:
         # Partials of every chunk, then one result row per reduction.
         ks.workspace = len(writer.reductions) * (writer.split.split + 1) * writer.xnumel
+        last = writer.levels()[-1]
         ks.pre = [TritonWriter(group, interpret, phase=(step, lv), config=config).write()
-                  for lv in writer.levels() for step in ("part", "comb")]
+                  for lv in writer.levels() for step in ("part", "comb")
+                  if not (step == "comb" and lv == last and writer.combines_last_level)]
         for k in ks.pre:
             k.workspace = ks.workspace
     return ks

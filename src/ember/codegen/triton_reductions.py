@@ -7,7 +7,9 @@ accumulating ``[XBLOCK, RBLOCK]`` partial results that one ``tl.reduce`` combine
 a last loop computes and stores the outputs that walk the reduced dims. Split reductions (see
 codegen/triton_tiles.py) run a level's loop over one chunk per program and store the chunk's
 result in a float32 workspace (``("part", level)`` kernels); a small kernel combines each x's
-chunks into one result row (``("comb", level)``), which the later kernels load.
+chunks into one result row (``("comb", level)``), which the later kernels load. The last level's
+chunks are combined by the kernel that stores the outputs where that kernel runs one program per
+x block (no output walks the reduced dims).
 """
 
 from __future__ import annotations
@@ -43,6 +45,7 @@ class TritonReductions(KernelWriter):
     split: Split
     phase: tuple[str, int] | None
     reduced_order: list[int]
+    combines_last_level: bool
 
     def _coord_lines(self, dims: list[int], index: str, numel: int) -> list[str]:
         raise NotImplementedError
@@ -101,6 +104,8 @@ class TritonReductions(KernelWriter):
             elif self.phase == ("comb", lv):
                 self._combine_partials(root, at_level)
                 return root.lines
+            elif self.combines_last_level and lv == self.levels()[-1]:
+                self._combine_partials(root, at_level, into_cache=True)
             else:
                 self._load_results(root, at_level)
         full_outputs = [n for n in self.group.outputs if self._walks_reduced(self.group.dims[n])]
@@ -127,9 +132,10 @@ class TritonReductions(KernelWriter):
                               f"  # {node_source(r)}")
             root.cache[r] = TritonValue(var, value_dtype(r))
 
-    def _combine_partials(self, root: Scope, reductions: list[fx.Node]) -> None:
+    def _combine_partials(self, root: Scope, reductions: list[fx.Node], into_cache: bool = False) -> None:
         """Each reduction's result from the chunks' partials, stored once per x in the workspace
-        (one small kernel, instead of every program of the next kernels combining them again)."""
+        (one small kernel, instead of every program of the next kernels combining them again), or,
+        ``into_cache``, kept as the value the storing kernel's outputs read."""
         sblock = self.split.sblock
         for r in reductions:
             dtype = value_dtype(r)
@@ -142,7 +148,12 @@ class TritonReductions(KernelWriter):
                               f"{self.split.split}), other={ident})")
             root.lines.append(f"    {acc} = {accumulate(TRITON, kind, acc, part, dtype)}")
             var = self._tmp()
-            root.lines.append(f"{var} = tl.reduce({acc}, 1, {combine_fn(kind, dtype)})[:, None]  # {node_source(r)}")
+            reduced = f"tl.reduce({acc}, 1, {combine_fn(kind, dtype)})[:, None]"
+            if into_cache:
+                root.lines.append(f"{var} = {self._finish(r, reduced)}  # {node_source(r)}")
+                root.cache[r] = TritonValue(var, dtype)
+                continue
+            root.lines.append(f"{var} = {reduced}  # {node_source(r)}")
             root.lines.append(f"tl.store(ws + ({self._result_offset(r)}), {var}, xmask)")
 
     def _loop(self, root: Scope, reductions: list[fx.Node], stores: list[fx.Node] = (),
