@@ -7,6 +7,7 @@ wrote there, and a write into a slot while a step uses it would change that step
 
 from __future__ import annotations
 
+import gc
 import time
 
 import pytest
@@ -186,6 +187,30 @@ def test_a_batch_kept_past_its_pass_is_left_to_its_holder() -> None:
     assert all(torch.equal(a, torch.relu(x @ model.w)) for a, x in zip(got, items))
     children = fetcher.router.children.values()
     assert len(children) == 2 and all(c.captures == 1 and c.calls == 4 and c.g.dynamic_idx == [] for c in children)
+
+
+def test_a_batch_only_a_garbage_cycle_holds_keeps_its_slot() -> None:
+    # A batch tensor that only an unreachable reference cycle still points to is not held: the
+    # next pass collects it and writes the same slots, and the graphs reading them stay captured.
+    items = _batches(4)
+    model = _Model(FakeGraphs())
+    fetcher = prefetch(items, device="cpu", into=model.runner(3))
+    for x in fetcher:
+        model(x)
+    cycle: list = []
+    cycle.append((cycle, x))  # noqa: B023 - the pass's last batch, kept by a cycle alone
+    del cycle, x
+    gc_was = gc.isenabled()
+    gc.disable()  # the collector must not run on its own before the next pass starts
+    try:
+        got = [model(x).clone() for x in fetcher]
+    finally:
+        if gc_was:
+            gc.enable()
+    assert fetcher.slots.renewed == 0
+    assert all(torch.equal(a, torch.relu(x @ model.w)) for a, x in zip(got, items))
+    children = fetcher.router.children.values()
+    assert len(children) == 2 and all(c.captures == 1 for c in children)
 
 
 def test_into_rejects_what_it_cannot_route_and_warns_for_a_whole_step_program() -> None:

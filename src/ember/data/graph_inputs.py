@@ -36,6 +36,7 @@ The rules that keep it correct:
 
 from __future__ import annotations
 
+import gc
 import threading
 import warnings
 import weakref
@@ -90,6 +91,10 @@ class GraphInputSlots:
             self._owner = owner
             self._free = list(range(SLOTS))
             self.in_flight = None
+        if self.sets is not None and any(self._held(k) for k in range(SLOTS)):
+            # A batch reachable only from a reference cycle the collector has not reached yet is
+            # not held: collect once before giving the slots (and the graphs reading them) up.
+            gc.collect()
         if self.sets is not None and any(self._held(k) for k in range(SLOTS)):
             self.sets = None  # the next batch allocates new ones; the held ones stay the holder's
             self.signature = None
