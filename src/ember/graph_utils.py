@@ -47,3 +47,16 @@ def op_family(node: fx.Node) -> str:
     if isinstance(target, torch._ops.OpOverload):
         return f"{target.namespace}.{target._overloadpacket.__name__}"
     return getattr(target, "__name__", str(target))
+
+
+def is_dense(t: torch.Tensor) -> bool:
+    """Non-overlapping and dense: its strides, smallest first, are the running products of its
+    sizes (size-1 dims, whose stride says nothing, skipped). Such a tensor covers its storage
+    span exactly, in some dim order."""
+    step = 1
+    for size, stride in sorted(zip(t.shape, t.stride()), key=lambda d: d[1]):
+        if size != 1 and stride != step:
+            return False
+        step *= size
+    return True
+

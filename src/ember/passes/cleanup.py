@@ -8,7 +8,7 @@ import operator
 import torch
 import torch.fx as fx
 
-from ember.graph_utils import FOLDED_PREFIX
+from ember.graph_utils import FOLDED_PREFIX, is_dense
 from ember.schedule.op_support import POINTWISE_OPS
 from ember.schedule.rules import CONSTANT_OPS, RANDOM_OPS, OpClass, classify
 
@@ -198,16 +198,6 @@ def replace_functional_copies(gm: fx.GraphModule) -> int:
     return changed
 
 
-def _dense(t: torch.Tensor) -> bool:
-    """Non-overlapping and dense, from offset 0: a tensor that is its storage, in some dim order."""
-    step = 1
-    for size, stride in sorted(zip(t.shape, t.stride()), key=lambda d: d[1]):
-        if size != 1 and stride != step:
-            return False
-        step *= size
-    return t.storage_offset() == 0
-
-
 def _view_base(node: fx.Node) -> fx.Node:
     """The node a chain of views starts from (``node`` itself when it is no view)."""
     while node.op == "call_function" and classify(node).cls == OpClass.VIEW and node.args \
@@ -248,7 +238,7 @@ def remove_layout_preserving_clones(gm: fx.GraphModule) -> int:
         if not (isinstance(out, torch.Tensor) and isinstance(val, torch.Tensor)) or out.dtype != val.dtype \
                 or out.shape != val.shape or out.device != val.device or out.stride() != val.stride():
             continue
-        if not (_dense(val) and _dense(out)) or _reaches_output(node):
+        if not (is_dense(val) and is_dense(out)) or val.storage_offset() or _reaches_output(node):
             continue
         node.replace_all_uses_with(src)
         gm.graph.erase_node(node)

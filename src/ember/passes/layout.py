@@ -37,6 +37,7 @@ import torch.fx as fx
 
 from ember import compat
 from ember.config import settings
+from ember.graph_utils import is_dense
 from ember.ops import reflection_pad
 from ember.passes.freeze import FROZEN
 from ember.passes.graph_edit import add_node, fake_mode_of
@@ -494,16 +495,6 @@ def _view_val(node: fx.Node, old: torch.Tensor, mode: object) -> torch.Tensor | 
         return aten.as_strided.default(base, shape, stride, offset)
 
 
-def _dense(t: torch.Tensor) -> bool:
-    """Non-overlapping and dense: the strides, smallest first, are the running products of sizes."""
-    step = 1
-    for size, stride in sorted(zip(t.shape, t.stride()), key=lambda d: d[1]):
-        if stride != step:
-            return False
-        step *= size
-    return True
-
-
 def _pointwise_val(node: fx.Node, old: torch.Tensor, mode: object) -> torch.Tensor | None:
     """The metadata of a pointwise node without a fake-tensor dispatch (about 8 us against 60 for
     the dispatch on this machine), where it is certain: every input that can order the output's
@@ -516,7 +507,7 @@ def _pointwise_val(node: fx.Node, old: torch.Tensor, mode: object) -> torch.Tens
     if not deciding or any(tuple(t.shape) != tuple(old.shape) for t in deciding):
         return None
     stride = deciding[0].stride()
-    if any(t.stride() != stride for t in deciding) or not _dense(deciding[0]):
+    if any(t.stride() != stride for t in deciding) or not is_dense(deciding[0]):
         return None
     if any(t.device != old.device for t in tensors if t.dim() > 0):
         return None
