@@ -91,11 +91,13 @@ class GraphInputSlots:
             self._owner = owner
             self._free = list(range(SLOTS))
             self.in_flight = None
-        if self.sets is not None and any(self._held(k) for k in range(SLOTS)):
+        held = self.sets is not None and any(self._held(k) for k in range(SLOTS))
+        if held:
             # A batch reachable only from a reference cycle the collector has not reached yet is
             # not held: collect once before giving the slots (and the graphs reading them) up.
             gc.collect()
-        if self.sets is not None and any(self._held(k) for k in range(SLOTS)):
+            held = any(self._held(k) for k in range(SLOTS))
+        if held:
             self.sets = None  # the next batch allocates new ones; the held ones stay the holder's
             self.signature = None
             self.renewed += 1

@@ -76,9 +76,8 @@ def passes_for(context: PassContext) -> list[GraphPass]:
     memory-efficient attention with dropout routed for CUDA graphs; on the GPU targets, matmul dims
     padded to cuBLAS's alignment where the rule says it pays, channels_last for convolutional
     graphs and (when switched on) depthwise convolutions as Ember's kernels, then clones that keep
-    their source's layout removed; freezing, convolution
-    folding and oneDNN library calls for CPU inference graphs whose parameters are known; freezing
-    alone for GPU inference graphs."""
+    their source's layout removed; freezing, convolution folding and oneDNN library calls for CPU
+    inference graphs whose parameters are known; freezing alone for GPU inference graphs."""
     passes = list(DEFAULT_PASSES)
     if BY_NAME[context.target].runs_on_cuda and context.kind == "backward":
         passes.append(route_attention_seeds)  # memory-efficient attention's dropout seeds, captured or not

@@ -10,7 +10,7 @@ import torch.fx as fx
 
 from ember.graph_utils import FOLDED_PREFIX, is_dense
 from ember.schedule.op_support import POINTWISE_OPS
-from ember.schedule.rules import CONSTANT_OPS, RANDOM_OPS, OpClass, classify
+from ember.schedule.rules import CONSTANT_OPS, RANDOM_OPS, VIEW_OPS
 
 aten = torch.ops.aten
 
@@ -200,21 +200,21 @@ def replace_functional_copies(gm: fx.GraphModule) -> int:
 
 def _view_base(node: fx.Node) -> fx.Node:
     """The node a chain of views starts from (``node`` itself when it is no view)."""
-    while node.op == "call_function" and classify(node).cls == OpClass.VIEW and node.args \
-            and isinstance(node.args[0], fx.Node):
+    while node.op == "call_function" and node.target in VIEW_OPS and node.args and isinstance(node.args[0], fx.Node):
         node = node.args[0]
     return node
 
 
-def _reaches_output(node: fx.Node) -> bool:
+def reaches_output(node: fx.Node) -> bool:
     """Whether ``node`` or a view of it is a graph output (what the caller or the backward sees)."""
-    todo = [node]
+    todo, seen = [node], set()
     while todo:
         n = todo.pop()
         for user in n.users:
             if user.op == "output":
                 return True
-            if user.op == "call_function" and classify(user).cls == OpClass.VIEW and user.args[0] is n:
+            if user.op == "call_function" and user.target in VIEW_OPS and user not in seen:
+                seen.add(user)
                 todo.append(user)
     return False
 
@@ -238,7 +238,7 @@ def remove_layout_preserving_clones(gm: fx.GraphModule) -> int:
         if not (isinstance(out, torch.Tensor) and isinstance(val, torch.Tensor)) or out.dtype != val.dtype \
                 or out.shape != val.shape or out.device != val.device or out.stride() != val.stride():
             continue
-        if not (is_dense(val) and is_dense(out)) or val.storage_offset() or _reaches_output(node):
+        if not (is_dense(val) and is_dense(out)) or val.storage_offset() or reaches_output(node):
             continue
         node.replace_all_uses_with(src)
         gm.graph.erase_node(node)

@@ -31,11 +31,10 @@ import torch
 import torch.fx as fx
 
 from ember.ops.pad_zeros import pad_zeros  # noqa: F401 - registers torch.ops.ember.pad_zeros
-from ember.passes.cleanup import eliminate_dead_code
+from ember.passes.cleanup import eliminate_dead_code, reaches_output
 from ember.passes.graph_edit import add_node, fake_mode_of
 from ember.passes.layout import dense_strides
 from ember.passes.matmul_padding_rule import MatmulDims, PaddingDecision, decide, tf32_matmuls
-from ember.schedule.rules import VIEW_OPS
 
 aten = torch.ops.aten
 PADDING_META = "ember_matmul_padding"
@@ -79,20 +78,6 @@ def _where(node: fx.Node) -> str:
         if path:
             return path
     return node.name
-
-
-def _reaches_output(node: fx.Node) -> bool:
-    """Whether ``node`` or a view of it is a graph output (a sliced result must then be copied back)."""
-    todo, seen = [node], set()
-    while todo:
-        n = todo.pop()
-        for user in n.users:
-            if user.op == "output":
-                return True
-            if user.op == "call_function" and user.target in VIEW_OPS and user not in seen:
-                seen.add(user)
-                todo.append(user)
-    return False
 
 
 class _Padder:
@@ -227,7 +212,7 @@ def _copy_cost(padder: _Padder, node: fx.Node, dims: MatmulDims, plan: Callable,
     sliced result back to eager's strides where the caller sees it."""
     total = sum(padder.cost(x, want) for x, want in plan(m, k, n))
     out = _val(node)
-    if (m != dims.m or n != dims.n) and _reaches_output(node):
+    if (m != dims.m or n != dims.n) and reaches_output(node):
         # The slice of the padded (contiguous) result: only rows cut off a single matrix keep its strides.
         sliced = dense_strides((*out.shape[:-2], m, n))
         if not _same_layout(out, sliced):
