@@ -159,6 +159,10 @@ class Options:
     fuse_cat: bool = _item(True, "Triton targets: cat, stack and slice_scatter become masked, shifted loads inside "
                                  "generated kernels, fused with their producers and consumers "
                                  "(schedule/range_select.py); off: ATen's kernels", "EMBER_FUSE_CAT")
+    fuse_reshapes: bool = _item(True, "generated kernels: a reshape that splits or merges dims of a fused value joins "
+                                      "its kernel (the kernel's iteration space is refined, schedule/dim_map.py); off: "
+                                      "such a reshape ends the kernel and the next one reads the stored value",
+                                "EMBER_FUSE_RESHAPES")
     progress: bool | None = _item(None, "one updating line on stderr while a compile runs longer than about 2 s "
                                         "(report/progress.py); unset: on when stderr is a terminal",
                                   "EMBER_PROGRESS", "bool")

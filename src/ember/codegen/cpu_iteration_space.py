@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 
 import torch.fx as fx
 
+from ember.schedule.dim_map import dim_strides
 from ember.schedule.plan import FusedGroup
 
 _BIG = 1 << 62  # sort key of a broadcast dim: outermost, past any real stride
@@ -58,10 +59,9 @@ def collect_accesses(group: FusedGroup, pointer: dict[fx.Node, str]) -> list[Acc
     for n in group.outputs:
         seen.setdefault((n, group.dims[n], True), Access(n, group.dims[n], True))
     for acc in seen.values():
-        strides = acc.node.meta["val"].stride()
-        for j, s in enumerate(acc.dims):
-            if s is not None and shape[s] != 1 and strides[j] != 0:
-                acc.strides[s] = acc.strides.get(s, 0) + strides[j]
+        for s, stride in dim_strides(acc.dims, acc.node.meta["val"].stride(), shape):
+            if shape[s] != 1 and stride != 0:
+                acc.strides[s] = acc.strides.get(s, 0) + stride
         acc.pointer = pointer[acc.node]
     return list(seen.values())
 

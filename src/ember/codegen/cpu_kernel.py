@@ -59,6 +59,7 @@ from ember.codegen.kernel_source import (
 )
 from ember.codegen.kernel_writer import Scope
 from ember.codegen.lowering import POINTWISE_LOWERINGS, value_dtype
+from ember.schedule.dim_map import walked_dims
 from ember.schedule.op_support import kernel_dtype_unsupported
 from ember.schedule.plan import Dims, FusedGroup
 from ember.schedule.rules import OpClass
@@ -259,7 +260,7 @@ class CpuWriter(CpuReductions):
         val = self.value(node, body)
         expr = store_expr(val, node.meta["val"].dtype)
         dims = self.group.dims[node]
-        covered = {d for d in dims if d is not None}
+        covered = walked_dims(dims)
         walked = self.loops_x + (self.loops_r if self._walks_reduced(dims) else [])
         guards = []
         for lp in walked:

@@ -22,6 +22,7 @@ import torch.fx as fx
 
 from ember.codegen.kernel_source import node_source
 from ember.codegen.lowering import Dialect, KernelValue, lower_pointwise, value_dtype
+from ember.schedule.dim_map import entry_dims, walked_dims
 from ember.schedule.op_support import STRUCTURAL_ARGS
 from ember.schedule.plan import Dims, FusedGroup
 from ember.schedule.range_select import RANGE_SELECT_OPS, RangeSelect, select_of, source_coords
@@ -70,7 +71,7 @@ class KernelWriter:
         return f"t{self.counter}"
 
     def _walks_reduced(self, dims: Dims) -> bool:
-        return any(d in self.reduced_dims for d in dims if d is not None)
+        return bool(walked_dims(dims) & self.reduced_dims)
 
     def levels(self) -> list[int]:
         """The reduction levels of the group, in order."""
@@ -150,6 +151,16 @@ class KernelWriter:
         """The coordinate of group dim ``s`` at the current point ("0" for size-1 dims)."""
         raise NotImplementedError
 
+    def _entry_coord(self, entry: int | tuple[int, ...] | None) -> str:
+        """A member dim's coordinate: its S dim's, or its run's read row-major."""
+        run = entry_dims(entry)
+        if len(run) <= 1:
+            return self._coord_expr(run[0] if run else None)
+        expr = self._coord_expr(run[0])
+        for s in run[1:]:
+            expr = f"({expr} * {self.shape[s]} + {self._coord_expr(s)})"
+        return expr
+
     def _load_at(self, node: fx.Node, coords: list[str], cond: str, home: Scope) -> KernelValue:
         """Group input ``node`` at ``coords`` (one expression per dim), where ``cond`` holds."""
         raise NotImplementedError
@@ -157,7 +168,7 @@ class KernelWriter:
     def _select_value(self, node: fx.Node, scope: Scope, home: Scope) -> KernelValue:
         sel: RangeSelect = self.group.selects[node]
         dt = value_dtype(node)
-        coords = [self._coord_expr(s) for s in self.group.dims[node]]
+        coords = [self._entry_coord(e) for e in self.group.dims[node]]
         c, size = coords[sel.dim], node.meta["val"].shape[sel.dim]
         values, conds = [], []
         for p in sel.pieces:

@@ -28,7 +28,7 @@ from ember.codegen.triton_dialect import TL_DTYPE, TRITON, TritonValue, literal
 from ember.codegen.triton_reductions import TritonReductions
 from ember.codegen.triton_tiles import Split, next_pow2, order_dims, plan_split
 from ember.config import settings
-from ember.schedule.dim_map import reduction_keepdim
+from ember.schedule.dim_map import dim_strides, reduction_keepdim, walked_dims
 from ember.schedule.plan import Dims, FusedGroup
 
 aten = torch.ops.aten
@@ -160,12 +160,11 @@ class TritonWriter(TritonReductions):
         return lines[::-1]
 
     def _offset(self, node: fx.Node, dims: Dims) -> str:
-        strides = node.meta["val"].stride()
         stride_of: dict[int, int] = {}
-        for j, s in enumerate(dims):
-            if s is not None and self.shape[s] != 1:
+        for s, stride in dim_strides(dims, node.meta["val"].stride(), self.shape):
+            if self.shape[s] != 1:
                 # A group dim walked twice (a diagonal) steps by both strides at once.
-                stride_of[s] = stride_of.get(s, 0) + strides[j]
+                stride_of[s] = stride_of.get(s, 0) + stride
         kept = self._merged_terms(self.kept_order, "xindex", self.xnumel, stride_of)
         reduced = self._merged_terms(self.reduced_order, "rindex", self.rnumel, stride_of)
         return " + ".join(kept + reduced + ([] if kept else ["0 * xindex"]))  # keeps every load block-shaped
@@ -271,7 +270,7 @@ class TritonWriter(TritonReductions):
         full = self._walks_reduced(dims)
         op = self.value(node, scope)
         dtype = node.meta["val"].dtype
-        covered = {d for d in dims if d is not None}
+        covered = walked_dims(dims)
         walked = self.kept_order + (self.reduced_order if full else [])
         mask = self._mask(full)
         for s in walked:

@@ -25,6 +25,7 @@ from dataclasses import dataclass
 import torch
 import torch.fx as fx
 
+from ember.schedule.dim_map import dim_strides, walked_dims
 from ember.schedule.plan import FusedGroup
 
 
@@ -57,7 +58,7 @@ def _reference(group: FusedGroup, walked: set[int]) -> tuple[fx.Node, tuple] | N
     ordered = (inputs + outputs) if group.rdims else (outputs + inputs)
     for node, dims in ordered:
         val = node.meta.get("val")
-        if isinstance(val, torch.Tensor) and walked <= {d for d in dims if d is not None}:
+        if isinstance(val, torch.Tensor) and walked <= walked_dims(dims):
             candidates.append((node, dims))
     if not candidates:
         return None
@@ -83,8 +84,7 @@ def order_dims(group: FusedGroup, kept: list[int], reduced: list[int]) -> Tiling
     if ref is None:
         return Tiling(list(kept), list(reduced), False)
     node, dims = ref
-    strides = node.meta["val"].stride()
-    stride_of = {s: strides[j] for j, s in enumerate(dims) if s is not None}
+    stride_of = dict(dim_strides(dims, node.meta["val"].stride(), group.shape))
     # Larger stride first; equal strides keep S order. Stable sort of the logical order.
     key = lambda s: -stride_of.get(s, 0)  # noqa: E731
     k_sorted, r_sorted = sorted(kept, key=key), sorted(reduced, key=key)

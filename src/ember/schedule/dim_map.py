@@ -1,17 +1,22 @@
 """Dim mapping: which dim of a fused group's reference shape S each dim of a node walks.
 
 The planner (plan.py) records, for every member of a fused group, one entry per dim of the
-member: the dim of S it walks, or None for a size-1 dim (a ``Dims`` tuple). This module computes
-those records from the records the group already holds, for pointwise ops (trailing dims align,
-size-1 dims broadcast) and for views that only insert/drop size-1 dims, permute or broadcast
-(which is why such views fuse for free); None where a node does not map onto S. It also reads
-which dims a reduction node reduces. It holds no planner state: the group is anything with a
+member: the dim of S it walks, a run of S dims (a tuple, outermost first: the member's coordinate
+is the run's coordinates read row-major, as a reshape merges them), or None for a size-1 dim (a
+``Dims`` tuple). This module computes those records from the records the group already holds, for
+pointwise ops (trailing dims align, size-1 dims broadcast) and for views: permutes, broadcasts and
+reshapes, which is why views fuse for free. A reshape that splits a dim of S asks the planner to
+refine S first (``SplitDim``): a [B*W, h, n, n] attention score viewed as [B, W, h, n, n] to add a
+per-window mask runs in one kernel over S = [B, W, h, n, n]. None where a node does not map onto
+S. It also reads which dims a reduction node reduces. It holds no planner state: the group is anything with a
 ``shape`` and per-node ``dims`` (``GroupSpace``), so plan.py imports this module and not the
 other way round.
 """
 
 from __future__ import annotations
 
+from collections.abc import Iterable
+from dataclasses import dataclass
 from typing import Protocol
 
 import torch
@@ -19,14 +24,54 @@ import torch.fx as fx
 
 aten = torch.ops.aten
 
-Dims = tuple  # per real dim: the S dim it walks, or None
+Dims = tuple  # per real dim: the S dim it walks, a run of S dims (a tuple), or None
+
+
+def entry_dims(entry: int | tuple[int, ...] | None) -> tuple[int, ...]:
+    """The S dims one entry of a ``Dims`` walks, outermost first."""
+    if entry is None:
+        return ()
+    return entry if isinstance(entry, tuple) else (entry,)
+
+
+def walked_dims(dims: Dims) -> set[int]:
+    """Every S dim a value with ``dims`` walks."""
+    return {s for e in dims for s in entry_dims(e)}
+
+
+def dim_strides(dims: Dims, strides: Iterable[int], shape: tuple[int, ...]) -> list[tuple[int, int]]:
+    """(S dim, stride) for every S dim a tensor with ``dims`` and ``strides`` walks; a run's dims
+    step by the member dim's stride times the sizes inside them. A dim walked twice (a diagonal)
+    appears twice: callers add the strides."""
+    out = []
+    for e, stride in zip(dims, strides):
+        inner = 1
+        for s in reversed(entry_dims(e)):
+            out.append((s, stride * inner))
+            inner *= shape[s]
+    return out
+
+
+def _entry(run: list[int]) -> int | tuple[int, ...]:
+    return run[0] if len(run) == 1 else tuple(run)
+
+
+@dataclass(frozen=True)
+class SplitDim:
+    """A reshape needs S dim ``dim`` cut into (``outer``, size // ``outer``) before it maps."""
+
+    dim: int
+    outer: int
 
 
 class GroupSpace(Protocol):
-    """What the mapping reads of a fused group: its reference shape S and its members' dims."""
+    """What the mapping reads of a fused group: its reference shape S, its reduced dims, its
+    members' dims and the dims of the inputs each member reads (``refine`` rewrites them all)."""
 
     shape: tuple[int, ...]
+    rdims: tuple[int, ...]
     dims: dict[fx.Node, Dims]
+    input_dims: dict[fx.Node, dict[fx.Node, Dims]]
 
 
 def _shape(node: fx.Node) -> tuple[int, ...]:
@@ -70,9 +115,12 @@ def _unique_dim(group: GroupSpace, size: int, used: set[int]) -> int | None:
 def complete_dims(group: GroupSpace, shape: tuple[int, ...], known: dict[int, int]) -> Dims | None:
     """Dims for a value of ``shape`` whose dims ``known`` (dim -> S dim) are already placed: the
     rest align with S's trailing dims (or take S's one dim of their size); None if they cannot."""
-    used = set(known.values())
-    if len(used) != len(known):
-        return None
+    used: set[int] = set()
+    for e in known.values():
+        run = entry_dims(e)
+        if used.intersection(run) or len(set(run)) != len(run):
+            return None
+        used.update(run)
     out: list[int | None] = []
     for j, size in enumerate(shape):
         if size == 1:
@@ -119,9 +167,10 @@ def map_pointwise(group: GroupSpace, node: fx.Node) -> Dims | None:
     return complete_dims(group, shape, known)
 
 
-def map_view(group: GroupSpace, node: fx.Node) -> Dims | None:
+def map_view(group: GroupSpace, node: fx.Node) -> Dims | SplitDim | None:
     """Dims of a view ``node`` of a member of ``group``: permutes, transposes, expands and
-    reshapes that only insert/drop size-1 dims; None for any other view."""
+    reshapes; a ``SplitDim`` when a reshape cuts a dim of S (the planner refines S and asks
+    again); None for any other view."""
     src = node.args[0]
     if src not in group.dims:
         return None
@@ -147,12 +196,67 @@ def map_view(group: GroupSpace, node: fx.Node) -> Dims | None:
         return complete_dims(group, shape, known)
     if target in (aten.view.default, aten._unsafe_view.default, aten.reshape.default, aten.unsqueeze.default,
                   aten.squeeze.dim, aten.squeeze.dims, aten.squeeze.default, aten.alias.default):
-        big_src = [(size, d) for size, d in zip(src_shape, src_dims) if size != 1]
-        big_out = [j for j, size in enumerate(shape) if size != 1]
-        if [size for size, _ in big_src] != [shape[j] for j in big_out]:
-            return None
-        out: list[int | None] = [None] * len(shape)
-        for j, (_, d) in zip(big_out, big_src):
-            out[j] = d
-        return tuple(out)
+        return _reshape_dims(group, src_shape, src_dims, shape)
     return None
+
+
+def _reshape_dims(group: GroupSpace, src_shape: tuple[int, ...], src_dims: Dims,
+                  shape: tuple[int, ...]) -> Dims | SplitDim | None:
+    """A reshape reads its source row-major: the source's S dims in order (each entry's run
+    expanded), cut into consecutive runs whose sizes are the new dims' sizes."""
+    atoms: list[int] = []
+    for size, e in zip(src_shape, src_dims):
+        if size == 1:
+            continue
+        run = entry_dims(e)
+        if not run:
+            return None
+        atoms += run
+    out: list[int | tuple[int, ...] | None] = [None] * len(shape)
+    pos = 0
+    for j, size in enumerate(shape):
+        if size == 1:
+            continue
+        run, n = [], 1
+        while n < size and pos < len(atoms):
+            s = atoms[pos]
+            if n * group.shape[s] > size:
+                outer = size // n
+                if size % n or group.shape[s] % outer:
+                    return None
+                return SplitDim(s, outer)
+            run.append(s)
+            n *= group.shape[s]
+            pos += 1
+        if n != size or not run:
+            return None
+        out[j] = _entry(run)
+    if pos != len(atoms):
+        return None
+    return tuple(out)
+
+
+def refine(group: GroupSpace, split: SplitDim) -> None:
+    """Cut S dim ``split.dim`` into two (outer, inner): every S dim after it moves up one, and every
+    entry that walked it walks the pair as a run. The same points in a finer S: no value changes."""
+    s, outer = split.dim, split.outer
+    inner = group.shape[s] // outer
+
+    def move(e: int | tuple[int, ...] | None) -> int | tuple[int, ...] | None:
+        if e is None:
+            return None
+        run: list[int] = []
+        for d in entry_dims(e):
+            run += [s, s + 1] if d == s else [d + 1 if d > s else d]
+        return _entry(run)
+
+    def move_dims(dims: Dims) -> Dims:
+        return tuple(move(e) for e in dims)
+
+    group.shape = tuple(group.shape[:s]) + (outer, inner) + tuple(group.shape[s + 1:])
+    group.rdims = tuple(sorted(d for r in group.rdims for d in entry_dims(move(r))))
+    for n in group.dims:
+        group.dims[n] = move_dims(group.dims[n])
+    for ins in group.input_dims.values():
+        for a in ins:
+            ins[a] = move_dims(ins[a])

@@ -11,10 +11,12 @@ Step kinds:
             and in the program only when a parameter changed (passes/freeze.py)
 
 A fused group has a reference shape S and a set of reduced dims D of S. Every member node
-records, for each of its own dims, which dim of S it walks (None for size-1 dims; dim_map.py
-computes these records). Views that only insert/drop size-1 dims, permute or broadcast change
-that record and nothing else, so they fuse for free. Steps are created in graph order and a node only joins a group if all its
-other inputs come from *earlier* steps, so the steps stay topologically ordered with no cycles.
+records, for each of its own dims, which dim of S it walks, or a run of S dims a reshape merged
+(None for size-1 dims; dim_map.py computes these records). Views change that record and nothing
+else, so they fuse for free; a reshape that splits a dim of S first refines S (one dim becomes
+two, every record follows). Steps are created in graph order and a node only joins a group if
+all its other inputs come from *earlier* steps, so the steps stay topologically ordered with no
+cycles.
 """
 
 from __future__ import annotations
@@ -28,12 +30,16 @@ import torch.fx as fx
 from ember.graph_utils import op_name
 from ember.schedule.dim_map import (
     Dims,
+    SplitDim,
     aligned_dims,
     complete_dims,
+    entry_dims,
     map_pointwise,
     map_view,
     reduction_dims,
     reduction_keepdim,
+    refine,
+    walked_dims,
 )
 from ember.schedule.op_support import POINTWISE_OPS
 from ember.schedule.range_select import (
@@ -82,7 +88,7 @@ class FusedGroup(Step):
         return bool(self.rdims)
 
     def covers(self, node: fx.Node) -> set[int]:
-        return {d for d in self.dims[node] if d is not None}
+        return walked_dims(self.dims[node])
 
 
 @dataclass
@@ -137,9 +143,10 @@ def _is_tensor(node: object) -> bool:
 
 
 class _Partitioner:
-    def __init__(self, graph: fx.Graph, fuse_range_select: bool = True) -> None:
+    def __init__(self, graph: fx.Graph, fuse_range_select: bool = True, refine_views: bool = True) -> None:
         self.graph = graph
         self.fuse_range_select = fuse_range_select
+        self.refine_views = refine_views
         self.selects: dict[fx.Node, RangeSelect] = {}  # planned range selects (cat, slice_scatter)
         self.inlined: dict[fx.Node, fx.Node] = {}  # a tree node -> the select that computes it
         self.steps: list[Step] = []
@@ -176,7 +183,7 @@ class _Partitioner:
                 return "the reduced tensor is not computed in the group"
             src_dims = group.dims[src]
             rdims = reduction_dims(node)
-            red = tuple(sorted({src_dims[d] for d in rdims if src_dims[d] is not None}))
+            red = tuple(sorted({s for d in rdims for s in entry_dims(src_dims[d])}))
             if not red:
                 return "reduces only dims the group broadcasts"
             if group.rdims and red != group.rdims:
@@ -185,7 +192,10 @@ class _Partitioner:
             dims = tuple(None if d in rdims else s for d, s in enumerate(src_dims) if keep or d not in rdims)
             group.rdims = red
         elif cls == OpClass.VIEW:
-            dims = map_view(group, node)
+            dims = None if (not self.refine_views and _regroups(node)) else map_view(group, node)
+            while isinstance(dims, SplitDim):
+                refine(group, dims)
+                dims = map_view(group, node)
         else:
             dims = map_pointwise(group, node)
             if dims is not None:
@@ -501,6 +511,15 @@ class _Partitioner:
         return steps
 
 
+def _regroups(node: fx.Node) -> bool:
+    """Does view ``node`` split or merge dims (not only insert or drop size-1 dims)?"""
+    if not node.args or not isinstance(node.args[0], fx.Node) or node.target in (
+            aten.permute.default, aten.t.default, aten.transpose.int, aten.expand.default):
+        return False
+    big = lambda n: [d for d in _shape(n) if d != 1]  # noqa: E731
+    return big(node.args[0]) != big(node)
+
+
 # Views ATen always performs without copying (reshape may copy): safe to run on a stored value.
 _ALWAYS_VIEWS = {
     aten.view.default, aten._unsafe_view.default, aten.unsqueeze.default, aten.squeeze.dim, aten.squeeze.dims,
@@ -509,8 +528,11 @@ _ALWAYS_VIEWS = {
 }
 
 
-def plan_graph(graph: fx.Graph, fuse_range_select: bool = True) -> KernelPlan:
+def plan_graph(graph: fx.Graph, fuse_range_select: bool = True, refine_views: bool = True) -> KernelPlan:
     """Partition ``graph`` into steps (see the module docstring). ``fuse_range_select``: cat and
     slice_scatter become pointwise members of fused groups (schedule/range_select.py); off, they
-    run through ATen (targets whose generator has no range select, the fuse_cat option)."""
-    return _Partitioner(graph, fuse_range_select).run()
+    run through ATen (targets whose generator has no range select, the fuse_cat option).
+    ``refine_views``: a reshape that splits or merges dims joins the group (a merge as a run of S
+    dims, a split after refining S: dim_map.refine); off, it ends the group (the fuse_reshapes
+    option)."""
+    return _Partitioner(graph, fuse_range_select, refine_views).run()
