@@ -297,13 +297,30 @@ def test_peak_memory_at_most_eager(build: Callable, mode: str, target: str, requ
     ref_out, ref_grads, _ = _measure(ref, ref, ref_inputs, train, None if cotangent is None else cotangent.double())
 
     want, want_grads, eager_peak = _measure(model, model, inputs, train, cotangent)
+    if target == "triton-interpret":
+        # The GPU code path runs convolutions channels_last (passes/layout.py), through ATen on the
+        # CPU here, and oneDNN's channels_last convolution backward may take scratch space the
+        # NCHW one does not (on an AVX-512 EPYC: mobilenet_v3_small's training step peaks at 19.26
+        # MiB in eager channels_last against 6.25 MiB in NCHW). The bound is eager's peak in the
+        # larger of the two layouts: the memory plan never holds more than eager in either.
+        cl_model = copy.deepcopy(model).to(memory_format=torch.channels_last)
+        cl_inputs = tuple(x.contiguous(memory_format=torch.channels_last) if x.dim() == 4 else x for x in inputs)
+        eager_peak = max(eager_peak, _measure(cl_model, cl_model, cl_inputs, train, cotangent)[2],
+                         key=lambda m: m.peak)
     compiled = ember.compile(model, target=target)
     with _collect_after_launch(target):
         got, grads, ember_peak = _measure(model, compiled, inputs, train, cotangent)
 
     checks = [("output", got, want, ref_out)] + [(f"gradient {i}", g, w, r)
                                                  for i, (g, w, r) in enumerate(zip(grads, want_grads, ref_grads))]
+    scale = max(r.abs().max().item() for _, _, _, r in checks)
     for what, g, w, r in checks:
+        if r.abs().max().item() < 1e-12 * scale:
+            # Zero in exact arithmetic (a batch norm's bias feeding another batch norm: 1e-17 of the
+            # largest gradient in float64); eager and Ember both return float32 rounding noise, whose
+            # ratio depends on the machine. Check that Ember's is noise too.
+            assert g.abs().max().item() <= 1e-5 * scale, (what, g.abs().max().item(), scale)
+            continue
         assert acceptable(_rel_error(g, r), _rel_error(w, r), 1e-5), (what, _rel_error(g, r), _rel_error(w, r))
     reuses = sum(check_reuse_lines(p) for p in _programs(compiled))
     assert reuses > 0 or not train  # training programs always have dead kernel buffers to reuse
