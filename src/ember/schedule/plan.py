@@ -50,7 +50,7 @@ from ember.schedule.range_select import (
     select_of,
     tree_view_supported,
 )
-from ember.schedule.rules import RANDOM_OPS, Classification, OpClass, classify
+from ember.schedule.rules import Classification, OpClass, classify
 
 aten = torch.ops.aten
 
@@ -127,16 +127,6 @@ class KernelPlan:
 
 def _shape(node: fx.Node) -> tuple[int, ...]:
     return tuple(node.meta["val"].shape)
-
-
-# Random draws of at most this many elements may move to the program's start (stochastic depth's
-# per-sample masks); larger ones (dropout masks) stay where they are used.
-SMALL_DRAW = 1 << 16
-
-
-def _draws(node: fx.Node) -> bool:
-    """Does ``node`` draw random numbers (ATen tags every seeded op, in-place ones too)?"""
-    return node.target in RANDOM_OPS or torch.Tag.nondeterministic_seeded in getattr(node.target, "tags", ())
 
 
 # How many steps back horizontal fusion looks for a group reading the same input.
@@ -297,7 +287,6 @@ class _Partitioner:
                 self.step_of[n] = step
                 self.classes[n] = (OpClass.FROZEN, step.reason)
         self._hoist_input_views()
-        self._hoist_random_draws()
         self._plan_selects()
         for node in self.graph.nodes:
             if node.op != "call_function" or node in self.step_of or node in self.inlined:
@@ -448,46 +437,6 @@ class _Partitioner:
                 continue
             if self._view_step(node, "view of a graph input, placed first so groups can read it"):
                 ready.add(node)
-
-    def _hoist_random_draws(self) -> None:
-        """Random draws that read no computed value (stochastic depth's per-sample
-        ``bernoulli(empty([N, 1, 1, 1]), p)``), the shape-only ops they draw into and the pointwise
-        ops that only scale a draw become steps ahead of everything else (draws of at most
-        ``SMALL_DRAW`` elements). In graph order the draw
-        lands between the kernel computing a block's output and the kernel that adds it to the
-        residual stream, and a group cannot take an input produced after it starts: the scaling,
-        the residual add and the next LayerNorm could not join the kernel that wrote the block's
-        output. Only a prefix of the graph's draws moves, in order, so the RNG stream is the same."""
-        ready = {n for n in self.graph.nodes if n.op == "placeholder"}
-        draws = []
-        for node in self.graph.nodes:
-            if node.op != "call_function" or not _draws(node) or node in self.step_of:
-                continue
-            sources = [a for a in node.all_input_nodes if a not in ready]
-            val = node.meta.get("val")
-            if (node.target not in RANDOM_OPS or not isinstance(val, torch.Tensor) or val.numel() > SMALL_DRAW
-                    or any(a.op != "call_function" or a.all_input_nodes or a in self.step_of for a in sources)):
-                # A draw that reads a computed value, or is large (a dropout mask moved first would
-                # be held from the program's start): it and every later draw stay where they are.
-                break
-            for a in sources + [node]:
-                c = classify(a)
-                self.classes[a] = (c.cls, c.reason)
-                if c.cls == OpClass.CONSTANT:
-                    self.constants[a] = self._new_step("constant", a)
-                else:
-                    self._new_step("fallback" if c.cls == OpClass.FALLBACK else "extern", a, c.reason)
-                ready.add(a)
-            draws.append(node)
-        # The scalings after every draw: side by side, one kernel (horizontal fusion) for all of them.
-        for node in draws:
-            for user in node.users:
-                c = classify(user)
-                if (c.cls == OpClass.POINTWISE and user not in self.step_of
-                        and all(a in ready for a in user.all_input_nodes)):
-                    self.classes[user] = (c.cls, c.reason)
-                    self._place_fusible(user, c.cls)
-                    ready.add(user)
 
     def _place_views_of(self, node: fx.Node) -> None:
         """Views of a value in memory (a library call's output) become steps right after it, as
