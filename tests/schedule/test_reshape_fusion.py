@@ -196,3 +196,18 @@ def test_a_reshape_that_cannot_map_still_matches_eager() -> None:
     assert len([s for s in plan.steps if isinstance(s, FusedGroup)]) == 2
     compiled = ember.compile(fn, target="triton-interpret", cache=False)
     check_against_eager(compiled, fn, [x])
+
+
+def test_a_slice_scatter_into_a_merged_value_reads_its_run_coordinates() -> None:
+    # The scatter's base is a member whose first dim walks two S dims: the select compares the
+    # merged coordinate (row-major over the run) with the scattered range.
+    def fn(x: torch.Tensor, src: torch.Tensor) -> torch.Tensor:
+        base = torch.sin(x).view(6, 4)
+        return torch.slice_scatter(base, src, dim=0, start=2, end=5) * 2.0
+
+    x, src = torch.randn(2, 3, 4), torch.randn(3, 4)
+    plan = plan_of(fn, x, src)
+    group = next(g for g in plan.fused() if any(n in g.selects for n in g.nodes))
+    assert any(isinstance(e, tuple) for n in group.selects for e in group.dims[n]), plan.describe()
+    compiled = ember.compile(fn, target="triton-interpret", cache=False)
+    check_against_eager(compiled, fn, [x, src])
