@@ -10,6 +10,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 from cold_cache import ColdCache
 
 WORKER = Path(__file__).parents[1] / "support" / "warm_worker.py"
@@ -195,3 +196,36 @@ def test_builtins_read_as_globals_pass_the_external_reference_check() -> None:
         env_class._check_external_refs(reads_builtins, {"helper": 1})
         with pytest.raises(RuntimeError, match=r"\['not_saved_anywhere'\]"):
             env_class._check_external_refs(reads_unknown, {"helper": 1})
+
+
+class _Pair(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = torch.nn.Linear(4, 4)
+
+    def forward(self, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+        return self.fc(a) * b + a
+
+
+def test_an_input_passed_twice_has_its_own_saved_program() -> None:
+    # Dynamo traces model(x, x) with one input for both; that program must never run model(x, y).
+    # The pattern of inputs passed twice is part of the key, so each call finds its own file
+    # (without relying on a guard torch may not save) and the two do not replace each other.
+    import ember
+
+    torch.manual_seed(0)
+    model = _Pair()
+    x, y = torch.randn(3, 4), torch.randn(3, 4)
+    first = ember.compile(model, warm_start=True)
+    with torch.no_grad():
+        torch.testing.assert_close(first(x, x), model(x, x))
+        torch.testing.assert_close(first(x, y), model(x, y))
+    saved = [line for line in first._ember_backend.log.warm_start if line.startswith("saved")]
+    assert len(saved) == 2 and saved[0].split()[1] != saved[1].split()[1], first._ember_backend.log.warm_start
+    torch._dynamo.reset()
+    second = ember.compile(model, warm_start=True)  # a new compile finds both files
+    with torch.no_grad():
+        torch.testing.assert_close(second(x, y), model(x, y))
+        torch.testing.assert_close(second(x, x), model(x, x))
+    log = second._ember_backend.log.warm_start
+    assert sum(line.startswith("loaded") for line in log) == 2 and not any("fails" in line for line in log), log

@@ -47,6 +47,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from torch.utils._pytree import tree_leaves
 
 from ember import compat
 from ember.capture.warm_rechecks import Rechecks, replaceable
@@ -96,10 +97,21 @@ def _value_signature(x: object) -> str:
     return type(x).__qualname__
 
 
+def _aliasing(args: tuple, kwargs: dict) -> str:
+    """Which tensor inputs are one object passed twice ("" when none is): Dynamo traces such a call
+    with one input for both, and the guard that says so (DUPLICATE_INPUT) is one torch may not
+    save, so the pattern is part of the key."""
+    leaves = [x for x in tree_leaves((args, kwargs)) if isinstance(x, torch.Tensor)]
+    first: dict[int, int] = {}
+    pattern = [first.setdefault(id(x), i) for i, x in enumerate(leaves)]
+    return "" if pattern == list(range(len(leaves))) else f"|same={pattern}"
+
+
 def call_key(args: tuple, kwargs: dict) -> str:
     """What selects a saved frame before its guards are checked: the inputs and global modes."""
     autocast = [(d, torch.get_autocast_dtype(d)) for d in ("cpu", "cuda") if torch.is_autocast_enabled(d)]
-    return f"{_value_signature(args)}|{_value_signature(kwargs)}|grad={torch.is_grad_enabled()}|{autocast}"
+    return (f"{_value_signature(args)}|{_value_signature(kwargs)}|grad={torch.is_grad_enabled()}|{autocast}"
+            f"{_aliasing(args, kwargs)}")
 
 
 _FILE_HASHES: dict[tuple[str, float], str] = {}
