@@ -154,9 +154,15 @@ def test_training_through_ember_compile_equals_eager_and_reads_batches_in_place(
     router, slots = fetcher.router, fetcher.slots
     # The forward and backward of the full-batch graph each have a child per slot, captured once
     # over both passes (the slots stay where they are: a moved one would be captured again).
-    assert len(router.children) == 4 and all(c.captures == 1 and c.replays >= 3 for c in router.children.values())
+    assert len(router.children) == 4 and all(c.replays >= 3 for c in router.children.values())
     for (rid, _), child in router.children.items():
         where = router.batch_args[rid]
+        # A second capture only where an input other than the batch moved: the loss gradient the
+        # backward reads is allocated outside the graphs each step; when it keeps its address for a
+        # few steps it is read in place, and it moves when another thread's allocation (the
+        # prefetcher's) takes that address first (4 of 58 runs, 2 cores with three busy processes beside).
+        assert child.captures == 1 or (child.captures == 2 and child.demoted and not set(where) & child.demoted), (
+            child.captures, child.last_reason, child.demoted, where)
         assert not set(where) & set(child.g.dynamic_idx), "a slot tensor copied into a buffer"
         assert set(where) <= set(child.g.static_idx)
     # The compiled model takes x; its backward reads x again (saved): both read the slot in place.
