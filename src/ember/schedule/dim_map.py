@@ -8,9 +8,9 @@ pointwise ops (trailing dims align, size-1 dims broadcast) and for views: permut
 reshapes, which is why views fuse for free. A reshape that splits a dim of S asks the planner to
 refine S first (``SplitDim``): a [B*W, h, n, n] attention score viewed as [B, W, h, n, n] to add a
 per-window mask runs in one kernel over S = [B, W, h, n, n]. None where a node does not map onto
-S. It also reads which dims a reduction node reduces. It holds no planner state: the group is anything with a
-``shape`` and per-node ``dims`` (``GroupSpace``), so plan.py imports this module and not the
-other way round.
+S. It also reads which dims a reduction node reduces. It holds no planner state: the group is
+anything with a ``shape`` and per-node ``dims`` (``GroupSpace``), so plan.py imports this module
+and not the other way round.
 """
 
 from __future__ import annotations
@@ -167,10 +167,11 @@ def map_pointwise(group: GroupSpace, node: fx.Node) -> Dims | None:
     return complete_dims(group, shape, known)
 
 
-def map_view(group: GroupSpace, node: fx.Node) -> Dims | SplitDim | None:
+def map_view(group: GroupSpace, node: fx.Node, regroup: bool = True) -> Dims | SplitDim | None:
     """Dims of a view ``node`` of a member of ``group``: permutes, transposes, expands and
     reshapes; a ``SplitDim`` when a reshape cuts a dim of S (the planner refines S and asks
-    again); None for any other view."""
+    again); None for any other view, and, without ``regroup``, for a reshape that splits or
+    merges dims (one that only inserts or drops size-1 dims still maps)."""
     src = node.args[0]
     if src not in group.dims:
         return None
@@ -196,6 +197,8 @@ def map_view(group: GroupSpace, node: fx.Node) -> Dims | SplitDim | None:
         return complete_dims(group, shape, known)
     if target in (aten.view.default, aten._unsafe_view.default, aten.reshape.default, aten.unsqueeze.default,
                   aten.squeeze.dim, aten.squeeze.dims, aten.squeeze.default, aten.alias.default):
+        if not regroup and [n for n in src_shape if n != 1] != [n for n in shape if n != 1]:
+            return None
         return _reshape_dims(group, src_shape, src_dims, shape)
     return None
 

@@ -198,7 +198,7 @@ class _Partitioner:
             dims = tuple(None if d in rdims else s for d, s in enumerate(src_dims) if keep or d not in rdims)
             group.rdims = red
         elif cls == OpClass.VIEW:
-            dims = None if (not self.refine_views and _regroups(node)) else map_view(group, node)
+            dims = map_view(group, node, regroup=self.refine_views)
             while isinstance(dims, SplitDim):
                 refine(group, dims)
                 dims = map_view(group, node)
@@ -515,15 +515,6 @@ class _Partitioner:
             self.step_of[n] = step
             steps.append(step)
         return steps
-
-
-def _regroups(node: fx.Node) -> bool:
-    """Does view ``node`` split or merge dims (not only insert or drop size-1 dims)?"""
-    if not node.args or not isinstance(node.args[0], fx.Node) or node.target in (
-            aten.permute.default, aten.t.default, aten.transpose.int, aten.expand.default):
-        return False
-    big = lambda n: [d for d in _shape(n) if d != 1]  # noqa: E731
-    return big(node.args[0]) != big(node)
 
 
 # Views ATen always performs without copying (reshape may copy): safe to run on a stored value.
