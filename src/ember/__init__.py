@@ -61,7 +61,9 @@ def compile(model: Callable, **options: Any) -> Callable:  # noqa: A001 - mirror
     backend = EmberBackend(Options.from_env(**options))
     start_workers_early(model, backend.options)  # their start-up overlaps the user's code and Dynamo
     compiled = optimize(model, backend)
-    compiled._ember_backend = backend
+    # On the compiled object itself: torch's OptimizedModule forwards attribute writes to the user's
+    # module, where a backend (locks, CUDA graphs) would stop copy.deepcopy and pickling of it.
+    object.__setattr__(compiled, "_ember_backend", backend)
     if backend.options.warm_start and isinstance(compiled, torch_module()):
         from ember.capture.warm_start import install
         from ember.runtime.cpu_background import start as start_cpu_background

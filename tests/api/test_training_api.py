@@ -151,3 +151,24 @@ def test_ember_compile_eval_then_train(records: list[GraphRecord]) -> None:
     compare_training_step(compiled, eager_model, model, batch=5)
     assert sorted(r.kind for r in records) == ["backward", "forward", "inference"]
     assert all(r.error is None for r in records)
+
+
+@pytest.mark.parametrize("warm_start", [False, True])
+def test_compiling_leaves_the_users_module_copyable_and_picklable(warm_start: bool, tmp_path) -> None:
+    """ember.compile keeps its backend on the compiled object: torch's OptimizedModule forwards
+    attribute writes to the user's module, where the backend's locks stopped copy.deepcopy and
+    pickling (ember tune's whole-model check deep-copies a compiled model)."""
+    import io
+    import pickle
+
+    torch.manual_seed(0)
+    model = Block()
+    compiled = ember.compile(model, target="cpu", warm_start=warm_start, cache_dir=str(tmp_path))
+    x = torch.randn(5, 8)
+    out = compiled(x)
+    assert "_ember_backend" not in vars(model)
+    assert compiled._ember_backend is not None
+    twin = copy.deepcopy(model)
+    torch.testing.assert_close(twin(x), out.detach(), rtol=1e-5, atol=1e-6)
+    pickle.loads(pickle.dumps(model))
+    torch.save(model, io.BytesIO())

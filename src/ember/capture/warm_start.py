@@ -467,8 +467,4 @@ def install(compiled: torch.nn.Module, model: torch.nn.Module, backend: Any) -> 
     """Route the compiled module's calls through a WarmStart (ember.compile(warm_start=True))."""
     warm = WarmStart(model, backend, compiled.forward, unavailable(model, backend.options))
     compiled.forward = warm
-    # On the compiled module itself, not (through OptimizedModule's attribute forwarding) on the
-    # user's module: Dynamo saves the module's state with the guards, and a backend cannot be saved.
-    model.__dict__.pop("_ember_backend", None)
-    object.__setattr__(compiled, "_ember_backend", backend)
     object.__setattr__(compiled, "_ember_warm_start", warm)
