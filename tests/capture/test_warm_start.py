@@ -60,6 +60,17 @@ class Decorated(Net):
         return self.fc2(self.act(self.norm(self.fc1(x))))
 
 
+SCALE = 2.0  # module globals the forward reads: their values are guards a saved frame must keep
+USE_RELU = True
+
+
+class Flagged(Net):
+    def forward(self, x):
+        h = self.norm(self.fc1(x))
+        h = torch.relu(h) if USE_RELU else torch.tanh(h)
+        return self.fc2(h * SCALE)
+
+
 class Broken(Net):
     def forward(self, x):
         y = self.fc1(x)
@@ -175,7 +186,7 @@ def test_identity_guards_are_rechecked(tmp_path: Path) -> None:
     assert warm["out"] == cold["out"] and warm["grads"] == cold["grads"]
     # Another builtin in the same attribute: same key, same saved guards, the re-check fails.
     other = by["decorated_other_act"]
-    assert any("an identity guard fails" in line for line in other["log"]), other["log"]
+    assert any("a re-checked guard fails" in line for line in other["log"]), other["log"]
     assert _compiled(other) and not _loaded(other)
 
 
@@ -229,3 +240,25 @@ def test_an_input_passed_twice_has_its_own_saved_program() -> None:
         torch.testing.assert_close(second(x, x), model(x, x))
     log = second._ember_backend.log.warm_start
     assert sum(line.startswith("loaded") for line in log) == 2 and not any("fails" in line for line in log), log
+
+
+def test_module_globals_the_forward_reads_are_rechecked(tmp_path: Path) -> None:
+    # torch drops a module forward's guards on globals when it saves; Ember re-checks them, so a
+    # flag or constant set differently (by a script, not in the source) never runs the saved program.
+    models = _models(tmp_path)
+    (cold,), _ = _run(tmp_path, models, "train", "flagged")
+    assert any("re-checked by Ember" in line for line in cold["log"]), cold["log"]
+    assert any(line.startswith("saved") for line in cold["log"]), cold["log"]
+    results, _ = _run(tmp_path, models, "train", "flagged", "flagged_scale", "flagged_tanh", "flagged_between_calls")
+    by = {r["variant"]: r for r in results}  # _run checked every result against eager
+    assert _loaded(by["flagged"]) and by["flagged"]["traced_graphs"] == 0, by["flagged"]["log"]
+    for name in ("flagged_scale", "flagged_tanh"):
+        assert any("a re-checked guard fails" in line for line in by[name]["log"]), (name, by[name]["log"])
+        assert _compiled(by[name]) and not _loaded(by[name]), (name, by[name]["log"])
+    # Each setting keeps its own file. In one process, the flag flipped after a loaded program ran:
+    # the next call does not run that program; it loads the one saved for the other setting.
+    assert len(list((tmp_path / "warm_start").glob("*.ember-warm"))) == 3
+    between = by["flagged_between_calls"]
+    loads = [line for line in between["log"] if line.startswith("loaded")]
+    assert len(loads) == 2 and loads[0].split()[1] != loads[1].split()[1], between["log"]
+    assert between["traced_graphs"] == 0, between["log"]

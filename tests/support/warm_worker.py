@@ -8,7 +8,9 @@ and the largest difference from eager.
 MODE is infer or train. MODEL_DIR holds ``warm_model.py`` (the test writes it; a changed source
 is a changed file). Each VARIANT compiles a fresh ember.compile of a changed case in this same
 process: base, weight_dtype, weight_shape, ember_version, device_name, graph_break, decorated (a
-decorated forward and a module holding a builtin), decorated_other_act (another builtin there).
+decorated forward and a module holding a builtin), decorated_other_act (another builtin there),
+flagged (a forward reading module globals), flagged_scale / flagged_tanh (those globals set otherwise
+before the compile), flagged_between_calls (a global set otherwise after the first call).
 """
 
 from __future__ import annotations
@@ -31,9 +33,15 @@ def run(cache_dir: str, mode: str, variant: str) -> dict:
     importlib.reload(warm_model)  # the file may have changed since this process imported it
     torch.manual_seed(0)
     hidden = 12 if variant == "weight_shape" else 8
+    if variant == "flagged_scale":
+        warm_model.SCALE = 3.0
+    if variant == "flagged_tanh":
+        warm_model.USE_RELU = False
     if variant.startswith("decorated"):
         act = torch.relu if variant == "decorated_other_act" else torch.nn.functional.gelu
         model = warm_model.Decorated(hidden, act)
+    elif variant.startswith("flagged"):
+        model = warm_model.Flagged(hidden)
     else:
         model = (warm_model.Broken if variant == "graph_break" else warm_model.Net)(hidden)
     x = torch.randn(4, 6)
@@ -45,6 +53,11 @@ def run(cache_dir: str, mode: str, variant: str) -> dict:
     compiled = ember.compile(model, warm_start=True, cache_dir=cache_dir, target="cpu")
     graphs_before = counters["stats"]["unique_graphs"]
     out, want, grads, grad_err = run_beside_eager(compiled, model, ref, x, mode)
+    if variant == "flagged_between_calls":  # a global flipped after the first call
+        warm_model.USE_RELU = False
+        for m in (model, ref):
+            m.zero_grad()
+        out, want, grads, grad_err = run_beside_eager(compiled, model, ref, x, mode)
     return {"variant": variant, "log": compiled._ember_backend.log.warm_start,
             "traced_graphs": counters["stats"]["unique_graphs"] - graphs_before,
             "caches": [g.cache for g in compiled._ember_backend.log.graphs],

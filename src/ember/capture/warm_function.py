@@ -25,10 +25,8 @@ module warm start's; what differs is what the saved frame refers to:
 
 from __future__ import annotations
 
-import builtins
 import functools
 import hashlib
-import importlib
 import inspect
 import json
 import sys
@@ -38,8 +36,8 @@ from typing import Any
 
 import torch
 
-from ember.capture.warm_rechecks import Rechecks
-from ember.capture.warm_start import WarmStart, _class_source, _file_hash, _value_signature, option_blocker
+from ember.capture.warm_rechecks import GuardGlobals, Rechecks, class_source, file_hash
+from ember.capture.warm_start import WarmStart, _value_signature, option_blocker
 
 _CONSTANTS = (type(None), bool, int, float, complex, str, bytes, torch.dtype, torch.device)
 
@@ -105,14 +103,22 @@ class FunctionWarmStart(WarmStart):
     def keeps_guard(self, entry: Any) -> bool:
         return True  # guards on globals too: their modules travel as external data
 
-    def recheck(self, rechecks: Rechecks, args: tuple, kwargs: dict) -> str | None:
-        closure = _closure(self.fn)
+    def recheck_names(self) -> dict[str, Any]:
+        return {**_closure(self.fn), "G": GuardGlobals(self.fn.__globals__)}
+
+    def _closure_changed(self, rechecks: Rechecks) -> str | None:
         held = getattr(rechecks, "closure", None)
         if held is not None:
-            for name, value in closure.items():
+            for name, value in _closure(self.fn).items():
                 if not _same(value, held.get(name)):
                     return f"closure variable {name} holds another object than the loaded frame"
-        return rechecks.failing({**closure, "G": _Globals(self.fn.__globals__)}, self.fn, args, kwargs)
+        return None
+
+    def recheck(self, rechecks: Rechecks, args: tuple, kwargs: dict) -> str | None:
+        return self._closure_changed(rechecks) or super().recheck(rechecks, args, kwargs)
+
+    def rechecks_hold(self, rechecks: Rechecks, args: tuple, kwargs: dict) -> bool:
+        return self._closure_changed(rechecks) is None and super().rechecks_hold(rechecks, args, kwargs)
 
     def _load_or_compile(self, ckey: str, args: tuple, kwargs: dict) -> Any:
         closure = _closure(self.fn)  # what the frame is loaded (or compiled) with
@@ -156,8 +162,8 @@ class FunctionWarmStart(WarmStart):
             "device": _device_name(args, kwargs, modules.values()),
             "tuning": tuning_stamp(options.cache_root()),
             "options": repr(sorted(opts.items())),
-            "function": f"{self.fn.__module__}.{self.fn.__qualname__}@{_file_hash(source)}",
-            "classes": sorted({_class_source(type(m)) for module in modules.values() for m in module.modules()}),
+            "function": f"{self.fn.__module__}.{self.fn.__qualname__}@{file_hash(source)}",
+            "classes": sorted({class_source(type(m)) for module in modules.values() for m in module.modules()}),
             "modules": sorted(modules),
             "state": state,
             "training": [[m.training for m in module.modules()] for module in modules.values()],
@@ -168,19 +174,6 @@ class FunctionWarmStart(WarmStart):
         }
         digest = hashlib.sha256(json.dumps(parts, sort_keys=True, default=str).encode()).hexdigest()
         return digest, parts
-
-
-class _Globals(dict):
-    """The function's globals as Dynamo's guard expressions name them, with the names Dynamo installs
-    in them while tracing, which a new process has not: ``__builtins_dict___N`` (the builtins dict) and
-    ``__import_a_dot_b`` (module ``a.b``, symbolic_convert.py's alias for an import it made)."""
-
-    def __missing__(self, key: str) -> Any:
-        if key.startswith("__builtins_dict__"):
-            return builtins.__dict__
-        if key.startswith("__import_"):
-            return importlib.import_module(key[len("__import_"):].replace("_dot_", "."))
-        raise KeyError(key)
 
 
 def _aliases(external: dict[str, object]) -> list[str]:

@@ -50,10 +50,12 @@ import torch
 from torch.utils._pytree import tree_leaves
 
 from ember import compat
-from ember.capture.warm_rechecks import Rechecks, replaceable
+from ember.capture.warm_rechecks import GuardGlobals, Rechecks, class_source, recheck_for, replaceable
 
-MAGIC = b"EMBERWARM1\n"
+MAGIC = b"EMBERWARM2\n"
 SUFFIX = ".ember-warm"
+OFF_SUFFIX = ".ember-warm-off"  # the model cannot warm start at this key: why (a text file)
+MAX_FILES_PER_KEY = 8  # saved programs of one key that differ in re-checked values (global flags)
 
 
 def unavailable(model: object, options: Any) -> str | None:
@@ -114,26 +116,6 @@ def call_key(args: tuple, kwargs: dict) -> str:
             f"{_aliasing(args, kwargs)}")
 
 
-_FILE_HASHES: dict[tuple[str, float], str] = {}
-
-
-def _file_hash(path: str | None) -> str:
-    if not path or not os.path.exists(path):
-        return "?"
-    stamp = (path, os.path.getmtime(path))
-    if stamp not in _FILE_HASHES:
-        _FILE_HASHES[stamp] = hashlib.sha256(Path(path).read_bytes()).hexdigest()[:16]
-    return _FILE_HASHES[stamp]
-
-
-def _class_source(cls: type) -> str:
-    try:
-        path = inspect.getsourcefile(cls)
-    except (TypeError, OSError):
-        path = None
-    return f"{cls.__module__}.{cls.__qualname__}@{_file_hash(path)}"
-
-
 def _device_name(args: tuple, kwargs: dict, model: torch.nn.Module) -> str:
     tensors = [t for t in (*args, *kwargs.values(), *model.parameters(), *model.buffers()) if isinstance(t, torch.Tensor)]
     for t in tensors:
@@ -152,8 +134,8 @@ def model_key(model: torch.nn.Module, options: Any, ckey: str, args: tuple, kwar
         "device": _device_name(args, kwargs, model),
         "tuning": tuning_stamp(options.cache_root()),
         "options": repr(sorted(opts.items())),
-        "model": _class_source(type(model)),
-        "classes": sorted({_class_source(type(m)) for m in model.modules()}),
+        "model": class_source(type(model)),
+        "classes": sorted({class_source(type(m)) for m in model.modules()}),
         "state": [f"{n}:{_value_signature(t)}" for n, t in (*model.named_parameters(), *model.named_buffers())],
         "training": [m.training for m in model.modules()],
         "call": ckey,
@@ -197,15 +179,27 @@ class WarmStart:
         return _closure_functions(self.model)
 
     def keeps_guard(self, entry: Any) -> bool:
-        """Whether a guard torch can save is saved (guards on module globals are not, for a module)."""
+        """Whether torch saves a guard it can save; a module's guards on globals are Ember's re-checks
+        (warm_rechecks.py: torch's default filter drops them for a module's forward)."""
         return not entry.is_global
 
     def key(self, ckey: str, args: tuple, kwargs: dict) -> tuple[str, dict]:
         return model_key(self.model, self.backend.options, ckey, args, kwargs)
 
+    def recheck_names(self) -> dict[str, Any]:
+        """What the re-checks' expressions may name besides the call's arguments."""
+        forward = getattr(type(self.model).forward, "__code__", None)
+        cells = getattr(type(self.model).forward, "__closure__", None) or ()
+        closure = {name: c.cell_contents for name, c in zip(forward.co_freevars if forward else (), cells)}
+        return {**closure, "self": self.model, "G": GuardGlobals(self.frame_globals())}  # a decorator's `func`
+
     def recheck(self, rechecks: Rechecks, args: tuple, kwargs: dict) -> str | None:
-        """The first identity re-check that fails for this call (None: all hold)."""
-        return rechecks.failing({"self": self.model}, self.model.forward, args, kwargs)
+        """The first re-check that fails for this call (None: all hold), by description."""
+        return rechecks.failing(self.recheck_names(), self.traced(), args, kwargs)
+
+    def rechecks_hold(self, rechecks: Rechecks, args: tuple, kwargs: dict) -> bool:
+        """Whether the re-checks hold for a later call (by identity, as Dynamo's guards in a process)."""
+        return rechecks.holds(self.recheck_names, self.traced(), args, kwargs)
 
     def folder(self) -> Path:
         return Path(self.backend.options.cache_root()) / "warm_start"
@@ -216,7 +210,7 @@ class WarmStart:
         ckey = call_key(args, kwargs)
         for key, fn, rechecks in self.entries:
             if (key == ckey and fn.guard_check(*self.bound(args), **kwargs)
-                    and self.recheck(rechecks, args, kwargs) is None):
+                    and self.rechecks_hold(rechecks, args, kwargs)):
                 return fn.fn(*self.bound(args), **kwargs)
         if len(self.entries) >= max(1, self.backend.options.max_recompiles):
             return self.dynamo_forward(*args, **kwargs)  # Dynamo's recompiles and dynamic shapes take over
@@ -244,8 +238,15 @@ class WarmStart:
 
     def _load_or_compile(self, ckey: str, args: tuple, kwargs: dict) -> Any:
         key, parts = self.key(ckey, args, kwargs)
-        path = self.folder() / f"{key[:40]}{SUFFIX}"
-        if path.exists():
+        stem = key[:40]
+        refused = self.folder() / f"{stem}{OFF_SUFFIX}"
+        if refused.exists():  # an earlier process found guards no re-check covers: Dynamo's path
+            self.off = f"{refused.read_text()[:300]} (found by an earlier process: {refused.name})"
+            self.note(f"off: {self.off}")
+            return None
+        # One file per set of re-checked values (a global flag set either way): newest first.
+        saved = sorted(self.folder().glob(f"{stem}*{SUFFIX}"), key=lambda p: p.stat().st_mtime, reverse=True)
+        for path in saved:
             from ember.capture.aot_settings import gc_paused
 
             start = time.perf_counter()
@@ -261,7 +262,9 @@ class WarmStart:
                 if fn is not None:
                     self.note(f"loaded {path.name} in {time.perf_counter() - start:.3f} s (no trace)")
                     return fn
-        return self._compile(path, parts, args, kwargs)
+        for old in saved[MAX_FILES_PER_KEY - 1:]:  # the oldest give way to the one about to be saved
+            old.unlink(missing_ok=True)
+        return self._compile(self.folder() / stem, parts, args, kwargs)
 
     def _load(self, path: Path, args: tuple, kwargs: dict) -> Any:
         from ember.capture import warm_artifact as wa
@@ -293,28 +296,36 @@ class WarmStart:
             return None
         failed = self.recheck(rechecks, args, kwargs)
         if failed:
-            self.note(f"{path.name}: an identity guard fails ({failed}); compiled afresh")
+            self.note(f"{path.name}: a re-checked guard fails ({failed}); compiled afresh")
             return None
         return fn, rechecks
 
     # -- compile and save -----------------------------------------------------------------------
 
     def _compile(self, path: Path, parts: dict, args: tuple, kwargs: dict) -> Any:
+        """Trace and compile through torch's ahead-of-time compile; save the result as ``path``
+        (the key's stem) plus the digest of its re-checks."""
         from ember.capture import warm_artifact as wa
         from ember.compat import bundled_entry_mode
 
         backend = self.backend
         dropped: list[str] = []
-        rechecked: list[list[str]] = []
+        unchecked: list[str] = []
+        rechecked: list[list] = []
 
         def keep(entries: list) -> list[bool]:
             out = []
             for g in entries:
-                if not self.keeps_guard(g) or g.guard_type in wa.API.unserializable_guards:
-                    dropped.append(f"{g.guard_type} {g.name}")
+                if not self.keeps_guard(g):  # a global: Ember re-checks it, or nothing may be saved
+                    item = recheck_for(g, self.frame_globals())
+                    (rechecked if item else unchecked).append(item or f"{g.guard_type} {g.name}")
                     out.append(False)
-                elif (description := replaceable(g, wa.API.unserializable_guards)) is not None:
-                    rechecked.append([g.name, description])  # torch cannot save it: Ember re-checks it
+                elif g.guard_type in wa.API.unserializable_guards:  # an identity: re-checked where it can be
+                    item = recheck_for(g, self.frame_globals())
+                    (rechecked if item else dropped).append(item or f"{g.guard_type} {g.name}")
+                    out.append(False)
+                elif (item := replaceable(g, wa.API.unserializable_guards)) is not None:
+                    rechecked.append(item)  # torch cannot save it: Ember re-checks it
                     out.append(False)
                 else:
                     out.append(True)
@@ -338,8 +349,20 @@ class WarmStart:
             backend.output_wrapper = None
         self.note(f"compiled and traced; {len(dropped)} guard(s) torch cannot save were dropped "
                   f"({', '.join(sorted(set(g.split()[0] for g in dropped)))})" if dropped else "compiled and traced")
+        rechecks = Rechecks(rechecked)
+        failed = None if unchecked else self.recheck(rechecks, args, kwargs)
+        if unchecked or failed:
+            # Saved without them, the program could run where Dynamo would trace again: this model
+            # keeps Dynamo's path, here and (through the marker file) in later processes.
+            kinds = sorted({u.split()[0] for u in unchecked})
+            self.off = (f"{len(unchecked)} guard(s) on globals no re-check covers ({', '.join(kinds)}; "
+                        f"first: {unchecked[0].split(maxsplit=1)[1][:120]})" if unchecked
+                        else f"a re-check does not hold where it was made ({failed})")
+            self.note(f"off: {self.off}; today's path (Dynamo) from now on")
+            _write_marker(path.with_name(f"{path.name}{OFF_SUFFIX}"), self.off)
+            return None
         if rechecked:
-            self.note(f"{len(rechecked)} identity guard(s) torch cannot save are re-checked by Ember")
+            self.note(f"{len(rechecked)} guard(s) torch cannot save (on globals, by identity) are re-checked by Ember")
         try:
             modules = _installed_modules(fn, self.frame_globals())
             closure = self.external_data()
@@ -347,11 +370,13 @@ class WarmStart:
                 result = (wa.API.AOTCompiledFunction.serialize(fn, closure) if closure
                           else wa.API.AOTCompiledFunction.serialize(fn))
             data = getattr(result, "serialized_data", result)  # torch >= 2.13 wraps the bytes
+            variant = hashlib.sha256(json.dumps(rechecked, default=str).encode()).hexdigest()[:12]
+            path = path.with_name(f"{path.name}-{variant}{SUFFIX}")
             _write(path, data, parts, rechecked, modules)
             self.note(f"saved {path.name} ({len(data)} bytes)")
         except Exception as err:  # noqa: BLE001 - it still runs in this process, just not saved
             self.note(f"not saved: {type(err).__name__}: {_first_line(err)}")
-        return fn, Rechecks(rechecked)
+        return fn, rechecks
 
 
 def _first_line(err: BaseException) -> str:
@@ -400,7 +425,7 @@ def _functions_by_code() -> Any:
         return contextlib.nullcontext()
 
     def reducer_override(self: Any, obj: Any) -> Any:
-        if (inspect.isfunction(obj) and not obj.__closure__ and "<locals>" not in obj.__qualname__
+        if (inspect.isfunction(obj) and "<locals>" not in obj.__qualname__
                 and obj.__module__ in sys.modules):
             found: Any = sys.modules[obj.__module__]
             for name in obj.__qualname__.split("."):
@@ -461,6 +486,16 @@ def _write(path: Path, data: bytes, parts: dict, rechecks: list[list[str]], modu
     with tempfile.NamedTemporaryFile(dir=path.parent, delete=False, prefix=".warm-") as tmp:
         tmp.write(buf.getvalue())
     os.replace(tmp.name, path)
+
+
+def _write_marker(path: Path, reason: str) -> None:
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with tempfile.NamedTemporaryFile("w", dir=path.parent, delete=False, prefix=".warm-") as tmp:
+            tmp.write(reason)
+        os.replace(tmp.name, path)
+    except OSError:  # a read-only cache: the next process finds out again
+        pass
 
 
 def install(compiled: torch.nn.Module, model: torch.nn.Module, backend: Any) -> None:
