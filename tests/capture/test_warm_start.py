@@ -262,3 +262,17 @@ def test_module_globals_the_forward_reads_are_rechecked(tmp_path: Path) -> None:
     loads = [line for line in between["log"] if line.startswith("loaded")]
     assert len(loads) == 2 and loads[0].split()[1] != loads[1].split()[1], between["log"]
     assert between["traced_graphs"] == 0, between["log"]
+
+
+def test_two_lambdas_of_one_function_never_share_a_saved_program(tmp_path: Path) -> None:
+    # Both are "<locals>.<lambda>" of this test in this file: the key also holds each one's code.
+    import ember
+
+    x = torch.randn(4, 5)
+    double = lambda t: t * 2 + 1  # noqa: E731
+    shifted_sine = lambda t: t.sin() - 3  # noqa: E731
+    for fn in (double, shifted_sine, double):
+        torch._dynamo.reset()
+        compiled = ember.compile(fn, warm_start=True, cache_dir=str(tmp_path), target="cpu")
+        torch.testing.assert_close(compiled(x), fn(x))
+    assert len(list((tmp_path / "warm_start").glob("*.ember-warm"))) == 2

@@ -36,7 +36,7 @@ from typing import Any
 
 import torch
 
-from ember.capture.warm_rechecks import GuardGlobals, Rechecks, class_source, file_hash
+from ember.capture.warm_rechecks import GuardGlobals, Rechecks, class_source, code_digest, file_hash
 from ember.capture.warm_start import WarmStart, _value_signature, option_blocker
 
 _CONSTANTS = (type(None), bool, int, float, complex, str, bytes, torch.dtype, torch.device)
@@ -162,7 +162,9 @@ class FunctionWarmStart(WarmStart):
             "device": _device_name(args, kwargs, modules.values()),
             "tuning": tuning_stamp(options.cache_root()),
             "options": repr(sorted(opts.items())),
+            # Two lambdas of one function share a qualified name and a file: their code tells them apart.
             "function": f"{self.fn.__module__}.{self.fn.__qualname__}@{file_hash(source)}",
+            "code": f"{self.fn.__code__.co_firstlineno} {code_digest(self.fn.__code__)}",
             "classes": sorted({class_source(type(m)) for module in modules.values() for m in module.modules()}),
             "modules": sorted(modules),
             "state": state,

@@ -98,14 +98,18 @@ def constant(value: object) -> str | None:
     return None
 
 
+def code_digest(code: types.CodeType) -> str:
+    """A hash of what a code object does: bytecode, names, constants, and the code nested in it."""
+    consts = [code_digest(c) if isinstance(c, types.CodeType) else repr(c) for c in code.co_consts]
+    return hashlib.sha256(b"|".join([code.co_code, repr(code.co_names).encode(), repr(code.co_varnames).encode(),
+                                     repr(consts).encode()])).hexdigest()[:24]
+
+
 def describe(value: object) -> str | None:
     """A description of ``value`` that is equal in any process where it is the same object (None: none)."""
     if isinstance(value, types.CodeType):
-        consts = [c for c in value.co_consts if not isinstance(c, types.CodeType)]
-        digest = hashlib.sha256(b"|".join([value.co_code, repr(value.co_names).encode(),
-                                           repr(value.co_varnames).encode(), repr(consts).encode()])).hexdigest()
         qualname = getattr(value, "co_qualname", value.co_name)
-        return f"code {value.co_filename}:{value.co_firstlineno} {qualname} {digest[:24]}"
+        return f"code {value.co_filename}:{value.co_firstlineno} {qualname} {code_digest(value)}"
     if isinstance(value, types.BuiltinFunctionType):
         module = getattr(value, "__module__", None) or type(getattr(value, "__self__", None)).__qualname__
         return f"builtin {module}.{value.__qualname__}"
