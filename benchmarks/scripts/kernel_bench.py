@@ -5,10 +5,11 @@ Run on the device (from the repo root):
     PYTHONPATH=src python benchmarks/scripts/kernel_bench.py --json $OUT/kernel_bench.json
     PYTHONPATH=src python benchmarks/scripts/kernel_bench.py --loop-rblock 1024,4096   # sweep a codegen constant
     PYTHONPATH=src python benchmarks/scripts/kernel_bench.py --cases nhwc --tile 64x4096,32x4096 --split 528,264
+    PYTHONPATH=src python benchmarks/scripts/kernel_bench.py --cases transpose --transpose-tile 0,32,64
 
 Each case is a small function (batch-norm statistics and normalisation in NCHW and in
 channels_last (NHWC), layer norm, softmax, a pointwise bias+activation+residual chain, a column
-reduction). ``--tile XBLOCKxTILE`` sweeps the channel-contiguous reduction tile and ``--split N``
+reduction, transposing copies). ``--tile XBLOCKxTILE`` sweeps the channel-contiguous reduction tile and ``--split N``
 the split-reduction program target (block-size settings, ember/config.py). Time per call comes
 from CUDA-graph replay (``triton.testing.do_bench_cudagraph``), so host overhead does not
 hide microsecond kernels. GB/s counts the minimum traffic: every input read once and every
@@ -64,6 +65,22 @@ def _bn_relu_affine(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor) -> torch.
     return F.relu(F.batch_norm(x, None, None, w, b, training=True))
 
 
+def _to_nhwc(x: torch.Tensor) -> torch.Tensor:
+    return (x * 2).permute(0, 2, 3, 1).contiguous()
+
+
+def _to_nchw(x: torch.Tensor) -> torch.Tensor:
+    return (x * 2).permute(0, 3, 1, 2).contiguous()
+
+
+def _transpose_add(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    return a.transpose(1, 2) + b
+
+
+def _transpose_2d(x: torch.Tensor) -> torch.Tensor:
+    return (x.t() * 2).contiguous()
+
+
 def cases(device: torch.device) -> list[tuple[str, str, Callable, tuple]]:
     def t(*shape: int, dtype: torch.dtype = BF16) -> torch.Tensor:
         return torch.randn(*shape, device=device, dtype=dtype)
@@ -87,6 +104,10 @@ def cases(device: torch.device) -> list[tuple[str, str, Callable, tuple]]:
         ("layer norm", "8192x768", _ln, (t(8192, 768), t(768, dtype=torch.float32), t(768, dtype=torch.float32))),
         ("softmax", "98304x128", _softmax, (t(64 * 12 * 128, 128),)),
         ("bias+gelu+residual", "8192x3072", _bias_gelu_residual, (t(8192, 3072), t(3072), t(8192, 3072))),
+        ("transpose nchw->nhwc", "128x64x56x56", _to_nhwc, (t(128, 64, 56, 56),)),
+        ("transpose nhwc->nchw", "128x56x56x64", _to_nchw, (t(128, 56, 56, 64),)),
+        ("transpose add", "768x197x64", _transpose_add, (t(768, 64, 197), t(768, 197, 64))),
+        ("transpose 2d", "8192x8192", _transpose_2d, (t(8192, 8192),)),
     ]
 
 
@@ -102,10 +123,12 @@ def _ember_variants(args: argparse.Namespace) -> list[tuple[str, dict[str, int]]
         for tile in args.tile.split(","):
             xb, _, elems = tile.partition("x")
             for split in args.split.split(","):
-                label = f"ember rb{rb}" + (f" t{tile}" if "," in args.tile else "") + (
-                    f" s{split}" if "," in args.split else "")
-                out.append((label, {"loop_rblock": int(rb), "xcontig_xblock": int(xb), "xcontig_tile": int(elems),
-                                    "split_target_programs": int(split)}))
+                for tt in args.transpose_tile.split(","):
+                    label = f"ember rb{rb}" + (f" t{tile}" if "," in args.tile else "") + (
+                        f" s{split}" if "," in args.split else "") + (
+                        f" tt{tt}" if "," in args.transpose_tile else "")
+                    out.append((label, {"loop_rblock": int(rb), "xcontig_xblock": int(xb), "xcontig_tile": int(elems),
+                                        "split_target_programs": int(split), "transpose_tile": int(tt)}))
     return out
 
 
@@ -129,6 +152,8 @@ def main() -> int:
                         help="comma list of xcontig_xblock x xcontig_tile, e.g. 64x4096 (channel-contiguous reduction tiles)")
     parser.add_argument("--split", default=str(BLOCKS.split_target_programs),
                         help="comma list of split_target_programs (0: no split reductions)")
+    parser.add_argument("--transpose-tile", default=str(BLOCKS.transpose_tile),
+                        help="comma list of transpose_tile (0: transposed pointwise kernels walk one index)")
     parser.add_argument("--cases", default="",
                         help="comma list: only cases with this word in their name, or named 'NAME SHAPE'")
     parser.add_argument("--backends", default="eager,inductor,ember")

@@ -26,7 +26,7 @@ from ember.codegen.kernel_writer import Scope
 from ember.codegen.lowering import KernelValue, compute_dtype, value_dtype
 from ember.codegen.triton_dialect import TL_DTYPE, TRITON, TritonValue, literal
 from ember.codegen.triton_reductions import TritonReductions
-from ember.codegen.triton_tiles import Split, next_pow2, order_dims, plan_split
+from ember.codegen.triton_tiles import Split, next_pow2, order_dims, plan_split, transposed_dim
 from ember.config import settings
 from ember.schedule.dim_map import dim_strides, reduction_keepdim, walked_dims
 from ember.schedule.plan import Dims, FusedGroup
@@ -101,7 +101,13 @@ class TritonWriter(TritonReductions):
         # Tuned overrides of the block-size rules (ember/tune/space.py): XBLOCK, RBLOCK (looped
         # reductions only), SPLIT_PROGRAMS, num_warps, num_stages. Empty: the rules below.
         self.config = dict(config or {})
-        shape, reduced = self.shape, self.reduced_dims
+        shape = self.shape
+        # A pointwise group that reads a transposed input walks that input's stride-1 dim as the
+        # second axis of a 2-D tile (codegen/triton_tiles.transposed_dim): no reduction runs over it.
+        self.tile_dim = transposed_dim(group) if not group.rdims and self.blocks.transpose_tile > 0 else None
+        if self.tile_dim is not None:
+            self.reduced_dims = {self.tile_dim}
+        reduced = self.reduced_dims
         # Walked in the memory order of the group's largest tensor (codegen/triton_tiles.py).
         tiling = order_dims(group, [d for d in range(len(shape)) if d not in reduced and shape[d] != 1],
                             [d for d in sorted(reduced) if shape[d] != 1])
@@ -118,7 +124,11 @@ class TritonWriter(TritonReductions):
         self.persistent = (not self.is_reduction) or (rblock <= self.blocks.persistent_rblock_max and not (
             self.x_contiguous and not interpret and rblock > self.blocks.xcontig_persistent_rmax))
         self.split = Split(1, self.rnumel, 1)
-        if self.is_reduction:
+        if self.tile_dim is not None:
+            self.persistent = False  # (the block rule reads it) then: one block holds the row
+            self.xblock, self.rblock = self._blocks()
+            self.persistent = self.rnumel <= self.rblock
+        elif self.is_reduction:
             self.xblock, self.rblock = self._blocks()
             # The workspace holds float32 partials: float32 reductions only.
             if not self.persistent and all(value_dtype(r) == torch.float32 for r in self.reductions):
@@ -334,15 +344,19 @@ class TritonWriter(TritonReductions):
             f" split={self.split.split}x{self.split.chunk} "
             + ("stores outputs" if self.phase is None else f"{self.phase[0]} of level {self.phase[1]}"))
         text = (f"@triton.jit\ndef KERNEL_NAME({params}, {consts}):\n"
-                f"    # S={list(self.shape)} reduced={sorted(self.reduced_dims)} x={self.xnumel} r={self.rnumel}{split}\n"
+                f"    # S={list(self.shape)} "
+                + (f"pointwise, r walks dim {self.tile_dim} (a transposed tensor's stride-1 dim)"
+                   if self.tile_dim is not None else f"reduced={sorted(self.reduced_dims)}")
+                + f" x={self.xnumel} r={self.rnumel}{split}\n"
                 f"    # x order {self.kept_order} r order {self.reduced_order}"
-                f"{' channel-contiguous' if self.x_contiguous else ''}\n"
+                f"{' channel-contiguous' if self.x_contiguous and self.tile_dim is None else ''}\n"
                 + "\n".join("    " + line for line in body) + "\n")
         # Node names differ between graphs (and between blocks of one model); the kernel's identity
         # must not, so hash and compile the text with each line's node annotation reduced to its op.
         canonical = canonical_source(text)
         digest = hashlib.sha256((canonical + repr(meta) + str(self.interpret)).encode()).hexdigest()[:16]
-        kind = "pw" if not self.is_reduction else "red" if self.phase is None else f"{self.phase[0]}{self.phase[1]}"
+        kind = ("pw" if not self.is_reduction else "tpw" if self.tile_dim is not None
+                else "red" if self.phase is None else f"{self.phase[0]}{self.phase[1]}")
         name = f"ember_{kind}_{digest}"
         source = f"# source ops:\n{ops}\n" + text.replace("KERNEL_NAME", name)
         header = HEADER_INTERPRET if self.interpret else HEADER_GPU
@@ -360,6 +374,11 @@ class TritonWriter(TritonReductions):
     def _rule_blocks(self) -> tuple[int, int]:
         xmax = next_pow2(self.xnumel)
         blocks = self.blocks
+        if self.tile_dim is not None:  # a square-ish tile: both sides of the transpose coalesce
+            side = 1024 if self.interpret else blocks.transpose_tile  # the interpreter pays per program
+            rblock = min(next_pow2(self.rnumel), side)
+            elements = blocks.interpret_tile_elements if self.interpret else side * side
+            return max(1, min(xmax, elements // rblock)), rblock
         if self.interpret:
             rblock = next_pow2(self.rnumel) if self.persistent else blocks.loop_rblock
             return max(1, min(xmax, blocks.interpret_tile_elements // rblock)), rblock

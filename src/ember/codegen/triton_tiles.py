@@ -93,6 +93,48 @@ def order_dims(group: FusedGroup, kept: list[int], reduced: list[int]) -> Tiling
     return Tiling(k_sorted, r_sorted, x_contiguous)
 
 
+def _tensors(group: FusedGroup) -> list[tuple[fx.Node, tuple]]:
+    """Every input and output of the group with its dims, each once."""
+    found: dict[fx.Node, tuple] = {n: group.dims[n] for n in group.outputs}
+    for member in group.nodes:
+        for node, dims in group.input_dims[member].items():
+            found.setdefault(node, dims)
+    return [(n, d) for n, d in found.items() if isinstance(n.meta.get("val"), torch.Tensor)]
+
+
+def transposed_dim(group: FusedGroup, min_side: int = 8) -> int | None:
+    """For a pointwise group: the dim to walk as the second axis of a 2-D tile, or None.
+
+    A pointwise kernel walks one index in the memory order of its largest tensor, so a tensor whose
+    stride-1 dim is another dim (a permute made contiguous, NCHW <-> channels_last, the q/k/v
+    gradients of attention stacked from transposed matmul results) is read or written a strided
+    element per lane. Walking that tensor's stride-1 dim as a second tile axis makes both accesses
+    coalesced (Triton moves the tile through shared memory between them). Only a tensor holding at
+    least a quarter of the group's elements counts, and both dims must be ``min_side`` long."""
+    shape = group.shape
+    walked = {d for d in range(len(shape)) if shape[d] != 1}
+    ref = _reference(group, walked)
+    if ref is None or len(walked) < 2:
+        return None
+    numel = 1
+    for d in walked:
+        numel *= shape[d]
+    ref_strides = dict(dim_strides(ref[1], ref[0].meta["val"].stride(), shape))
+    inner = [d for d in walked if ref_strides.get(d) == 1]
+    if len(inner) != 1 or shape[inner[0]] < min_side:
+        return None
+    best: tuple[int, int] | None = None  # (stored elements, dim)
+    for node, dims in _tensors(group):
+        stored = _stored_elements(node.meta["val"])
+        strides = dict(dim_strides(dims, node.meta["val"].stride(), shape))
+        if stored * 4 < numel or strides.get(inner[0], 0) in (0, 1):
+            continue
+        own = [d for d in walked if strides.get(d) == 1]
+        if len(own) == 1 and shape[own[0]] >= min_side and (best is None or stored > best[0]):
+            best = (stored, own[0])
+    return None if best is None else best[1]
+
+
 @dataclass
 class Split:
     split: int  # chunks of D, each reduced by its own program (1: no split)

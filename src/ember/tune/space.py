@@ -1,7 +1,7 @@
 """Candidate configurations of one generated kernel, and the cheap analytic model that ranks them.
 
 A configuration is a dict of overrides of the generator's block-size rules:
-  Triton (codegen/triton_kernel.py)  XBLOCK, RBLOCK (looped reductions), SPLIT_PROGRAMS (looped
+  Triton (codegen/triton_kernel.py)  XBLOCK, RBLOCK (looped reductions, transposed tiles), SPLIT_PROGRAMS (looped
                                      float32 reductions), num_warps, num_stages
   numba  (codegen/cpu_kernel.py)     blk (points per work unit of column layouts), threads, chunk
                                      (units per piece of the parallel split, pieces dealt to the
@@ -69,7 +69,11 @@ def triton_candidates(group: FusedGroup, interpret: bool, sms: int = GPU_SMS) ->
     nbytes = _group_bytes(group)
     xmax = next_pow2(w.xnumel)
     configs: list[dict[str, int]] = []
-    if not w.is_reduction:
+    if w.tile_dim is not None:  # a transposed pointwise tile: its two sides
+        for xb, rb, nw in itertools.product((16, 32, 64, 128), (16, 32, 64, 128), (2, 4, 8)):
+            if xb <= max(xmax, 16) and rb <= max(next_pow2(w.rnumel), 16) and 1024 <= xb * rb <= 16384:
+                configs.append({"XBLOCK": xb, "RBLOCK": rb, "num_warps": nw})
+    elif not w.is_reduction:
         for xb, nw in itertools.product((128, 256, 512, 1024, 2048, 4096), (1, 2, 4, 8)):
             if xb <= max(xmax, 128) and 32 * nw <= xb:
                 configs.append({"XBLOCK": xb, "num_warps": nw})
