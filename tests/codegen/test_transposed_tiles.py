@@ -56,11 +56,15 @@ def test_odd_sizes_are_masked() -> None:
     assert _tiled(names) == 1, names
 
 
-def test_a_tile_dim_longer_than_the_tile_loops() -> None:
-    # The interpreter's tile side is 1024: a 1100-long stride-1 dim takes two steps of the loop.
-    x = make_input((1100, 16), "contiguous")
-    names = _run(lambda t: (t.t() * 3).contiguous(), [x])
-    assert _tiled(names) == 1, names
+def test_a_tile_dim_longer_than_the_tile_takes_a_second_grid_axis() -> None:
+    # The interpreter's tile side is 1024: the 1100-long stride-1 dim of the input takes two tiles.
+    x = make_input((16, 1100), "contiguous")
+    torch._dynamo.reset()
+    with strict_env():
+        compiled = ember.compile(lambda t: (t.t() * 3).contiguous(), target="triton-interpret")
+        torch.testing.assert_close(compiled(x), (x.t() * 3).contiguous())
+    (source,) = [s for g in compiled._ember_backend.log.graphs for s in g.kernel_sources.values()]
+    assert "r walks dim 0" in source and "split=2x1024" in source, source
 
 
 def test_short_or_untransposed_dims_keep_one_index() -> None:

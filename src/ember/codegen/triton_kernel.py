@@ -128,6 +128,8 @@ class TritonWriter(TritonReductions):
             self.persistent = False  # (the block rule reads it) then: one block holds the row
             self.xblock, self.rblock = self._blocks()
             self.persistent = self.rnumel <= self.rblock
+            if not self.persistent:  # one tile per program (a 2-D grid), not a loop along the row
+                self.split = Split(-(-self.rnumel // self.rblock), self.rblock, 1)
         elif self.is_reduction:
             self.xblock, self.rblock = self._blocks()
             # The workspace holds float32 partials: float32 reductions only.
@@ -337,7 +339,8 @@ class TritonWriter(TritonReductions):
                 meta[knob] = self.config[knob]
         grid = -(-self.xnumel // meta["XBLOCK"]) * (self.grid_split if self.is_reduction else 1)
         args = list(self.group.inputs) + list(self.group.outputs)
-        params = ", ".join(self.tensor_names[a] for a in args) + (", ws" if self.split.split > 1 else "")
+        params = ", ".join(self.tensor_names[a] for a in args) + (", ws" if self.split.split > 1 and self.reductions
+                                                                   else "")
         consts = "XBLOCK: tl.constexpr" + (", RBLOCK: tl.constexpr" if self.is_reduction else "")
         ops = "\n".join(f"#   {node_source(n)}" for n in self.group.nodes)
         split = "" if self.split.split == 1 else (
@@ -399,7 +402,7 @@ def generate_triton(group: FusedGroup, interpret: bool = False, config: dict[str
     ``config`` overrides the block-size rules (a tuned configuration)."""
     writer = TritonWriter(group, interpret, config=config)
     ks = writer.write()
-    if writer.split.split > 1:
+    if writer.split.split > 1 and writer.reductions:
         # Partials of every chunk, then one result row per reduction.
         ks.workspace = len(writer.reductions) * (writer.split.split + 1) * writer.xnumel
         last = writer.levels()[-1]
