@@ -292,7 +292,7 @@ class Settings:
     tile_elements: int = _item(2048, "elements per program of a persistent reduction")
     pointwise_xblock: int = _item(1024, "elements per program of a pointwise kernel")
     transpose_tile: int = _item(64, "side of the 2-D tile of a pointwise kernel reading a transposed input "
-                                    "(codegen/triton_tiles.transposed_dim; 0: such kernels walk one index, as others)",
+                                    "(codegen/triton_tiles.transposed_dims; 0: such kernels walk one index, as others)",
                                 "EMBER_TRANSPOSE_TILE", public=False)
     interpret_tile_elements: int = _item(1 << 16, "tile size in Triton's interpreter (it pays per program, not "
                                                   "per element)")

@@ -1,5 +1,5 @@
 """Pointwise kernels reading or writing a transposed tensor walk it in 2-D tiles (codegen/triton_tiles.py
-``transposed_dim``): results equal eager's through Triton's interpreter, forward and backward,
+``transposed_dims``): results equal eager's through Triton's interpreter, forward and backward,
 persistent and looped tiles, odd sizes; the rule picks a tile only where a large tensor is transposed."""
 
 from __future__ import annotations
@@ -39,9 +39,15 @@ def _tiled(names: list[str]) -> int:
 
 
 def test_channels_last_copy_walks_a_two_dimensional_tile() -> None:
+    # The NCHW input's H and W (S dims 2 and 3) are one contiguous run: the tile's second axis
+    # walks both (one 120-long row), the first walks N and C (the output's stride-1 dim).
     x = make_input((2, 24, 10, 12), "contiguous")
-    names = _run(lambda t: (t * 2 + 1).permute(0, 2, 3, 1).contiguous(), [x])
-    assert _tiled(names) == 1, names
+    torch._dynamo.reset()
+    with strict_env():
+        compiled = ember.compile(lambda t: (t * 2 + 1).permute(0, 2, 3, 1).contiguous(), target="triton-interpret")
+        torch.testing.assert_close(compiled(x), (x * 2 + 1).permute(0, 2, 3, 1).contiguous())
+    (source,) = [s for g in compiled._ember_backend.log.graphs for s in g.kernel_sources.values()]
+    assert "ember_tpw_" in source and "r walks dims [2, 3]" in source and "x=48 r=120" in source, source
 
 
 def test_transposed_input_beside_a_contiguous_one_forward_and_backward() -> None:
@@ -64,7 +70,7 @@ def test_a_tile_dim_longer_than_the_tile_takes_a_second_grid_axis() -> None:
         compiled = ember.compile(lambda t: (t.t() * 3).contiguous(), target="triton-interpret")
         torch.testing.assert_close(compiled(x), (x.t() * 3).contiguous())
     (source,) = [s for g in compiled._ember_backend.log.graphs for s in g.kernel_sources.values()]
-    assert "r walks dim 0" in source and "split=2x1024" in source, source
+    assert "r walks dims [0]" in source and "split=2x1024" in source, source
 
 
 def test_short_or_untransposed_dims_keep_one_index() -> None:

@@ -26,7 +26,7 @@ from ember.codegen.kernel_writer import Scope
 from ember.codegen.lowering import KernelValue, compute_dtype, value_dtype
 from ember.codegen.triton_dialect import TL_DTYPE, TRITON, TritonValue, literal
 from ember.codegen.triton_reductions import TritonReductions
-from ember.codegen.triton_tiles import Split, next_pow2, order_dims, plan_split, transposed_dim
+from ember.codegen.triton_tiles import Split, next_pow2, order_dims, plan_split, transposed_dims
 from ember.config import settings
 from ember.schedule.dim_map import dim_strides, reduction_keepdim, walked_dims
 from ember.schedule.plan import Dims, FusedGroup
@@ -103,10 +103,10 @@ class TritonWriter(TritonReductions):
         self.config = dict(config or {})
         shape = self.shape
         # A pointwise group that reads a transposed input walks that input's stride-1 dim as the
-        # second axis of a 2-D tile (codegen/triton_tiles.transposed_dim): no reduction runs over it.
-        self.tile_dim = transposed_dim(group) if not group.rdims and self.blocks.transpose_tile > 0 else None
-        if self.tile_dim is not None:
-            self.reduced_dims = {self.tile_dim}
+        # second axis of a 2-D tile (codegen/triton_tiles.transposed_dims): no reduction runs over it.
+        self.tile_dims = transposed_dims(group) if not group.rdims and self.blocks.transpose_tile > 0 else []
+        if self.tile_dims:
+            self.reduced_dims = set(self.tile_dims)
         reduced = self.reduced_dims
         # Walked in the memory order of the group's largest tensor (codegen/triton_tiles.py).
         tiling = order_dims(group, [d for d in range(len(shape)) if d not in reduced and shape[d] != 1],
@@ -124,7 +124,7 @@ class TritonWriter(TritonReductions):
         self.persistent = (not self.is_reduction) or (rblock <= self.blocks.persistent_rblock_max and not (
             self.x_contiguous and not interpret and rblock > self.blocks.xcontig_persistent_rmax))
         self.split = Split(1, self.rnumel, 1)
-        if self.tile_dim is not None:
+        if self.tile_dims:
             self.persistent = False  # (the block rule reads it) then: one block holds the row
             self.xblock, self.rblock = self._blocks()
             self.persistent = self.rnumel <= self.rblock
@@ -348,17 +348,17 @@ class TritonWriter(TritonReductions):
             + ("stores outputs" if self.phase is None else f"{self.phase[0]} of level {self.phase[1]}"))
         text = (f"@triton.jit\ndef KERNEL_NAME({params}, {consts}):\n"
                 f"    # S={list(self.shape)} "
-                + (f"pointwise, r walks dim {self.tile_dim} (a transposed tensor's stride-1 dim)"
-                   if self.tile_dim is not None else f"reduced={sorted(self.reduced_dims)}")
+                + (f"pointwise, r walks dims {self.tile_dims} (a transposed tensor's stride-1 run)"
+                   if self.tile_dims else f"reduced={sorted(self.reduced_dims)}")
                 + f" x={self.xnumel} r={self.rnumel}{split}\n"
                 f"    # x order {self.kept_order} r order {self.reduced_order}"
-                f"{' channel-contiguous' if self.x_contiguous and self.tile_dim is None else ''}\n"
+                f"{' channel-contiguous' if self.x_contiguous and not self.tile_dims else ''}\n"
                 + "\n".join("    " + line for line in body) + "\n")
         # Node names differ between graphs (and between blocks of one model); the kernel's identity
         # must not, so hash and compile the text with each line's node annotation reduced to its op.
         canonical = canonical_source(text)
         digest = hashlib.sha256((canonical + repr(meta) + str(self.interpret)).encode()).hexdigest()[:16]
-        kind = ("pw" if not self.is_reduction else "tpw" if self.tile_dim is not None
+        kind = ("pw" if not self.is_reduction else "tpw" if self.tile_dims
                 else "red" if self.phase is None else f"{self.phase[0]}{self.phase[1]}")
         name = f"ember_{kind}_{digest}"
         source = f"# source ops:\n{ops}\n" + text.replace("KERNEL_NAME", name)
@@ -377,7 +377,7 @@ class TritonWriter(TritonReductions):
     def _rule_blocks(self) -> tuple[int, int]:
         xmax = next_pow2(self.xnumel)
         blocks = self.blocks
-        if self.tile_dim is not None:  # a square-ish tile: both sides of the transpose coalesce
+        if self.tile_dims:  # a square-ish tile: both sides of the transpose coalesce
             side = 1024 if self.interpret else blocks.transpose_tile  # the interpreter pays per program
             rblock = min(next_pow2(self.rnumel), side)
             elements = blocks.interpret_tile_elements if self.interpret else side * side

@@ -102,37 +102,48 @@ def _tensors(group: FusedGroup) -> list[tuple[fx.Node, tuple]]:
     return [(n, d) for n, d in found.items() if isinstance(n.meta.get("val"), torch.Tensor)]
 
 
-def transposed_dim(group: FusedGroup, min_side: int = 8) -> int | None:
-    """For a pointwise group: the dim to walk as the second axis of a 2-D tile, or None.
+def transposed_dims(group: FusedGroup, min_side: int = 8) -> list[int]:
+    """For a pointwise group: the dims to walk along the second axis of a 2-D tile, outermost first
+    ([]: none; the kernel walks one index).
 
     A pointwise kernel walks one index in the memory order of its largest tensor, so a tensor whose
     stride-1 dim is another dim (a permute made contiguous, NCHW <-> channels_last, the q/k/v
     gradients of attention stacked from transposed matmul results) is read or written a strided
-    element per lane. Walking that tensor's stride-1 dim as a second tile axis makes both accesses
-    coalesced (Triton moves the tile through shared memory between them). Only a tensor holding at
-    least a quarter of the group's elements counts, and both dims must be ``min_side`` long."""
+    element per lane. Walking that tensor's stride-1 dim, with the dims contiguous with it in that
+    tensor (H and W of an NCHW activation: one 3136-long row), along a second tile axis makes both
+    accesses coalesced (Triton moves the tile through shared memory between them). Only a tensor
+    holding at least a quarter of the group's elements counts, and both sides must be ``min_side``
+    long."""
     shape = group.shape
     walked = {d for d in range(len(shape)) if shape[d] != 1}
     ref = _reference(group, walked)
     if ref is None or len(walked) < 2:
-        return None
+        return []
     numel = 1
     for d in walked:
         numel *= shape[d]
     ref_strides = dict(dim_strides(ref[1], ref[0].meta["val"].stride(), shape))
     inner = [d for d in walked if ref_strides.get(d) == 1]
     if len(inner) != 1 or shape[inner[0]] < min_side:
-        return None
-    best: tuple[int, int] | None = None  # (stored elements, dim)
+        return []
+    best: tuple[int, list[int]] | None = None  # (stored elements, dims)
     for node, dims in _tensors(group):
         stored = _stored_elements(node.meta["val"])
         strides = dict(dim_strides(dims, node.meta["val"].stride(), shape))
         if stored * 4 < numel or strides.get(inner[0], 0) in (0, 1):
             continue
         own = [d for d in walked if strides.get(d) == 1]
-        if len(own) == 1 and shape[own[0]] >= min_side and (best is None or stored > best[0]):
-            best = (stored, own[0])
-    return None if best is None else best[1]
+        if len(own) != 1:
+            continue
+        run, extent = own, shape[own[0]]
+        while True:  # outward through the dims contiguous with the run in this tensor
+            nxt = [d for d in walked - set(run) - {inner[0]} if strides.get(d) == extent]
+            if len(nxt) != 1:
+                break
+            run, extent = [nxt[0], *run], extent * shape[nxt[0]]
+        if extent >= min_side and (best is None or stored > best[0]):
+            best = (stored, run)
+    return [] if best is None else best[1]
 
 
 @dataclass

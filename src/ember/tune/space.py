@@ -69,7 +69,7 @@ def triton_candidates(group: FusedGroup, interpret: bool, sms: int = GPU_SMS) ->
     nbytes = _group_bytes(group)
     xmax = next_pow2(w.xnumel)
     configs: list[dict[str, int]] = []
-    if w.tile_dim is not None:  # a transposed pointwise tile: its two sides
+    if w.tile_dims:  # a transposed pointwise tile: its two sides
         for xb, rb, nw in itertools.product((16, 32, 64, 128), (16, 32, 64, 128), (2, 4, 8)):
             if xb <= max(xmax, 16) and rb <= max(next_pow2(w.rnumel), 16) and 1024 <= xb * rb <= 16384:
                 configs.append({"XBLOCK": xb, "RBLOCK": rb, "num_warps": nw})
