@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import itertools
 import json
 import sys
 from collections.abc import Callable
@@ -123,12 +124,14 @@ def _ember_variants(args: argparse.Namespace) -> list[tuple[str, dict[str, int]]
         for tile in args.tile.split(","):
             xb, _, elems = tile.partition("x")
             for split in args.split.split(","):
-                for tt in args.transpose_tile.split(","):
+                for tt, tw in itertools.product(args.transpose_tile.split(","), args.transpose_warps.split(",")):
                     label = f"ember rb{rb}" + (f" t{tile}" if "," in args.tile else "") + (
                         f" s{split}" if "," in args.split else "") + (
-                        f" tt{tt}" if "," in args.transpose_tile else "")
+                        f" tt{tt}" if "," in args.transpose_tile else "") + (
+                        f" w{tw}" if "," in args.transpose_warps else "")
                     out.append((label, {"loop_rblock": int(rb), "xcontig_xblock": int(xb), "xcontig_tile": int(elems),
-                                        "split_target_programs": int(split), "transpose_tile": int(tt)}))
+                                        "split_target_programs": int(split), "transpose_tile": int(tt),
+                                        "transpose_warps": int(tw)}))
     return out
 
 
@@ -154,6 +157,8 @@ def main() -> int:
                         help="comma list of split_target_programs (0: no split reductions)")
     parser.add_argument("--transpose-tile", default=str(BLOCKS.transpose_tile),
                         help="comma list of transpose_tile (0: transposed pointwise kernels walk one index)")
+    parser.add_argument("--transpose-warps", default=str(BLOCKS.transpose_warps),
+                        help="comma list of transpose_warps (0: by tile size)")
     parser.add_argument("--cases", default="",
                         help="comma list: only cases with this word in their name, or named 'NAME SHAPE'")
     parser.add_argument("--backends", default="eager,inductor,ember")

@@ -294,6 +294,7 @@ class Settings:
     transpose_tile: int = _item(64, "side of the 2-D tile of a pointwise kernel reading a transposed input "
                                     "(codegen/triton_tiles.transposed_dims; 0: such kernels walk one index, as others)",
                                 "EMBER_TRANSPOSE_TILE", public=False)
+    transpose_warps: int = _item(0, "warps of a transposed pointwise tile (0: by tile size, as other kernels)")
     interpret_tile_elements: int = _item(1 << 16, "tile size in Triton's interpreter (it pays per program, not "
                                                   "per element)")
     xcontig_xblock: int = _item(64, "consecutive channels per tile of a channel-contiguous reduction")
@@ -418,7 +419,7 @@ def quiet_profiler_logs() -> None:
 
 # Block-size rules of the Triton kernels (codegen/triton_kernel.py); tests lower them with config.patch
 # to exercise the looped path on small shapes.
-BLOCK_SETTINGS = ("persistent_rblock_max", "loop_rblock", "tile_elements", "pointwise_xblock", "transpose_tile",
+BLOCK_SETTINGS = ("persistent_rblock_max", "loop_rblock", "tile_elements", "pointwise_xblock", "transpose_tile", "transpose_warps",
                   "interpret_tile_elements", "xcontig_xblock", "xcontig_tile", "xcontig_persistent_rmax",
                   "split_target_programs", "interpret_split_target_programs")
 

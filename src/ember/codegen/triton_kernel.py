@@ -334,6 +334,8 @@ class TritonWriter(TritonReductions):
         """The kernel's source, name and launch data around its ``body`` lines."""
         tiles = meta["XBLOCK"] * meta.get("RBLOCK", 1)
         meta["num_warps"] = 8 if tiles >= 4096 else 4 if tiles >= 512 else 2 if tiles >= 128 else 1
+        if self.tile_dims and self.blocks.transpose_warps:
+            meta["num_warps"] = self.blocks.transpose_warps
         for knob in ("num_warps", "num_stages"):
             if knob in self.config:
                 meta[knob] = self.config[knob]
