@@ -327,12 +327,13 @@ def test_entry_points_and_bad_input() -> None:
 def test_capture_guards_see_scheduler_and_checkpoint_changes() -> None:
     model = mlp()
     x, y = batch_for(model)
-    assert _signature((x, y), model, torch.device("cpu")) == _signature((x.clone(), y), model, torch.device("cpu"))
-    assert _signature((x, y), model, torch.device("cpu")) != _signature((x[:3], y[:3]), model, torch.device("cpu"))
-    model.eval()
-    eval_sig = _signature((x, y), model, torch.device("cpu"))
+    mods = list(model.modules())  # listed once per capture; their flags are read on every call
+    assert _signature((x, y), mods, torch.device("cpu")) == _signature((x.clone(), y), mods, torch.device("cpu"))
+    assert _signature((x, y), mods, torch.device("cpu")) != _signature((x[:3], y[:3]), mods, torch.device("cpu"))
+    mods[-1].eval()  # one submodule switched to eval mode
+    eval_sig = _signature((x, y), mods, torch.device("cpu"))
     model.train()
-    assert eval_sig != _signature((x, y), model, torch.device("cpu"))
+    assert eval_sig != _signature((x, y), mods, torch.device("cpu"))
     # A float lr that a scheduler replaces is a change; a tensor lr it fills in place is not.
     sgd = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
     scheduler = torch.optim.lr_scheduler.StepLR(sgd, step_size=1, gamma=0.5)
