@@ -109,3 +109,20 @@ def test_the_runner_refreshes_before_each_replay_and_captures_again_when_values_
     assert runner.captures == 2 and runner.replays == 4
     torch.testing.assert_close(runner([x]), x * program.values)
     assert runner.captures == 2 and runner.replays == 5 and program.refreshed == 5
+
+
+def test_frozen_key_sees_each_kind_of_parameter_change() -> None:
+    # The key read through map (all tensors) and one by one (a non-tensor among them): a version
+    # bump, a new tensor at another address and another non-tensor object each change it.
+    from ember.runtime.frozen import _key
+
+    w, b = torch.randn(4, 3), torch.randn(4)
+    marker = object()
+    for params in ((w, b), (w, b, marker)):
+        before = _key(params)
+        assert _key(params) == before
+        with torch.no_grad():
+            w.mul_(2)  # in place: the version counter moves
+        assert _key(params) != before
+    assert _key((w, b)) != _key((w.clone(), b))  # another tensor: another address
+    assert _key((w, object())) != _key((w, marker))
