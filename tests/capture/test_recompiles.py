@@ -169,3 +169,18 @@ def test_dynamo_giving_up_is_warned_once_and_explained() -> None:
     text = " ".join(str(report).split())
     assert "Dynamo gave up compiling a frame of the compiled model; it runs eagerly" in text and "by_mode" in text
     assert report.as_dict()["model_history"]["frames_run_eagerly"] == log.gave_up
+
+
+def test_warm_start_programs_count_as_the_static_specialisations(tmp_path) -> None:
+    # With the warm start on, its saved programs are the static specialisations (frames "warm/N",
+    # each recompile logged with what changed); then Dynamo compiles one dynamic-shape graph.
+    model = SmallNet()
+    compiled = ember.compile(model, target="aten", max_recompiles=3, warm_start=True, cache_dir=str(tmp_path))
+    for b in (2, 3, 4, 5, 6, 7, 9):
+        check_against_eager(compiled, model, [torch.randn(b, 8)], params=list(model.parameters()))
+    log = log_of(compiled)
+    frames = _frames(log)
+    assert frames[:3] == ["warm/0", "warm/1", "warm/2"] and len(frames) == 4, log.frames
+    assert log.dynamic == frames[3:], (log.dynamic, log.frames)
+    assert log.recompiles[:2] == ["frame warm compile 1: input 2: torch.float32[2, 8]@cpu -> torch.float32[3, 8]@cpu",
+                                  "frame warm compile 2: input 2: torch.float32[3, 8]@cpu -> torch.float32[4, 8]@cpu"]

@@ -18,6 +18,7 @@ recompile is logged with what changed, and whether it made a dynamic-shape graph
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import functools
 import inspect
 import itertools
@@ -88,9 +89,14 @@ def _symbolic_inputs(gm: fx.GraphModule, key: str) -> list[str]:
     return _signature([v for v in vals if isinstance(v, torch.Tensor) and is_symbolic(v)])
 
 
+# The id of a warm start's own trace ("warm/N", its N-th saved program): torch's ahead-of-time
+# compile runs Dynamo without a compile id (capture/warm_start.py sets it).
+WARM_COMPILE_ID: contextvars.ContextVar[str | None] = contextvars.ContextVar("ember_warm_compile_id", default=None)
+
+
 def _compile_id() -> str:
     """Dynamo's "frame/compile" id of the compile in progress, for titles and the log ("?" if unknown)."""
-    return compat.current_compile_id() or "?"
+    return compat.current_compile_id() or WARM_COMPILE_ID.get() or "?"
 
 
 # The EmberBackend whose model call is in progress (shape_policy), to whom a recompile-limit

@@ -336,6 +336,8 @@ class WarmStart:
                 return wa.EmberCompiledFrame(backend(gm, example_inputs))
 
         backend.output_wrapper = wa.EmberOutputCode.wrap
+        from ember.capture.backend import WARM_COMPILE_ID
+        compile_id = WARM_COMPILE_ID.set(f"warm/{len(self.entries)}")  # the graphs' titles and the log
         try:
             with torch._dynamo.config.patch(automatic_dynamic_shapes=False, assume_static_by_default=True), \
                     _functions_by_code(), compat.builtin_references_allowed():
@@ -347,6 +349,7 @@ class WarmStart:
             return None
         finally:
             backend.output_wrapper = None
+            WARM_COMPILE_ID.reset(compile_id)
         self.note(f"compiled and traced; {len(dropped)} guard(s) torch cannot save were dropped "
                   f"({', '.join(sorted(set(g.split()[0] for g in dropped)))})" if dropped else "compiled and traced")
         rechecks = Rechecks(rechecked)
