@@ -36,16 +36,22 @@ from typing import Any
 
 import torch
 
-from ember.capture.warm_rechecks import GuardGlobals, Rechecks, class_source, code_digest, file_hash
+from ember.capture.warm_rechecks import (
+    CONSTANT_TYPES,
+    GuardGlobals,
+    Rechecks,
+    class_source,
+    closure_values,
+    code_digest,
+    file_hash,
+)
 from ember.capture.warm_start import WarmStart, _value_signature, option_blocker
-
-_CONSTANTS = (type(None), bool, int, float, complex, str, bytes, torch.dtype, torch.device)
 
 
 def _constant(value: object) -> bool:
     if isinstance(value, tuple):
         return all(_constant(v) for v in value)
-    return isinstance(value, _CONSTANTS)
+    return isinstance(value, CONSTANT_TYPES)
 
 
 def _names_read(code: types.CodeType) -> set[str]:
@@ -55,11 +61,6 @@ def _names_read(code: types.CodeType) -> set[str]:
         if isinstance(const, types.CodeType):
             names |= _names_read(const)
     return names
-
-
-def _closure(fn: types.FunctionType) -> dict[str, object]:
-    """The function's closure variables by name (raises ValueError for an empty cell)."""
-    return {name: cell.cell_contents for name, cell in zip(fn.__code__.co_freevars, fn.__closure__ or ())}
 
 
 def _same(a: object, b: object) -> bool:
@@ -95,7 +96,7 @@ class FunctionWarmStart(WarmStart):
         return self.fn.__globals__
 
     def external_data(self) -> dict[str, object]:
-        data = {f"ember_closure_{name}": value for name, value in _closure(self.fn).items() if not _constant(value)}
+        data = {f"ember_closure_{name}": value for name, value in closure_values(self.fn).items() if not _constant(value)}
         data.update({f"ember_global_{name}": value for name, value in self.fn.__globals__.items()
                      if isinstance(value, torch.nn.Module)})
         return data
@@ -104,12 +105,12 @@ class FunctionWarmStart(WarmStart):
         return True  # guards on globals too: their modules travel as external data
 
     def recheck_names(self) -> dict[str, Any]:
-        return {**_closure(self.fn), "G": GuardGlobals(self.fn.__globals__)}
+        return {**closure_values(self.fn), "G": GuardGlobals(self.fn.__globals__)}
 
     def _closure_changed(self, rechecks: Rechecks) -> str | None:
         held = getattr(rechecks, "closure", None)
         if held is not None:
-            for name, value in _closure(self.fn).items():
+            for name, value in closure_values(self.fn).items():
                 if not _same(value, held.get(name)):
                     return f"closure variable {name} holds another object than the loaded frame"
         return None
@@ -121,7 +122,7 @@ class FunctionWarmStart(WarmStart):
         return self._closure_changed(rechecks) is None and super().rechecks_hold(rechecks, args, kwargs)
 
     def _load_or_compile(self, ckey: str, args: tuple, kwargs: dict) -> Any:
-        closure = _closure(self.fn)  # what the frame is loaded (or compiled) with
+        closure = closure_values(self.fn)  # what the frame is loaded (or compiled) with
         found = super()._load_or_compile(ckey, args, kwargs)
         if found is not None:
             found[1].closure = closure
@@ -139,7 +140,7 @@ class FunctionWarmStart(WarmStart):
 
         for name, value in self.named_modules.items():
             add(name, value)
-        for name, value in _closure(self.fn).items():
+        for name, value in closure_values(self.fn).items():
             add(f"closure.{name}", value)
         for name in sorted(_names_read(self.fn.__code__)):
             add(f"global.{name}", self.fn.__globals__.get(name))
@@ -170,7 +171,7 @@ class FunctionWarmStart(WarmStart):
             "state": state,
             "training": [[m.training for m in module.modules()] for module in modules.values()],
             "closure": [f"{name}={value!r}"[:300] if _constant(value) else f"{name}:{type(value).__qualname__}"
-                        for name, value in _closure(self.fn).items()],
+                        for name, value in closure_values(self.fn).items()],
             "aliases": _aliases(self.external_data()),
             "call": ckey,
         }
@@ -213,7 +214,7 @@ def unavailable(fn: object, options: Any) -> str | None:
     if not isinstance(fn, types.FunctionType):
         return f"only a Python function or an nn.Module's forward warm starts, not {type(fn).__name__}"
     try:
-        closure = _closure(fn)
+        closure = closure_values(fn)
     except ValueError:
         return "a closure variable of the function is not set yet"
     return _hooked({k: v for k, v in closure.items() if isinstance(v, torch.nn.Module)}) or option_blocker(options)

@@ -65,7 +65,7 @@ _CALL_FORM = {
     "notnone": "({e}) is not None",
 }
 
-_CONSTANTS = (type(None), bool, int, float, complex, str, bytes, torch.dtype, torch.device)
+CONSTANT_TYPES = (type(None), bool, int, float, complex, str, bytes, torch.dtype, torch.device)
 _FILE_HASHES: dict[tuple[str, float], str] = {}
 
 
@@ -88,9 +88,14 @@ def class_source(cls: type) -> str:
     return f"{cls.__module__}.{cls.__qualname__}@{file_hash(path)}"
 
 
+def closure_values(fn: types.FunctionType) -> dict[str, object]:
+    """A function's closure variables by name (raises ValueError for an empty cell)."""
+    return {name: cell.cell_contents for name, cell in zip(fn.__code__.co_freevars, fn.__closure__ or ())}
+
+
 def constant(value: object) -> str | None:
     """``value``'s repr when it is a plain constant (equal reprs: equal values), else None."""
-    if type(value) in _CONSTANTS:
+    if type(value) in CONSTANT_TYPES:
         return f"{type(value).__name__} {value!r}"
     if type(value) in (tuple, frozenset):
         parts = [constant(v) for v in (sorted(value, key=repr) if type(value) is frozenset else value)]

@@ -50,7 +50,14 @@ import torch
 from torch.utils._pytree import tree_leaves
 
 from ember import compat
-from ember.capture.warm_rechecks import GuardGlobals, Rechecks, class_source, recheck_for, replaceable
+from ember.capture.warm_rechecks import (
+    GuardGlobals,
+    Rechecks,
+    class_source,
+    closure_values,
+    recheck_for,
+    replaceable,
+)
 
 MAGIC = b"EMBERWARM2\n"
 SUFFIX = ".ember-warm"
@@ -188,9 +195,8 @@ class WarmStart:
 
     def recheck_names(self) -> dict[str, Any]:
         """What the re-checks' expressions may name besides the call's arguments."""
-        forward = getattr(type(self.model).forward, "__code__", None)
-        cells = getattr(type(self.model).forward, "__closure__", None) or ()
-        closure = {name: c.cell_contents for name, c in zip(forward.co_freevars if forward else (), cells)}
+        forward = type(self.model).forward
+        closure = closure_values(forward) if isinstance(forward, types.FunctionType) else {}
         return {**closure, "self": self.model, "G": GuardGlobals(self.frame_globals())}  # a decorator's `func`
 
     def recheck(self, rechecks: Rechecks, args: tuple, kwargs: dict) -> str | None:
@@ -246,9 +252,9 @@ class WarmStart:
             return None
         # One file per set of re-checked values (a global flag set either way): newest first.
         saved = sorted(self.folder().glob(f"{stem}*{SUFFIX}"), key=lambda p: p.stat().st_mtime, reverse=True)
-        for path in saved:
-            from ember.capture.aot_settings import gc_paused
+        from ember.capture.aot_settings import gc_paused
 
+        for path in saved:
             start = time.perf_counter()
             try:
                 with gc_paused():  # loading allocates as a compile does (capture/aot_settings.py)

@@ -53,6 +53,7 @@ import torch
 
 from ember.runtime.cudagraphs.device import CudaBackend, capture_stream
 from ember.runtime.cudagraphs.pool import presize_enabled
+from ember.runtime.frozen import addresses
 
 if TYPE_CHECKING:
     from ember.train.step import TrainStep
@@ -89,12 +90,6 @@ def _signature(batch: Sequence[Any], modules: Sequence[torch.nn.Module], device:
     sig.append(tuple([m.training for m in modules]))
     return sig
 
-
-_DATA_PTR = torch.Tensor.data_ptr
-
-
-def _addresses(params: Sequence[torch.Tensor]) -> list[int]:
-    return list(map(_DATA_PTR, params))
 
 
 def _hyper(group: dict) -> dict:
@@ -321,7 +316,7 @@ class CudaWholeStep:
         opt = self.step.optimizer
         self.guard = {"state": opt.state, "groups": opt.param_groups, "group_objs": list(opt.param_groups),
                       "hyper": [_hyper(g) for g in opt.param_groups],
-                      "ptrs": _addresses(self.step.params),
+                      "ptrs": addresses(self.step.params),
                       "scale": getattr(self.step.scaler, "_scale", None)}
 
     def _guard_change(self) -> tuple[str | None, bool]:
@@ -330,7 +325,7 @@ class CudaWholeStep:
                 len(opt.param_groups) != len(g["group_objs"]) or \
                 any(a is not b for a, b in zip(opt.param_groups, g["group_objs"])):
             return "the optimizer's state or param_groups were replaced (load_state_dict?)", False
-        if _addresses(self.step.params) != g["ptrs"]:
+        if addresses(self.step.params) != g["ptrs"]:
             return "a parameter moved to other memory", False
         if getattr(self.step.scaler, "_scale", None) is not g["scale"]:
             return "the GradScaler's scale tensor was replaced", False
