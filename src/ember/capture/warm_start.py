@@ -142,7 +142,7 @@ def model_key(model: torch.nn.Module, options: Any, ckey: str, args: tuple, kwar
         "tuning": tuning_stamp(options.cache_root()),
         "options": repr(sorted(opts.items())),
         "model": class_source(type(model)),
-        "classes": sorted({class_source(type(m)) for m in model.modules()}),
+        "classes": sorted(class_source(t) for t in {type(m) for m in model.modules()}),
         "state": [f"{n}:{_value_signature(t)}" for n, t in (*model.named_parameters(), *model.named_buffers())],
         "training": [m.training for m in model.modules()],
         "call": ckey,

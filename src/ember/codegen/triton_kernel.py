@@ -17,6 +17,7 @@ itself. Pointwise ops are the shared lowerings of codegen/lowering.py in the Tri
 from __future__ import annotations
 
 import hashlib
+import re
 
 import torch
 import torch.fx as fx
@@ -33,57 +34,50 @@ from ember.schedule.plan import Dims, FusedGroup
 
 aten = torch.ops.aten
 
-# Reductions go through the builtin tl.reduce with these combine functions (max/min propagate
-# NaN as torch does); float sums use tl.standard._sum_combine (triton_reductions.combine_fn).
-_COMBINE = '''
-
-@triton.jit
-def _sum(a, b):
-    return a + b
-
-
-@triton.jit
-def _max(a, b):
-    return tl.where((a > b) | (a != a), a, b)
-
-
-@triton.jit
-def _min(a, b):
-    return tl.where((a < b) | (a != a), a, b)
-'''
-
-HEADER_GPU = '''import triton
-import triton.language as tl
-
-
-@triton.jit
+# Helpers a kernel may call. A module holds only those its kernel names: Triton builds a
+# JITFunction (reading its source back from the file) for every @triton.jit in the module each
+# time a process loads it, which for five unused helpers was most of a warm first call's load.
+# Reductions go through the builtin tl.reduce with _sum/_max/_min (max/min propagate NaN as torch
+# does); float sums use tl.standard._sum_combine (triton_reductions.combine_fn).
+_HELPERS_GPU = {
+    "_round_to_bf16": """@triton.jit
 def _round_to_bf16(x):
     return x.to(tl.bfloat16).to(tl.float32)
-
-
-@triton.jit
+""",
+    "_round_to_fp16": """@triton.jit
 def _round_to_fp16(x):
     return x.to(tl.float16).to(tl.float32)
-''' + _COMBINE
-
+""",
+    "_sum": """@triton.jit
+def _sum(a, b):
+    return a + b
+""",
+    "_max": """@triton.jit
+def _max(a, b):
+    return tl.where((a > b) | (a != a), a, b)
+""",
+    "_min": """@triton.jit
+def _min(a, b):
+    return tl.where((a < b) | (a != a), a, b)
+""",
+}
 # Triton's interpreter truncates float32 -> bfloat16; round to nearest even by hand so the
 # interpreter computes exactly what the GPU computes.
-HEADER_INTERPRET = '''import triton
-import triton.language as tl
-
-
-@triton.jit
+_HELPERS_INTERPRET = {**_HELPERS_GPU, "_round_to_bf16": """@triton.jit
 def _round_to_bf16(x):
     bits = x.to(tl.uint32, bitcast=True)
     bits = bits + 0x7FFF + ((bits >> 16) & 1)
     rounded = (bits & 0xFFFF0000).to(tl.float32, bitcast=True)
     return tl.where(x != x, x, rounded)
+"""}
+_IMPORTS = "import triton\nimport triton.language as tl\n"
 
 
-@triton.jit
-def _round_to_fp16(x):
-    return x.to(tl.float16).to(tl.float32)
-''' + _COMBINE
+def module_header(body: str, interpret: bool) -> str:
+    """The imports and the helpers ``body`` calls, in a fixed order."""
+    helpers = _HELPERS_INTERPRET if interpret else _HELPERS_GPU
+    used = [src for name, src in helpers.items() if re.search(rf"\b{name}\b", body)]
+    return "\n\n".join([_IMPORTS, *used]).rstrip("\n") + "\n"
 
 
 class TritonWriter(TritonReductions):
@@ -364,7 +358,7 @@ class TritonWriter(TritonReductions):
                 else "red" if self.phase is None else f"{self.phase[0]}{self.phase[1]}")
         name = f"ember_{kind}_{digest}"
         source = f"# source ops:\n{ops}\n" + text.replace("KERNEL_NAME", name)
-        header = HEADER_INTERPRET if self.interpret else HEADER_GPU
+        header = module_header(canonical, self.interpret)
         return KernelSource(name, source, digest, args, len(self.group.inputs), grid, meta, header,
                             canonical.replace("KERNEL_NAME", name))
 

@@ -26,7 +26,7 @@ from pathlib import Path
 from types import ModuleType
 
 from ember.codegen.kernel_source import KernelSource, split_module
-from ember.runtime import triton_key
+from ember.runtime import kernel_module, triton_key
 
 _LOADED: dict[tuple[str, str, bool], Callable] = {}
 _CPU_MODULES: dict[tuple[str, str], ModuleType] = {}
@@ -95,12 +95,13 @@ def load_kernel(ks: KernelSource, kernel_dir: Path, interpret: bool) -> Callable
         return _LOADED[key]
     if not interpret:
         triton_key.install()
-    path = kernel_file(ks, kernel_dir)
-    spec = importlib.util.spec_from_file_location(f"ember_kernels.{ks.name}", path)
-    module = importlib.util.module_from_spec(spec)
+    text = ks.module_source()
+    path = _module_file(kernel_dir / f"{ks.name}.py", text)
     with jit_mode(interpret):
-        spec.loader.exec_module(module)
+        module = kernel_module.import_file(f"ember_kernels.{ks.name}", path)
     fn = getattr(module, ks.name)
+    if not interpret:
+        kernel_module.preset_cache_key(fn, path, text)
     _LOADED[key] = fn
     return fn
 
@@ -115,11 +116,8 @@ def load_module(path: Path, interpret: bool) -> ModuleType:
     if key not in _MODULES:
         if not interpret:
             triton_key.install()
-        spec = importlib.util.spec_from_file_location(f"ember_kernels.{path.stem}_{int(interpret)}", path)
-        module = importlib.util.module_from_spec(spec)
         with jit_mode(interpret):
-            spec.loader.exec_module(module)
-        _MODULES[key] = module
+            _MODULES[key] = kernel_module.import_file(f"ember_kernels.{path.stem}_{int(interpret)}", path)
     return _MODULES[key]
 
 

@@ -1,0 +1,115 @@
+"""Importing a generated Triton kernel module, and the two costs a warm process need not pay again.
+
+A process that loads a saved program imports each kernel's module and launches it once; before
+its first launch Triton computes the kernel's cache key (a walk over the function's syntax tree
+and every function it calls) to find the compiled binary in its cache. On an H100 host those
+steps were most of a warm first call after the warm-start file (resnet50 training: 174 kernels,
+~1 s of a 3.0 s first call under cProfile), and both give the same answer for the same file:
+
+- **The module's code object** is kept beside the file (``__pycache__/<name>.ember-<tag>.code``,
+  with the SHA-256 of the source it came from), also where ``PYTHONDONTWRITEBYTECODE`` stops
+  Python from writing its own ``.pyc`` (container images often set it). A file whose hash
+  differs, or that cannot be read or unmarshalled, is compiled again and rewritten.
+- **Triton's cache key of the kernel function** is stored in ``<name>.py.triton-key`` with a
+  check made of Triton's own key (its sources and library, ``runtime/triton_key.py``) and the
+  module text; when both match, the key is set on the loaded function before its first launch,
+  so Triton looks its binary up without the walk. Anything else (another Triton, an edited file,
+  a damaged record) lets Triton compute it as usual and records the new one.
+``EMBER_KERNEL_LOAD_CACHE=0`` turns both off.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.machinery
+import importlib.util
+import json
+import marshal
+import os
+import sys
+from pathlib import Path
+from types import ModuleType
+from typing import Any
+
+_CODE_MAGIC = b"EMBERCODE1"
+
+
+def _enabled() -> bool:
+    return os.environ.get("EMBER_KERNEL_LOAD_CACHE", "1") != "0"
+
+
+def _replace_atomic(path: Path, data: bytes) -> None:
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp.write_bytes(data)
+        os.replace(tmp, path)  # a concurrent reader sees the old file or the new one
+    except OSError:
+        tmp.unlink(missing_ok=True)
+
+
+def _code_path(path: Path) -> Path:
+    return path.parent / "__pycache__" / f"{path.stem}.ember-{sys.implementation.cache_tag}.code"
+
+
+class _KernelLoader(importlib.machinery.SourceFileLoader):
+    """Python's source loader with the code object kept by source hash, not by the bytecode flag."""
+
+    def get_code(self, fullname: str) -> Any:
+        path = Path(self.get_filename(fullname))
+        source = self.get_data(str(path))
+        digest = hashlib.sha256(source).digest()
+        cached = _code_path(path)
+        try:
+            blob = cached.read_bytes()
+            if blob.startswith(_CODE_MAGIC) and blob[len(_CODE_MAGIC):len(_CODE_MAGIC) + 32] == digest:
+                return marshal.loads(blob[len(_CODE_MAGIC) + 32:])
+        except (OSError, ValueError, EOFError, TypeError):
+            pass  # missing or damaged: compile below
+        code = self.source_to_code(source, str(path))
+        _replace_atomic(cached, _CODE_MAGIC + digest + marshal.dumps(code))
+        return code
+
+
+def import_file(name: str, path: Path) -> ModuleType:
+    """The module in ``path`` executed as ``name`` (not put in ``sys.modules``)."""
+    if _enabled():
+        spec = importlib.util.spec_from_file_location(name, path, loader=_KernelLoader(name, str(path)))
+    else:
+        spec = importlib.util.spec_from_file_location(name, path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _key_check(text: str) -> str | None:
+    try:
+        import triton.runtime.cache as triton_cache
+        return hashlib.sha256(f"{triton_cache.triton_key()}\n{text}".encode()).hexdigest()
+    except Exception:  # noqa: BLE001 - no Triton key here: keep Triton's own path
+        return None
+
+
+def preset_cache_key(fn: Any, path: Path, text: str) -> None:
+    """Give the compiled (not interpreted) Triton function ``fn`` loaded from ``path`` (whose text is
+    ``text``) the cache key stored for this text and this Triton; without one, compute it now (as its
+    first launch would) and store it."""
+    if not _enabled() or getattr(fn, "hash", 0) is not None or not isinstance(
+            getattr(type(fn), "cache_key", None), property):
+        return  # interpreted, already keyed, or a Triton whose functions keep no ``hash``
+    check = _key_check(text)
+    if check is None:
+        return
+    record = path.with_name(path.name + ".triton-key")
+    try:
+        stored = json.loads(record.read_text())
+        if stored.get("check") == check and isinstance(stored.get("key"), str):
+            fn.hash = stored["key"]
+            return
+    except (OSError, ValueError, AttributeError):
+        pass  # none yet, or damaged: compute below
+    try:
+        key = fn.cache_key
+    except Exception:  # noqa: BLE001 - let the first launch raise what Triton raises
+        return
+    _replace_atomic(record, json.dumps({"check": check, "key": key}).encode())
