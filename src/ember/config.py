@@ -144,9 +144,10 @@ class Options:
                                "(passes/freeze.py)", "EMBER_FREEZE")
     channels_last: bool = _item(True, "GPU targets: convolutional graphs run in channels_last (passes/layout.py; "
                                       "off: eager's NCHW everywhere)", "EMBER_LAYOUT", false_words=("nchw",))
-    warm_start: bool = _item(False, "an nn.Module or function (compile_step's train_fn) captured as one graph is "
-                                    "saved with Dynamo's guards and Ember's programs; a new process loads it "
-                                    "instead of tracing again (capture/warm_start.py, warm_function.py)",
+    warm_start: bool = _item(True, "an nn.Module or function (compile_step's train_fn) captured as one graph is "
+                                   "saved with Dynamo's guards and Ember's programs; a new process loads it "
+                                   "instead of tracing again (capture/warm_start.py, warm_function.py; a module "
+                                   "in eval mode called with gradients on keeps Dynamo's path)",
                              "EMBER_WARM_START")
     frame_cache: bool = _item(True, "every Dynamo frame Ember compiles is kept (AOTAutograd's forward/backward split "
                                     "with Ember's programs) in <cache_dir>/programs.sqlite, keyed by its Dynamo graph; "
@@ -229,6 +230,11 @@ class Settings:
     triton_key_cache: bool = _item(True, "Triton's own cache key (a hash of its sources and libtriton, 0.4-0.8 s per "
                                          "process) is kept in Triton's cache folder and reused while its files are "
                                          "unchanged (runtime/triton_key.py)", "EMBER_TRITON_KEY_CACHE")
+    kernel_load_cache: bool = _item(True, "a generated kernel module's code object and Triton's cache key of its "
+                                          "kernel are kept beside the file and reused while the text and Triton are "
+                                          "unchanged: a process loading saved kernels skips compiling the module and "
+                                          "Triton's walk over the kernel (runtime/kernel_module.py)",
+                                    "EMBER_KERNEL_LOAD_CACHE")
     input_mutations_in_graph: bool = _item(True, "a graph's writes into its inputs (batch norm's running "
                                                  "statistics, buffer updates) stay in Ember's program as copy_ "
                                                  "into the input; off: AOTAutograd copies them back after each "

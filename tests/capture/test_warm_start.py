@@ -276,3 +276,29 @@ def test_two_lambdas_of_one_function_never_share_a_saved_program(tmp_path: Path)
         compiled = ember.compile(fn, warm_start=True, cache_dir=str(tmp_path), target="cpu")
         torch.testing.assert_close(compiled(x), fn(x))
     assert len(list((tmp_path / "warm_start").glob("*.ember-warm"))) == 2
+
+
+def test_eval_module_called_with_gradients_keeps_dynamos_path() -> None:
+    # A saved frame holds its backward compiled; an eval-mode call with gradients on is most likely
+    # inference no backward follows, so it takes Dynamo's path (backward compiled only if one runs),
+    # and the same model under no_grad warm-starts. Both give eager's results; the warm start is on
+    # by default.
+    import ember
+
+    torch.manual_seed(0)
+    model = _Pair().eval()
+    a, b = torch.randn(3, 4), torch.randn(3, 4)
+    compiled = ember.compile(model)
+    out = compiled(a, b)
+    torch.testing.assert_close(out, model(a, b))
+    log = compiled._ember_backend.log.warm_start
+    assert any("eval mode with gradients on" in line for line in log), log
+    assert not any(line.startswith("saved") for line in log), log
+    out.sum().backward()  # a backward still works on Dynamo's path
+    assert model.fc.weight.grad is not None
+
+    torch._dynamo.reset()
+    again = ember.compile(model)
+    with torch.no_grad():
+        torch.testing.assert_close(again(a, b), model(a, b))
+    assert any(line.startswith("saved") for line in again._ember_backend.log.warm_start), again._ember_backend.log.warm_start

@@ -86,6 +86,9 @@ class FunctionWarmStart(WarmStart):
 
     # -- the hooks of WarmStart ----------------------------------------------------------------
 
+    def inference_with_grad(self) -> bool:
+        return False  # a function has no eval mode to tell inference by (compile_step's train_fn trains)
+
     def traced(self) -> Callable:
         return self.fn
 

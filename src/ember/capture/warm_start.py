@@ -220,6 +220,8 @@ class WarmStart:
                 return fn.fn(*self.bound(args), **kwargs)
         if len(self.entries) >= max(1, self.backend.options.max_recompiles):
             return self.dynamo_forward(*args, **kwargs)  # Dynamo's recompiles and dynamic shapes take over
+        if self.inference_with_grad():
+            return self.dynamo_forward(*args, **kwargs)
         with self.backend.shape_policy():
             fn = self._load_or_compile(ckey, args, kwargs)
         if fn is None:
@@ -239,6 +241,21 @@ class WarmStart:
         for line in LOADER.problems:  # a background load that failed was redone on this thread
             self.note(f"background CPU load: {line}")
         return out
+
+    def inference_with_grad(self) -> bool:
+        """An eval-mode module called with gradients on and trainable parameters: most likely
+        inference that no backward follows. A saved frame holds its backward compiled (torch's
+        ahead-of-time compile lowers it with the forward), which Dynamo's path compiles only when a
+        backward first runs, so such calls keep Dynamo's path (``torch.no_grad()`` warm-starts)."""
+        if self.model.training or not torch.is_grad_enabled():
+            return False
+        if not any(p.requires_grad for p in self.model.parameters()):
+            return False
+        if not getattr(self, "_noted_grad", False):
+            self._noted_grad = True
+            self.note("not used for this call: the module is in eval mode with gradients on (its backward "
+                      "would be compiled too); Dynamo's path, or call it under torch.no_grad()")
+        return True
 
     # -- load ----------------------------------------------------------------------------------
 

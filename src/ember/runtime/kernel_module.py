@@ -15,7 +15,7 @@ steps were most of a warm first call after the warm-start file (resnet50 trainin
   module text; when both match, the key is set on the loaded function before its first launch,
   so Triton looks its binary up without the walk. Anything else (another Triton, an edited file,
   a damaged record) lets Triton compute it as usual and records the new one.
-``EMBER_KERNEL_LOAD_CACHE=0`` turns both off.
+``kernel_load_cache`` (``EMBER_KERNEL_LOAD_CACHE=0``) turns both off.
 """
 
 from __future__ import annotations
@@ -35,7 +35,8 @@ _CODE_MAGIC = b"EMBERCODE1"
 
 
 def _enabled() -> bool:
-    return os.environ.get("EMBER_KERNEL_LOAD_CACHE", "1") != "0"
+    from ember.config import settings
+    return settings().kernel_load_cache
 
 
 def _replace_atomic(path: Path, data: bytes) -> None:
