@@ -281,14 +281,13 @@ def test_two_lambdas_of_one_function_never_share_a_saved_program(tmp_path: Path)
 def test_eval_module_called_with_gradients_keeps_dynamos_path() -> None:
     # A saved frame holds its backward compiled; an eval-mode call with gradients on is most likely
     # inference no backward follows, so it takes Dynamo's path (backward compiled only if one runs),
-    # and the same model under no_grad warm-starts. Both give eager's results; the warm start is on
-    # by default.
+    # and the same model under no_grad warm-starts. Both give eager's results.
     import ember
 
     torch.manual_seed(0)
     model = _Pair().eval()
     a, b = torch.randn(3, 4), torch.randn(3, 4)
-    compiled = ember.compile(model)
+    compiled = ember.compile(model, warm_start=True)
     out = compiled(a, b)
     torch.testing.assert_close(out, model(a, b))
     log = compiled._ember_backend.log.warm_start
@@ -298,7 +297,7 @@ def test_eval_module_called_with_gradients_keeps_dynamos_path() -> None:
     assert model.fc.weight.grad is not None
 
     torch._dynamo.reset()
-    again = ember.compile(model)
+    again = ember.compile(model, warm_start=True)
     with torch.no_grad():
         torch.testing.assert_close(again(a, b), model(a, b))
     assert any(line.startswith("saved") for line in again._ember_backend.log.warm_start), again._ember_backend.log.warm_start
