@@ -170,6 +170,11 @@ def test_graph_break_falls_back_to_dynamo(tmp_path: Path) -> None:
     assert any(line.startswith("off: no whole-graph capture") for line in r["log"]), r["log"]
     assert r["traced_graphs"] == 2  # Dynamo's own path: two graphs around the break
     assert not list((tmp_path / "warm_start").glob("*.ember-warm"))
+    # A later process goes straight to Dynamo's path: it does not trace up to the break again.
+    assert list((tmp_path / "warm_start").glob("*.ember-warm-off"))
+    (again,), _ = _run(tmp_path, models, "infer", "graph_break")
+    assert any("found by an earlier process" in line for line in again["log"]), again["log"]
+    assert again["traced_graphs"] == 2
 
 
 def test_identity_guards_are_rechecked(tmp_path: Path) -> None:

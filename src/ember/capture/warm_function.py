@@ -45,7 +45,7 @@ from ember.capture.warm_rechecks import (
     code_digest,
     file_hash,
 )
-from ember.capture.warm_start import WarmStart, _value_signature, option_blocker
+from ember.capture.warm_start import WarmStart, _value_signature, graph_stand_ins, option_blocker
 
 
 def _constant(value: object) -> bool:
@@ -166,10 +166,11 @@ class FunctionWarmStart(WarmStart):
             "device": _device_name(args, kwargs, modules.values()),
             "tuning": tuning_stamp(options.cache_root()),
             "options": repr(sorted(opts.items())),
+            "graph_stand_ins": graph_stand_ins(),
             # Two lambdas of one function share a qualified name and a file: their code tells them apart.
             "function": f"{self.fn.__module__}.{self.fn.__qualname__}@{file_hash(source)}",
             "code": f"{self.fn.__code__.co_firstlineno} {code_digest(self.fn.__code__)}",
-            "classes": sorted({class_source(type(m)) for module in modules.values() for m in module.modules()}),
+            "classes": sorted(class_source(t) for t in {type(m) for module in modules.values() for m in module.modules()}),
             "modules": sorted(modules),
             "state": state,
             "training": [[m.training for m in module.modules()] for module in modules.values()],

@@ -131,6 +131,14 @@ def _device_name(args: tuple, kwargs: dict, model: torch.nn.Module) -> str:
     return "cpu"
 
 
+def graph_stand_ins() -> str:
+    """The CUDA-graph parts instruments replace (tests run CUDA graphs through a CPU stand-in): a
+    program saved under them carries the capture decisions made for them, so they are in the key."""
+    from ember.instruments import active
+    hooks = active()
+    return repr([None if h is None else type(h).__qualname__ for h in (hooks.cudagraph_device, hooks.capture_rule)])
+
+
 def model_key(model: torch.nn.Module, options: Any, ckey: str, args: tuple, kwargs: dict) -> tuple[str, dict]:
     """The file key (see the module docstring) and its parts, for the file's readable header."""
     from ember.runtime.artifacts import _versions
@@ -141,6 +149,7 @@ def model_key(model: torch.nn.Module, options: Any, ckey: str, args: tuple, kwar
         "device": _device_name(args, kwargs, model),
         "tuning": tuning_stamp(options.cache_root()),
         "options": repr(sorted(opts.items())),
+        "graph_stand_ins": graph_stand_ins(),
         "model": class_source(type(model)),
         "classes": sorted(class_source(t) for t in {type(m) for m in model.modules()}),
         "state": [f"{n}:{_value_signature(t)}" for n, t in (*model.named_parameters(), *model.named_buffers())],
@@ -369,6 +378,9 @@ class WarmStart:
         except Exception as err:  # noqa: BLE001 - a graph break, or anything torch's AOT compile refuses
             self.off = f"no whole-graph capture ({type(err).__name__}: {_first_line(err)})"
             self.note(f"off: {self.off}; today's path (Dynamo, graph breaks allowed) from now on")
+            # The same code at the same key breaks again: later processes go straight to Dynamo's
+            # path instead of tracing up to the break first.
+            _write_marker(path.with_name(f"{path.name}{OFF_SUFFIX}"), self.off)
             return None
         finally:
             backend.output_wrapper = None
