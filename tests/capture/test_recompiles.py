@@ -49,7 +49,7 @@ def _frames(log) -> list[str]:
 
 def test_static_specialisations_then_one_dynamic_graph() -> None:
     model = SmallNet()
-    compiled = ember.compile(model, target="aten", max_recompiles=3)
+    compiled = ember.compile(model, target="aten", max_recompiles=3, warm_start=False)  # Dynamo's path
     batches = (2, 3, 4, 5, 6, 7, 9)  # seven sizes, three static specialisations
     for b in batches:
         check_against_eager(compiled, model, [torch.randn(b, 8)], params=list(model.parameters()))
@@ -77,7 +77,7 @@ def test_static_specialisations_then_one_dynamic_graph() -> None:
 
 def test_dynamic_graph_in_inference() -> None:
     model = SmallNet().eval()
-    compiled = ember.compile(model, target="aten", max_recompiles=1)
+    compiled = ember.compile(model, target="aten", max_recompiles=1, warm_start=False)  # Dynamo's path
     with torch.no_grad():
         for b in (3, 5, 7, 2):
             x = torch.randn(b, 8)
@@ -104,7 +104,7 @@ def test_every_frame_of_a_graph_break_gets_bounded() -> None:
 
 
 def test_explain_lists_every_recompile_and_the_switch() -> None:
-    compiled = ember.compile(SmallNet(), target="aten", max_recompiles=2)
+    compiled = ember.compile(SmallNet(), target="aten", max_recompiles=2, warm_start=False)  # Dynamo's path
     with torch.no_grad():
         for b in (2, 3, 4, 5):
             compiled(torch.randn(b, 8))

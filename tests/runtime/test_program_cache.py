@@ -19,8 +19,10 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 def _spawn(cache: Path, batch: int = 2) -> subprocess.Popen:
-    # The frame cache off: with it, a warm process loads whole frames and never asks this cache.
-    env = {**os.environ, "EMBER_CACHE_DIR": str(cache), "PYTHONPATH": str(ROOT / "src"), "EMBER_FRAME_CACHE": "0"}
+    # The frame cache and the warm start off: with them, a warm process loads whole frames and
+    # never asks this cache.
+    env = {**os.environ, "EMBER_CACHE_DIR": str(cache), "PYTHONPATH": str(ROOT / "src"), "EMBER_FRAME_CACHE": "0",
+           "EMBER_WARM_START": "0"}
     env.pop("EMBER_STRICT", None)
     return subprocess.Popen([sys.executable, str(WORKER), str(batch)], env=env, stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True)
