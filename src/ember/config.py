@@ -144,10 +144,10 @@ class Options:
                                "(passes/freeze.py)", "EMBER_FREEZE")
     channels_last: bool = _item(True, "GPU targets: convolutional graphs run in channels_last (passes/layout.py; "
                                       "off: eager's NCHW everywhere)", "EMBER_LAYOUT", false_words=("nchw",))
-    warm_start: bool = _item(True, "an nn.Module or function (compile_step's train_fn) captured as one graph is "
-                                   "saved with Dynamo's guards and Ember's programs; a new process loads it "
-                                   "instead of tracing again (capture/warm_start.py, warm_function.py; a module "
-                                   "in eval mode called with gradients on keeps Dynamo's path)",
+    warm_start: bool = _item(False, "an nn.Module or function (compile_step's train_fn) captured as one graph is "
+                                    "saved with Dynamo's guards and Ember's programs; a new process loads it "
+                                    "instead of tracing again (capture/warm_start.py, warm_function.py; a module "
+                                    "in eval mode called with gradients on keeps Dynamo's path)",
                              "EMBER_WARM_START")
     frame_cache: bool = _item(True, "every Dynamo frame Ember compiles is kept (AOTAutograd's forward/backward split "
                                     "with Ember's programs) in <cache_dir>/programs.sqlite, keyed by its Dynamo graph; "

@@ -1,6 +1,6 @@
 """Warm start: a new process runs a model Ember compiled before without tracing it again.
 
-On by default (``warm_start=False`` / ``EMBER_WARM_START=0`` turns it off). For an ``nn.Module`` whose
+``ember.compile(model, warm_start=True)`` (or ``EMBER_WARM_START=1``). For an ``nn.Module`` whose
 ``forward`` Dynamo captures as ONE graph, the first call of each input signature goes through
 torch's ahead-of-time compile (``torch._dynamo.aot_compile.aot_compile_fullgraph``): Dynamo's
 guards and bytecode plus Ember's backend result (capture/warm_artifact.py: AOTAutograd's
