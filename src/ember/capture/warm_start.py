@@ -271,7 +271,7 @@ class WarmStart:
     def _load_or_compile(self, ckey: str, args: tuple, kwargs: dict) -> Any:
         key, parts = self.key(ckey, args, kwargs)
         stem = key[:40]
-        refused = self.folder() / f"{stem}{OFF_SUFFIX}"
+        refused = _off_marker(self.folder() / stem)
         if refused.exists():  # an earlier process found guards no re-check covers: Dynamo's path
             self.off = f"{refused.read_text()[:300]} (found by an earlier process: {refused.name})"
             self.note(f"off: {self.off}")
@@ -380,7 +380,7 @@ class WarmStart:
             self.note(f"off: {self.off}; today's path (Dynamo, graph breaks allowed) from now on")
             # The same code at the same key breaks again: later processes go straight to Dynamo's
             # path instead of tracing up to the break first.
-            _write_marker(path.with_name(f"{path.name}{OFF_SUFFIX}"), self.off)
+            _write_marker(_off_marker(path), self.off)
             return None
         finally:
             backend.output_wrapper = None
@@ -397,7 +397,7 @@ class WarmStart:
                         f"first: {unchecked[0].split(maxsplit=1)[1][:120]})" if unchecked
                         else f"a re-check does not hold where it was made ({failed})")
             self.note(f"off: {self.off}; today's path (Dynamo) from now on")
-            _write_marker(path.with_name(f"{path.name}{OFF_SUFFIX}"), self.off)
+            _write_marker(_off_marker(path), self.off)
             return None
         if rechecked:
             self.note(f"{len(rechecked)} guard(s) torch cannot save (on globals, by identity) are re-checked by Ember")
@@ -524,6 +524,11 @@ def _write(path: Path, data: bytes, parts: dict, rechecks: list[list[str]], modu
     with tempfile.NamedTemporaryFile(dir=path.parent, delete=False, prefix=".warm-") as tmp:
         tmp.write(buf.getvalue())
     os.replace(tmp.name, path)
+
+
+def _off_marker(stem: Path) -> Path:
+    """The file saying why the model at this key (``stem``: the folder and the key) cannot warm start."""
+    return stem.with_name(f"{stem.name}{OFF_SUFFIX}")
 
 
 def _write_marker(path: Path, reason: str) -> None:

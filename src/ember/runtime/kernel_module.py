@@ -34,11 +34,6 @@ from typing import Any
 _CODE_MAGIC = b"EMBERCODE1"
 
 
-def _enabled() -> bool:
-    from ember.config import settings
-    return settings().kernel_load_cache
-
-
 def _replace_atomic(path: Path, data: bytes) -> None:
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
     try:
@@ -72,9 +67,14 @@ class _KernelLoader(importlib.machinery.SourceFileLoader):
         return code
 
 
-def import_file(name: str, path: Path) -> ModuleType:
-    """The module in ``path`` executed as ``name`` (not put in ``sys.modules``)."""
-    if _enabled():
+def import_file(name: str, path: Path, keep_code: bool | None = None) -> ModuleType:
+    """The module in ``path`` executed as ``name`` (not put in ``sys.modules``); ``keep_code``: its
+    code object kept beside it (default: the ``kernel_load_cache`` setting; a caller that has read
+    it passes it)."""
+    if keep_code is None:
+        from ember.config import settings
+        keep_code = settings().kernel_load_cache
+    if keep_code:
         spec = importlib.util.spec_from_file_location(name, path, loader=_KernelLoader(name, str(path)))
     else:
         spec = importlib.util.spec_from_file_location(name, path)
@@ -94,8 +94,8 @@ def _key_check(text: str) -> str | None:
 def preset_cache_key(fn: Any, path: Path, text: str) -> None:
     """Give the compiled (not interpreted) Triton function ``fn`` loaded from ``path`` (whose text is
     ``text``) the cache key stored for this text and this Triton; without one, compute it now (as its
-    first launch would) and store it."""
-    if not _enabled() or getattr(fn, "hash", 0) is not None or not isinstance(
+    first launch would) and store it. Called only where ``kernel_load_cache`` is on."""
+    if getattr(fn, "hash", 0) is not None or not isinstance(
             getattr(type(fn), "cache_key", None), property):
         return  # interpreted, already keyed, or a Triton whose functions keep no ``hash``
     check = _key_check(text)

@@ -26,6 +26,7 @@ from pathlib import Path
 from types import ModuleType
 
 from ember.codegen.kernel_source import KernelSource, split_module
+from ember.config import settings
 from ember.runtime import kernel_module, triton_key
 
 _LOADED: dict[tuple[str, str, bool], Callable] = {}
@@ -97,10 +98,11 @@ def load_kernel(ks: KernelSource, kernel_dir: Path, interpret: bool) -> Callable
         triton_key.install()
     text = ks.module_source()
     path = _module_file(kernel_dir / f"{ks.name}.py", text)
+    keep = settings().kernel_load_cache
     with jit_mode(interpret):
-        module = kernel_module.import_file(f"ember_kernels.{ks.name}", path)
+        module = kernel_module.import_file(f"ember_kernels.{ks.name}", path, keep)
     fn = getattr(module, ks.name)
-    if not interpret:
+    if keep and not interpret:
         kernel_module.preset_cache_key(fn, path, text)
     _LOADED[key] = fn
     return fn
@@ -117,7 +119,8 @@ def load_module(path: Path, interpret: bool) -> ModuleType:
         if not interpret:
             triton_key.install()
         with jit_mode(interpret):
-            _MODULES[key] = kernel_module.import_file(f"ember_kernels.{path.stem}_{int(interpret)}", path)
+            _MODULES[key] = kernel_module.import_file(f"ember_kernels.{path.stem}_{int(interpret)}", path,
+                                                      settings().kernel_load_cache)
     return _MODULES[key]
 
 
