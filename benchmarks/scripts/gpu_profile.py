@@ -69,7 +69,7 @@ def record_arg_bytes() -> None:
 
 
 def profile_case(name: str, backend: str, mode: str, steps: int, out: Path, trace: bool = True,
-                 keep: int = 25, batch: int | None = None) -> dict:
+                 keep: int = 25, batch: int | None = None, sequence: bool = False) -> dict:
     device = torch.device("cuda")
     case = models.get_case(name)
     torch.manual_seed(0)
@@ -87,19 +87,26 @@ def profile_case(name: str, backend: str, mode: str, steps: int, out: Path, trac
     if trace:
         prof.export_chrome_trace(str(out / f"trace_{name}_{mode}_{backend}.json"))
     kernels: dict[str, list[float]] = {}
+    timeline: list[tuple[float, str, float]] = []
     for evt in prof.events():
         # GPU-side ranges of record_function (the optimizer's "Optimizer.step#SGD.step") span kernels
         # counted on their own: counting them too would add the step's optimizer time twice.
         if getattr(evt, "is_user_annotation", False) or (evt.name or "").startswith("Optimizer."):
             continue
         if evt.device_type == torch.autograd.DeviceType.CUDA and evt.name and not evt.name.startswith("Memcpy"):
-            kernels.setdefault(evt.name, []).append(evt.device_time_total if hasattr(evt, "device_time_total")
-                                                    else evt.cuda_time_total)
+            us = evt.device_time_total if hasattr(evt, "device_time_total") else evt.cuda_time_total
+            kernels.setdefault(evt.name, []).append(us)
+            timeline.append((evt.time_range.start, evt.name, us))
     total = sum(sum(v) for v in kernels.values())
     fam: dict[str, float] = {}
     for k, v in kernels.items():
         fam[kernel_family(k)] = fam.get(kernel_family(k), 0.0) + sum(v)
     top = sorted(kernels.items(), key=lambda kv: -sum(kv[1]))[:keep or None]
+    if sequence:  # the last step's kernels in launch order: one row per launch, to line up two backends
+        per_step = len(timeline) // steps
+        last = sorted(timeline)[-per_step:]
+        (out / f"sequence_{name}_{mode}_{backend}.json").write_text(json.dumps(
+            [{"kernel": k, "us": round(us, 2), "family": kernel_family(k)} for _, k, us in last]))
     return {
         "model": name, "backend": backend, "mode": mode,
         "gpu_ms_per_step": total / 1e3 / steps,
@@ -130,6 +137,8 @@ def main() -> int:
     parser.add_argument("--out", default="profile_out")
     parser.add_argument("--keep", type=int, default=25, help="kernels kept per run in the JSON (0: all)")
     parser.add_argument("--no-trace", action="store_true", help="skip the Chrome traces (large files)")
+    parser.add_argument("--sequence", action="store_true",
+                        help="also write the last step's kernels in launch order (sequence_*.json)")
     args = parser.parse_args()
     record_arg_bytes()
     out = Path(args.out)
@@ -137,7 +146,8 @@ def main() -> int:
     rows = []
     for name in args.models:
         for backend in args.backend.split(","):
-            r = profile_case(name, backend, args.mode, args.steps, out, trace=not args.no_trace, keep=args.keep, batch=args.batch)
+            r = profile_case(name, backend, args.mode, args.steps, out, trace=not args.no_trace, keep=args.keep, batch=args.batch,
+                             sequence=args.sequence)
             rows.append(r)
             share = " ".join(f"{k} {v:.0f}%" for k, v in sorted(r["share"].items()))
             print(f"\n== {name} {args.mode} {backend}: GPU {r['gpu_ms_per_step']:.2f} ms/step, "

@@ -107,8 +107,14 @@ def _default_dim(group: GroupSpace, rank: int, j: int, size: int, used: set[int]
 def _unique_dim(group: GroupSpace, size: int, used: set[int]) -> int | None:
     """The one group dim of this size, for a value that shares no dim with the group yet
     (a per-channel [C] vector beside an [N, C, H, W] reduction): any consistent placement
-    computes the same value, and a unique size leaves no choice to get wrong."""
+    computes the same value, and a unique size leaves no choice to get wrong. In a reduction
+    group the kept dims are looked at first: a vector there is a per-kept-point value, and one
+    placed on a reduced dim of the same size (batch 128 beside 128 channels) could never meet
+    the reduction's results, so the batch-norm backward's per-channel scale split off into a
+    kernel of its own and the group stored two full-size float32 tensors for a third kernel."""
     dims = [s for s, n in enumerate(group.shape) if n == size]
+    if len(dims) > 1 and group.rdims:
+        dims = [s for s in dims if s not in group.rdims]
     return dims[0] if len(dims) == 1 and dims[0] not in used else None
 
 
