@@ -164,6 +164,11 @@ class Options:
                                       "its kernel (the kernel's iteration space is refined, schedule/dim_map.py); off: "
                                       "such a reshape ends the kernel and the next one reads the stored value",
                                 "EMBER_FUSE_RESHAPES")
+    merge_groups: bool = _item(True, "generated kernels: a fused group merges into a later one over the same iteration "
+                                     "space that reads it, where the steps between allow and the merged kernels move "
+                                     "fewer bytes (schedule/group_merge.py: ResNet's two batch norms of a downsampling "
+                                     "block in one kernel); off: each stays a kernel and stores what the other reads",
+                               "EMBER_MERGE_GROUPS")
     progress: bool | None = _item(None, "one updating line on stderr while a compile runs longer than about 2 s "
                                         "(report/progress.py); unset: on when stderr is a terminal",
                                   "EMBER_PROGRESS", "bool")

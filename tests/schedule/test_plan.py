@@ -213,23 +213,24 @@ def test_views_read_only_after_the_kernel_become_views_of_its_output() -> None:
     assert op_names([n for s in views for n in s.nodes]) == ["permute", "unsqueeze"], plan.describe()
 
 
-@pytest.mark.parametrize("batch", [4, 6], ids=["batch4", "batch_equals_channels"])
-def test_training_batch_norm_is_one_kernel_forward_and_one_backward(batch: int) -> None:
+@pytest.mark.parametrize("shape", [(4, 6, 5, 5), (6, 6, 5, 5), (4, 5, 5, 5)],
+                         ids=["distinct_sizes", "batch_equals_channels", "channels_equal_height_and_width"])
+def test_training_batch_norm_is_one_kernel_forward_and_one_backward(shape: tuple[int, ...]) -> None:
     """Hoisted parameter views, sibling fusion and per-channel values beside the reduction make
     training batch norm + ReLU one kernel forward (statistics, normalise, affine, ReLU, running
-    statistics) and one kernel backward (both sums and the input gradient). Also where the batch
-    equals the channel count (ResNet-50's 128-channel layers at batch 128): a per-channel vector
-    then has two dims of its size to sit on, and only the kept one meets the reduction."""
+    statistics) and one kernel backward (both sums and the input gradient). Also where a reduced
+    dim has the channel count's size (ResNet-50's 128-channel layers at batch 128): a per-channel
+    vector must sit on the kept dim to meet the reduction's results."""
     torch.manual_seed(0)
-    model = torch.nn.Sequential(torch.nn.BatchNorm2d(6), torch.nn.ReLU())
+    model = torch.nn.Sequential(torch.nn.BatchNorm2d(shape[1]), torch.nn.ReLU())
     compiled = ember.compile(model)
-    check_against_eager(compiled, model, [torch.randn(batch, 6, 5, 5)], params=list(model.parameters()))
+    check_against_eager(compiled, model, [torch.randn(shape)], params=list(model.parameters()))
     graphs = {g.kind: g for g in log_of(compiled).graphs}
     assert set(graphs) == {"forward", "backward"}
     for kind, g in graphs.items():
         # (the num_batches_tracked += 1 scalar stays its own kernel)
         groups = [line for line in g.plan_text.splitlines() if " fused-" in line and "S=[] " not in line]
-        assert len(groups) == 1 and f"S=[{batch}, 6, 5, 5]" in groups[0], (kind, g.plan_text)
+        assert len(groups) == 1 and f"S={list(shape)}" in groups[0], (kind, g.plan_text)
 
 
 def test_unsupported_op_is_a_fallback_step_with_a_reason() -> None:

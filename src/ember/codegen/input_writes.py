@@ -18,7 +18,11 @@ That store is done only when it cannot change what any op reads (otherwise the `
 3. No op of a later step reads the input, through any view of it: they would see the new value.
 4. The kernel that stores ``value`` reads the input only if it is a pointwise kernel over the
    input's own shape that reads the input directly (no view): then every element is read and
-   written by the same program at the same index, the read first.
+   written by the same program at the same index, the read first. Or the kernel is a reduction
+   that reads the input directly as a per-kept-point value (a running statistic beside batch
+   norm's sums) and nothing that walks the reduced dims, no reduction and no other output depends
+   on what it read: a program that reads the element after another stored it (a split
+   reduction's chunks) only computes that one value, which the first chunk alone stores.
 
 The runtime learns of a write into an input from its version counter (the CUDA-graph runner
 compares versions across the recorded call: runtime/cudagraphs/recording.py). ATen's ``copy_``
@@ -37,6 +41,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.fx as fx
 
+from ember.schedule.dim_map import walked_dims
 from ember.schedule.plan import FusedGroup, KernelPlan
 from ember.schedule.rules import OpClass
 
@@ -101,9 +106,27 @@ def _storable(plan: KernelPlan, kernels: dict, copy: fx.Node, p: fx.Node, value:
             return False  # a read the plan does not place (the output, say): keep the copy_
         if at.index > step.index:
             return False  # rule 3
-        if at is step and not (direct and not step.rdims and tuple(step.shape) == tuple(pv.shape)
-                               and step.classes.get(reader) is OpClass.POINTWISE):
+        if at is step and not (direct and step.classes.get(reader) is OpClass.POINTWISE and (
+                (not step.rdims and tuple(step.shape) == tuple(pv.shape))
+                or (step.rdims and _only_feeds(step, reader, value)))):
             return False  # rule 4
+    return True
+
+
+def _only_feeds(step: FusedGroup, reader: fx.Node, value: fx.Node) -> bool:
+    """Whether everything in ``step`` computed from ``reader`` is a per-kept-point value that ends
+    in ``value`` alone (rule 4 for a reduction kernel)."""
+    members = set(step.nodes)
+    stack, seen = [reader], {reader}
+    while stack:
+        n = stack.pop()
+        if step.classes.get(n) is not OpClass.POINTWISE or walked_dims(step.dims[n]) & set(step.rdims) \
+                or (n in step.outputs and n is not value):
+            return False
+        for u in n.users:
+            if u in members and u not in seen:
+                seen.add(u)
+                stack.append(u)
     return True
 
 

@@ -97,30 +97,27 @@ def reduction_keepdim(node: fx.Node) -> bool:
     return bool(node.kwargs.get("keepdim", False))
 
 
-def _default_dim(group: GroupSpace, rank: int, j: int, size: int, used: set[int]) -> int | None:
+def _default_dim(group: GroupSpace, rank: int, j: int, size: int, used: set[int],
+                 avoid: Iterable[int] = ()) -> int | None:
     s = j + len(group.shape) - rank
-    if 0 <= s < len(group.shape) and group.shape[s] == size and s not in used:
+    if 0 <= s < len(group.shape) and group.shape[s] == size and s not in used and s not in avoid:
         return s
     return None
 
 
-def _unique_dim(group: GroupSpace, size: int, used: set[int]) -> int | None:
+def _unique_dim(group: GroupSpace, size: int, used: set[int], avoid: Iterable[int] = ()) -> int | None:
     """The one group dim of this size, for a value that shares no dim with the group yet
     (a per-channel [C] vector beside an [N, C, H, W] reduction): any consistent placement
-    computes the same value, and a unique size leaves no choice to get wrong. In a reduction
-    group the kept dims are looked at first: a vector there is a per-kept-point value, and one
-    placed on a reduced dim of the same size (batch 128 beside 128 channels) could never meet
-    the reduction's results, so the batch-norm backward's per-channel scale split off into a
-    kernel of its own and the group stored two full-size float32 tensors for a third kernel."""
-    dims = [s for s, n in enumerate(group.shape) if n == size]
-    if len(dims) > 1 and group.rdims:
-        dims = [s for s in dims if s not in group.rdims]
+    computes the same value, and a unique size leaves no choice to get wrong."""
+    dims = [s for s, n in enumerate(group.shape) if n == size and s not in avoid]
     return dims[0] if len(dims) == 1 and dims[0] not in used else None
 
 
-def complete_dims(group: GroupSpace, shape: tuple[int, ...], known: dict[int, int]) -> Dims | None:
+def complete_dims(group: GroupSpace, shape: tuple[int, ...], known: dict[int, int],
+                  avoid: Iterable[int] = ()) -> Dims | None:
     """Dims for a value of ``shape`` whose dims ``known`` (dim -> S dim) are already placed: the
-    rest align with S's trailing dims (or take S's one dim of their size); None if they cannot."""
+    rest align with S's trailing dims (or take S's one dim of their size), never on a dim of
+    ``avoid``; None if they cannot."""
     used: set[int] = set()
     for e in known.values():
         run = entry_dims(e)
@@ -134,9 +131,9 @@ def complete_dims(group: GroupSpace, shape: tuple[int, ...], known: dict[int, in
         elif j in known:
             out.append(known[j])
         else:
-            s = _default_dim(group, len(shape), j, size, used)
+            s = _default_dim(group, len(shape), j, size, used, avoid)
             if s is None and not known:
-                s = _unique_dim(group, size, used)
+                s = _unique_dim(group, size, used, avoid)
             if s is None:
                 return None
             used.add(s)
@@ -152,8 +149,12 @@ def aligned_dims(out_rank: int, arg: fx.Node, dims_of_out: Dims) -> Dims:
     return tuple(None if size == 1 else dims_of_out[k + off] for k, size in enumerate(shape))
 
 
-def map_pointwise(group: GroupSpace, node: fx.Node) -> Dims | None:
-    """Dims of a pointwise ``node`` from those of its inputs already in ``group``."""
+def map_pointwise(group: GroupSpace, node: fx.Node, x_domain: bool = False) -> Dims | None:
+    """Dims of a pointwise ``node`` from those of its inputs already in ``group``. ``x_domain``:
+    the node joins a reduction as a per-kept-point value, so dims no input fixes go on kept dims
+    only (batch 128 beside 128 channels, or channels equal to the width: a per-channel vector on
+    a reduced dim of its size could never meet the reduction's results, and batch norm's backward
+    split into three kernels, the group storing two full-size float32 tensors for the third)."""
     shape = _shape(node)
     known: dict[int, int] = {}
     for arg in node.all_input_nodes:
@@ -170,7 +171,7 @@ def map_pointwise(group: GroupSpace, node: fx.Node) -> Dims | None:
                 return None
             if known.setdefault(k + off, s) != s:
                 return None
-    return complete_dims(group, shape, known)
+    return complete_dims(group, shape, known, group.rdims if x_domain else ())
 
 
 def map_view(group: GroupSpace, node: fx.Node, regroup: bool = True) -> Dims | SplitDim | None:

@@ -41,6 +41,7 @@ from ember.schedule.dim_map import (
     refine,
     walked_dims,
 )
+from ember.schedule.group_merge import merge_connected_groups
 from ember.schedule.op_support import POINTWISE_OPS
 from ember.schedule.range_select import (
     RANGE_SELECT_OPS,
@@ -143,8 +144,10 @@ def _is_tensor(node: object) -> bool:
 
 
 class _Partitioner:
-    def __init__(self, graph: fx.Graph, fuse_range_select: bool = True, refine_views: bool = True) -> None:
+    def __init__(self, graph: fx.Graph, fuse_range_select: bool = True, refine_views: bool = True,
+                 merge_groups: bool = True) -> None:
         self.graph = graph
+        self.merge_groups = merge_groups
         self.fuse_range_select = fuse_range_select
         self.refine_views = refine_views
         self.selects: dict[fx.Node, RangeSelect] = {}  # planned range selects (cat, slice_scatter)
@@ -166,8 +169,9 @@ class _Partitioner:
         step = self.step_of.get(node)
         return -1 if step is None else step.index
 
-    def _try_join(self, group: FusedGroup, node: fx.Node, cls: OpClass) -> str | None:
-        """Add ``node`` to ``group``; None when it joined, else why it could not."""
+    def _try_join(self, group: FusedGroup, node: fx.Node, cls: OpClass, x_domain: bool = False) -> str | None:
+        """Add ``node`` to ``group``; None when it joined, else why it could not. ``x_domain``: it
+        joins a reduction beside it as a per-kept-point value (``_sibling``)."""
         # Every input from outside the group must come from an earlier step (keeps order acyclic).
         for arg in self._reads(node):
             if arg not in group.dims and self._producer_index(arg) >= group.index:
@@ -203,7 +207,7 @@ class _Partitioner:
                 refine(group, dims)
                 dims = map_view(group, node)
         else:
-            dims = map_pointwise(group, node)
+            dims = map_pointwise(group, node, x_domain)
             if dims is not None:
                 for arg in node.all_input_nodes:
                     if arg not in group.dims and arg not in self.constants:
@@ -265,7 +269,8 @@ class _Partitioner:
             return
         sibling = self._sibling(node, cls, candidates)
         if sibling is not None:
-            why = self._try_join(sibling, node, cls)
+            x_domain = sibling.is_reduction and tuple(sibling.shape) != _shape(node)
+            why = self._try_join(sibling, node, cls, x_domain)
             if why is None:
                 return
             refusals.append(f"not beside step {sibling.index}: {why}")
@@ -303,6 +308,8 @@ class _Partitioner:
             kind = {OpClass.EXTERN: "extern", OpClass.GETITEM: "getitem"}.get(cls, "fallback")
             self._new_step(kind, node, reason)
             self._place_views_of(node)
+        if self.merge_groups:
+            self.steps = merge_connected_groups(self.steps, self.step_of, self._producer_index)
         self._finish_groups()
         return KernelPlan(self.graph, self.steps, self.step_of, self.constants, self.classes)
 
@@ -525,11 +532,13 @@ _ALWAYS_VIEWS = {
 }
 
 
-def plan_graph(graph: fx.Graph, fuse_range_select: bool = True, refine_views: bool = True) -> KernelPlan:
+def plan_graph(graph: fx.Graph, fuse_range_select: bool = True, refine_views: bool = True,
+               merge_groups: bool = True) -> KernelPlan:
     """Partition ``graph`` into steps (see the module docstring). ``fuse_range_select``: cat and
     slice_scatter become pointwise members of fused groups (schedule/range_select.py); off, they
     run through ATen (targets whose generator has no range select, the fuse_cat option).
     ``refine_views``: a reshape that splits or merges dims joins the group (a merge as a run of S
     dims, a split after refining S: dim_map.refine); off, it ends the group (the fuse_reshapes
-    option)."""
-    return _Partitioner(graph, fuse_range_select, refine_views).run()
+    option). ``merge_groups``: a fused group merges into a later one over the same iteration space
+    that reads it where the steps between allow (schedule/group_merge.py; the merge_groups option)."""
+    return _Partitioner(graph, fuse_range_select, refine_views, merge_groups).run()

@@ -1,0 +1,152 @@
+"""Merge a fused group into a later one that reads it, when the steps between allow it.
+
+The partitioner (plan.py) places nodes greedily in graph order, so a group that a library call
+or another group separates from its consumer stays a kernel of its own and stores what the
+consumer reads. Two batch-norm patterns of every ResNet downsampling block pay for it:
+
+* forward: the main branch's batch norm stores its normalised output, and the shortcut's batch
+  norm, after the shortcut convolution, reads it back to add it (Inductor computes both
+  normalisations in the one kernel that adds them);
+* backward: the first batch-norm backward stores its masked float32 gradient, and the second
+  (a convolution backward runs between them) reads it back for its own sums.
+
+Here a pair of fused groups over one iteration space, the later reading the earlier, becomes one
+group: at the earlier group's place when every other input of the later is ready by then, or at
+the later's place when no step between reads the earlier group. Values only the other group read
+are no longer stored; both reductions share one pass over memory. Each merge is recorded in the
+group's ``reason`` (``explain`` shows it).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import TYPE_CHECKING
+
+import torch
+import torch.fx as fx
+
+from ember.schedule.dim_map import walked_dims
+from ember.schedule.rules import OpClass
+
+if TYPE_CHECKING:  # plan.py imports this module
+    from ember.schedule.plan import FusedGroup, Step
+
+
+def _is_group(step: Step) -> bool:
+    return step.kind == "fused"  # only FusedGroup steps have this kind
+
+
+def _reads(step: Step) -> set[fx.Node]:
+    """What a step reads from outside itself."""
+    if _is_group(step):
+        return {a for ins in step.input_dims.values() for a in ins}
+    members = set(step.nodes)
+    return {a for n in step.nodes for a in n.all_input_nodes if a not in members}
+
+
+def _mergeable(a: FusedGroup, b: FusedGroup) -> bool:
+    if a.selects or b.selects:
+        return False
+    if tuple(a.shape) != tuple(b.shape):
+        return False
+    if a.rdims and b.rdims and a.rdims != b.rdims:
+        return False
+    # Every value of ``a`` that ``b`` reads is read at the coordinates ``a`` computes it at.
+    for ins in b.input_dims.values():
+        for node, dims in ins.items():
+            if node in a.dims and a.dims[node] != dims:
+                return False
+    return True
+
+
+def _bytes(node: fx.Node) -> int:
+    value = node.meta.get("val")
+    return value.numel() * value.element_size() if isinstance(value, torch.Tensor) else 0
+
+
+def traffic(nodes: list[fx.Node], dims: dict, input_dims: dict, rdims: tuple[int, ...],
+            reductions: set[fx.Node]) -> int:
+    """Bytes a group's kernels move, as they are written (codegen/triton_reductions.py): one pass
+    per reduction level, reading what that level's reductions are computed from, and a last pass
+    reading what the stored full-size values are computed from; plus every stored value. A
+    reduction of an earlier pass is loaded, not recomputed, so what it reads is not read again."""
+    members = set(nodes)
+    level: dict[fx.Node, int] = {}
+    for n in nodes:
+        base = max((level[x] for x in n.all_input_nodes if x in members), default=0)
+        level[n] = base + 1 if n in reductions else base
+    outputs = [n for n in nodes if any(u not in members for u in n.users)]
+    full = [n for n in outputs if not rdims or walked_dims(dims[n]) & set(rdims)]
+    passes = [[r for r in reductions if level[r] == lv] for lv in sorted({level[r] for r in reductions})]
+    total = sum(_bytes(n) for n in outputs)
+    for roots in passes + ([full] if full else []):
+        needed, stack = set(roots), list(roots)
+        while stack:
+            n = stack.pop()
+            for x in n.all_input_nodes:
+                if x in members and x not in needed and x not in reductions:
+                    needed.add(x)
+                    stack.append(x)
+        total += sum(_bytes(x) for x in {x for n in needed for x in input_dims[n] if x not in members})
+    return total
+
+
+def _group_traffic(g: FusedGroup) -> int:
+    reductions = {n for n in g.nodes if g.classes[n] is OpClass.REDUCTION}
+    return traffic(g.nodes, g.dims, g.input_dims, g.rdims, reductions)
+
+
+def _merge(a: FusedGroup, b: FusedGroup, into: FusedGroup) -> None:
+    """``a``'s and ``b``'s members into ``into`` (one of the two), in graph order."""
+    nodes = a.nodes + b.nodes
+    dims = {**a.dims, **b.dims}
+    input_dims = {n: {x: d for x, d in ins.items() if x not in dims}
+                  for n, ins in {**a.input_dims, **b.input_dims}.items()}
+    classes = {**a.classes, **b.classes}
+    into.nodes, into.dims, into.input_dims, into.classes = nodes, dims, input_dims, classes
+    into.rdims = a.rdims or b.rdims
+
+
+def merge_connected_groups(steps: list[Step], step_of: dict[fx.Node, Step],
+                           producer_index: Callable[[fx.Node], int]) -> list[Step]:
+    """``steps`` with each mergeable pair of fused groups made one (see the module docstring);
+    ``step_of`` is updated. ``producer_index(node)``: the index of the step computing ``node``
+    (-1 for graph inputs and inlined constants)."""
+    changed = True
+    while changed:
+        changed = False
+        position = {id(s): i for i, s in enumerate(steps)}
+        for j, b in enumerate(steps):
+            if not _is_group(b):
+                continue
+            reads = _reads(b)
+            producers = sorted({step_of[x] for x in reads if x in step_of and _is_group(step_of[x])},
+                               key=lambda s: -position[id(s)])
+            for a in producers:
+                i = position[id(a)]
+                if i >= j or not _mergeable(a, b):
+                    continue
+                outside = [x for x in reads if x not in a.dims]
+                if all(producer_index(x) < a.index for x in outside):
+                    keep, drop, where = a, b, "the earlier group's place"
+                elif not any(set(a.dims) & _reads(s) for s in steps[i + 1:j]):
+                    keep, drop, where = b, a, "the later group's place"
+                else:
+                    continue
+                before = _group_traffic(a) + _group_traffic(b)
+                kept = (keep.nodes, keep.dims, keep.input_dims, keep.classes, keep.rdims)
+                _merge(a, b, keep)
+                if _group_traffic(keep) > before:  # recomputing costs more reads than the store saves
+                    keep.nodes, keep.dims, keep.input_dims, keep.classes, keep.rdims = kept
+                    continue
+                keep.reason += f"; merged with the group it {'feeds' if keep is a else 'reads'} ({where})"
+                for n in drop.nodes:
+                    step_of[n] = keep
+                steps = [s for s in steps if s is not drop]
+                for k, s in enumerate(steps):
+                    s.index = k
+                changed = True
+                break
+            if changed:
+                break
+    return steps
