@@ -315,6 +315,10 @@ class Settings:
                                             "dims (0: never); 4 per SM of a 132-SM H100")
     interpret_split_target_programs: int = _item(0, "the same in the interpreter; tests raise it to run the "
                                                     "split path")
+    split_store_tiles: int = _item(1, "tiles per program of the kernel that stores a split reduction's full-size "
+                                      "outputs (its results are combined already, so it runs as a tiled pointwise "
+                                      "kernel; 0: one program per chunk of the reduction, looping over the chunk)",
+                                   "EMBER_SPLIT_STORE_TILES", public=False)
 
 
 def specs(scope: str | None = None) -> list[Spec]:
@@ -432,7 +436,7 @@ def quiet_profiler_logs() -> None:
 # to exercise the looped path on small shapes.
 BLOCK_SETTINGS = ("persistent_rblock_max", "loop_rblock", "tile_elements", "pointwise_xblock", "transpose_tile", "transpose_warps",
                   "interpret_tile_elements", "xcontig_xblock", "xcontig_tile", "xcontig_persistent_rmax",
-                  "split_target_programs", "interpret_split_target_programs")
+                  "split_target_programs", "interpret_split_target_programs", "split_store_tiles")
 
 
 def block_settings() -> tuple:

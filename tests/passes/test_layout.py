@@ -411,6 +411,24 @@ def test_a_split_reduction_without_full_outputs_combines_in_its_storing_kernel(s
     assert "split=" in _kernels(compiled)
 
 
+@pytest.mark.parametrize("tiles,rows", [(1, 8), (2, 16), (0, 48)], ids=["one_tile", "two_tiles", "whole_chunk"])
+def test_a_split_reductions_full_size_outputs_are_stored_in_tiles(tiles: int, rows: int) -> None:
+    """Normalising by per-channel statistics of a channels_last tensor: the partial and combining
+    kernels make the statistics, then the storing kernel, which loads them combined, runs
+    ``split_store_tiles`` tiles (8 rows each here) per program instead of one program per chunk of
+    the reduction (4 chunks of 48 rows)."""
+    x = make_input((3, 6, 9, 7), "channels_last")
+
+    def fn(x: torch.Tensor) -> torch.Tensor:
+        return x - x.mean((0, 2, 3), keepdim=True)
+
+    with strict_env(looped=True), config.patch(interpret_split_target_programs=4, split_store_tiles=tiles):
+        compiled = ember.compile(fn, target="triton-interpret", cache=False)
+        assert_close(compiled(x), fn(x))
+    src = _kernels(compiled)
+    assert "split=4x48 part of level 1" in src and f"split=4x48 stores outputs, {rows} rows per program" in src, src
+
+
 def test_a_broadcast_gradient_does_not_decide_the_tile_order(split_reductions: None) -> None:
     """A pooled gradient expanded back over H and W (ResNet's last batch-norm backward) walks
     every dim but stores only N x C: the channels_last activation orders the tile."""

@@ -93,7 +93,7 @@ class TritonWriter(TritonReductions):
         self.interpret = interpret
         self.blocks = settings()  # the block-size settings
         # Tuned overrides of the block-size rules (ember/tune/space.py): XBLOCK, RBLOCK (looped
-        # reductions only), SPLIT_PROGRAMS, num_warps, num_stages. Empty: the rules below.
+        # reductions only), SPLIT_PROGRAMS, STORE_TILES, num_warps, num_stages. Empty: the rules below.
         self.config = dict(config or {})
         shape = self.shape
         # A pointwise group that reads a transposed input walks that input's stride-1 dim as the
@@ -142,6 +142,15 @@ class TritonWriter(TritonReductions):
         # the last level's partials itself: one kernel launch fewer than a combining kernel would
         # take (a bias or LayerNorm weight gradient is one such group).
         self.combines_last_level = self.split.split > 1 and not final_loops
+        # The storing kernel of a split reduction with full-size outputs loads the combined results,
+        # so nothing ties its programs to the reduction's chunks: ``split_store_tiles`` tiles each
+        # (a pointwise kernel's parallelism; a 3,072-row chunk per program looped 48 times and ran
+        # at 70% of Inductor's pointwise kernels for batch norm's normalise and input gradient).
+        self.loop_chunk = self.split.chunk
+        tiles = self.config.get("STORE_TILES", self.blocks.split_store_tiles)
+        if phase is None and final_loops and self.split.split > 1 and tiles > 0:
+            self.loop_chunk = min(self.split.chunk, tiles * self.rblock)
+            self.grid_split = -(-self.rnumel // self.loop_chunk)
         if phase is not None and phase[0] == "comb":
             self.grid_split = 1
             sblock = min(next_pow2(self.split.split), 4096)
@@ -302,7 +311,7 @@ class TritonWriter(TritonReductions):
                 body.append("pid = tl.program_id(0)")
                 body.append(f"sid = pid % {self.grid_split}")
                 body.append(f"xindex = (pid // {self.grid_split}) * XBLOCK + tl.arange(0, XBLOCK)[:, None]")
-                body.append(f"rstart = sid * {self.split.chunk}")
+                body.append(f"rstart = sid * {self.loop_chunk}")
             else:
                 body.append("xindex = tl.program_id(0) * XBLOCK + tl.arange(0, XBLOCK)[:, None]")
             body.append(f"xmask = xindex < {self.xnumel}")
@@ -341,7 +350,8 @@ class TritonWriter(TritonReductions):
         ops = "\n".join(f"#   {node_source(n)}" for n in self.group.nodes)
         split = "" if self.split.split == 1 else (
             f" split={self.split.split}x{self.split.chunk} "
-            + ("stores outputs" if self.phase is None else f"{self.phase[0]} of level {self.phase[1]}"))
+            + (f"stores outputs, {self.loop_chunk} rows per program" if self.phase is None
+               else f"{self.phase[0]} of level {self.phase[1]}"))
         text = (f"@triton.jit\ndef KERNEL_NAME({params}, {consts}):\n"
                 f"    # S={list(self.shape)} "
                 + (f"pointwise, r walks dims {self.tile_dims} (a transposed tensor's stride-1 run)"

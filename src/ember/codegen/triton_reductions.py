@@ -46,6 +46,7 @@ class TritonReductions(KernelWriter):
     phase: tuple[str, int] | None
     reduced_order: list[int]
     combines_last_level: bool
+    loop_chunk: int  # reduced-dim rows per program (``rstart`` on): the split's chunk, or the storing kernel's
 
     def _coord_lines(self, dims: list[int], index: str, numel: int) -> list[str]:
         raise NotImplementedError
@@ -182,7 +183,7 @@ class TritonReductions(KernelWriter):
             self._store(n, inner)
         root.lines += pre
         if self.split.split > 1:  # this program's chunk of the reduced dims
-            root.lines.append(f"for roffset in range(rstart, rstart + {self.split.chunk}, RBLOCK):")
+            root.lines.append(f"for roffset in range(rstart, rstart + {self.loop_chunk}, RBLOCK):")
         else:
             root.lines.append(f"for roffset in range(0, {self.rnumel}, RBLOCK):")
         root.lines += ["    " + line for line in inner.lines]
