@@ -315,9 +315,11 @@ class Settings:
                                             "dims (0: never); 4 per SM of a 132-SM H100")
     interpret_split_target_programs: int = _item(0, "the same in the interpreter; tests raise it to run the "
                                                     "split path")
-    split_store_tiles: int = _item(1, "tiles per program of the kernel that stores a split reduction's full-size "
+    split_store_tiles: int = _item(4, "tiles per program of the kernel that stores a split reduction's full-size "
                                       "outputs (its results are combined already, so it runs as a tiled pointwise "
-                                      "kernel; 0: one program per chunk of the reduction, looping over the chunk)",
+                                      "kernel; 0: one program per chunk of the reduction, looping over the chunk). resnet50 "
+                                      "training on one H100: 4 tiles 23.68 / 23.76 ms a step, 1 tile 24.14 / 24.27, "
+                                      "0 24.30 / 24.17",
                                    "EMBER_SPLIT_STORE_TILES", public=False)
 
 

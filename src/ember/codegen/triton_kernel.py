@@ -144,8 +144,9 @@ class TritonWriter(TritonReductions):
         self.combines_last_level = self.split.split > 1 and not final_loops
         # The storing kernel of a split reduction with full-size outputs loads the combined results,
         # so nothing ties its programs to the reduction's chunks: ``split_store_tiles`` tiles each
-        # (a pointwise kernel's parallelism; a 3,072-row chunk per program looped 48 times and ran
-        # at 70% of Inductor's pointwise kernels for batch norm's normalise and input gradient).
+        # (closer to a pointwise kernel's parallelism; a 3,072-row chunk per program looped 48 times
+        # and ran at about 70% of Inductor's pointwise kernels for batch norm's normalise and input
+        # gradient).
         self.loop_chunk = self.split.chunk
         tiles = self.config.get("STORE_TILES", self.blocks.split_store_tiles)
         if phase is None and final_loops and self.split.split > 1 and tiles > 0:
