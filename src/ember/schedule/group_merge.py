@@ -44,6 +44,16 @@ def _reads(step: Step) -> set[fx.Node]:
     return {a for n in step.nodes for a in n.all_input_nodes if a not in members}
 
 
+def _writes(step: Step) -> bool:
+    """Whether a step writes into memory (a kept ``copy_`` into a graph input, an in-place op): a
+    group moved across it would read the other value."""
+    for n in step.nodes:
+        schema = getattr(n.target, "_schema", None)
+        if schema is not None and schema.is_mutable:
+            return True
+    return False
+
+
 def _mergeable(a: FusedGroup, b: FusedGroup) -> bool:
     if a.selects or b.selects:
         return False
@@ -124,7 +134,7 @@ def merge_connected_groups(steps: list[Step], step_of: dict[fx.Node, Step],
                                key=lambda s: -position[id(s)])
             for a in producers:
                 i = position[id(a)]
-                if i >= j or not _mergeable(a, b):
+                if i >= j or not _mergeable(a, b) or any(_writes(s) for s in steps[i + 1:j]):
                     continue
                 outside = [x for x in reads if x not in a.dims]
                 if all(producer_index(x) < a.index for x in outside):
