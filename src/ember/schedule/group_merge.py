@@ -20,20 +20,17 @@ group's ``reason`` (``explain`` shows it).
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import TYPE_CHECKING
 
 import torch
 import torch.fx as fx
 
 from ember.schedule.dim_map import walked_dims
 from ember.schedule.rules import OpClass
-
-if TYPE_CHECKING:  # plan.py imports this module
-    from ember.schedule.plan import FusedGroup, Step
+from ember.schedule.steps import FusedGroup, Step
 
 
 def _is_group(step: Step) -> bool:
-    return step.kind == "fused"  # only FusedGroup steps have this kind
+    return isinstance(step, FusedGroup)
 
 
 def _reads(step: Step) -> set[fx.Node]:

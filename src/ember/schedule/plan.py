@@ -22,7 +22,7 @@ cycles.
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 import torch.fx as fx
@@ -39,7 +39,6 @@ from ember.schedule.dim_map import (
     reduction_dims,
     reduction_keepdim,
     refine,
-    walked_dims,
 )
 from ember.schedule.group_merge import merge_connected_groups
 from ember.schedule.op_support import POINTWISE_OPS
@@ -52,44 +51,9 @@ from ember.schedule.range_select import (
     tree_view_supported,
 )
 from ember.schedule.rules import Classification, OpClass, classify
+from ember.schedule.steps import FusedGroup, Step
 
 aten = torch.ops.aten
-
-
-@dataclass(eq=False)
-class Step:
-    index: int
-    kind: str
-    nodes: list[fx.Node]
-    reason: str = ""
-
-    @property
-    def node(self) -> fx.Node:
-        return self.nodes[0]
-
-
-@dataclass(eq=False)
-class FusedGroup(Step):
-    shape: tuple[int, ...] = ()
-    rdims: tuple[int, ...] = ()
-    dims: dict[fx.Node, Dims] = field(default_factory=dict)
-    # For each member: dims of each *external* tensor input it reads, keyed by input node.
-    input_dims: dict[fx.Node, dict[fx.Node, Dims]] = field(default_factory=dict)
-    inputs: list[fx.Node] = field(default_factory=list)
-    outputs: list[fx.Node] = field(default_factory=list)
-    # Each member's class as the plan decided it (POINTWISE, REDUCTION or VIEW): code generators
-    # read it here instead of classifying again.
-    classes: dict[fx.Node, OpClass] = field(default_factory=dict)
-    # cat / slice_scatter members (schedule/range_select.py). Their trees' nodes are members
-    # (in ``nodes`` and ``classes``) without ``dims``: they are computed at shifted coordinates.
-    selects: dict[fx.Node, RangeSelect] = field(default_factory=dict)
-
-    @property
-    def is_reduction(self) -> bool:
-        return bool(self.rdims)
-
-    def covers(self, node: fx.Node) -> set[int]:
-        return walked_dims(self.dims[node])
 
 
 @dataclass
