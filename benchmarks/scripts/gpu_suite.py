@@ -6,6 +6,7 @@ the plan) in a fresh Python process, writing ``<plan>_<job>.json`` and a log und
         python benchmarks/scripts/gpu_suite.py --group 1 --out "$OUT"       # then --group 2, 3, ...
     python benchmarks/scripts/gpu_suite.py --list                           # the groups and their jobs
     python benchmarks/scripts/gpu_suite.py --jobs gpt2_train,t5_infer --out "$OUT"   # chosen jobs
+    python benchmarks/scripts/gpu_suite.py ... --out "$OUT/suite" --archive   # one $OUT/suite.tgz
 
 Plans: ``main`` (default): seed suite training in bf16, bert and resnet50 inference at batch 1,
 the zoo in training and inference; backends eager, inductor, inductor-cudagraphs, ember.
@@ -31,6 +32,7 @@ import json
 import os
 import subprocess
 import sys
+import tarfile
 import threading
 import time
 from dataclasses import dataclass
@@ -170,6 +172,19 @@ def summary(out: Path, stems: list[str]) -> None:
             print(f"{model} {mode} bs{batch}: " + "; ".join(cells) + ratio, flush=True)
 
 
+def archive(out: Path) -> Path:
+    """``out``'s JSON and log files packed into ``<out>.tgz`` beside it, then removed from ``out``."""
+    files = sorted(p for p in out.iterdir() if p.suffix in (".json", ".log"))
+    target = out.with_suffix(".tgz")
+    with tarfile.open(target, "w:gz") as tar:
+        for f in files:
+            tar.add(f, arcname=f"{out.name}/{f.name}")
+    for f in files:
+        f.unlink()
+    print(f"archived {len(files)} files into {target}", flush=True)
+    return target
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--plan", default="main", choices=list(PLANS))
@@ -184,6 +199,9 @@ def main() -> int:
     parser.add_argument("--gpus", type=int, default=1,
                         help="run jobs side by side, one per GPU, each pinned to its share of the cores "
                              "(longest estimate first)")
+    parser.add_argument("--archive", action="store_true",
+                        help="end by packing the folder's JSON and logs into one <out>.tgz beside it and "
+                             "removing them (the device returns only a few files a call)")
     args = parser.parse_args()
 
     jobs, backends, factor = PLANS[args.plan]
@@ -244,6 +262,8 @@ def main() -> int:
     summary(out, [r["json"] for r in done])
     if skipped:
         print(f"skipped (budget): --jobs {','.join(skipped)}")
+    if args.archive:
+        archive(out)
     return 0 if done and all(r["rc"] == 0 for r in done) and not skipped else 1
 
 
