@@ -206,6 +206,11 @@ def _tensors(out: object) -> list[torch.Tensor]:
     return []
 
 
+def kernel_text(compiled: Callable) -> str:
+    """Every generated kernel's source of an ``ember.compile`` result, one text."""
+    return "\n".join(src for g in compiled._ember_backend.log.graphs for src in g.kernel_sources.values())
+
+
 def placement(compiled: Callable, kinds: Sequence[str] = ("forward", "inference")) -> Counter:
     """Ops that went into generated kernels, over the graphs of ``kinds``."""
     total: Counter = Counter()
