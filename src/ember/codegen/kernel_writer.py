@@ -27,6 +27,7 @@ from ember.schedule.op_support import STRUCTURAL_ARGS
 from ember.schedule.plan import Dims, FusedGroup
 from ember.schedule.range_select import RANGE_SELECT_OPS, RangeSelect, select_of, source_coords
 from ember.schedule.rules import OpClass, constant_value
+from ember.schedule.steps import reduction_levels  # (tests import it from here too)
 
 
 class Scope:
@@ -37,17 +38,6 @@ class Scope:
         self.lines: list[str] = []
         self.cache: dict = {}
         self.x_scope = x_scope if x_scope is not None else self
-
-
-def reduction_levels(group: FusedGroup) -> dict[fx.Node, int]:
-    """How many reductions lie on the longest path into each member (itself included): a
-    reduction that reads another reduction's result runs one level (one loop nest) later."""
-    level: dict[fx.Node, int] = {}
-    members = set(group.nodes)
-    for n in group.nodes:
-        base = max((level[a] for a in n.all_input_nodes if a in members), default=0)
-        level[n] = base + 1 if group.classes[n] == OpClass.REDUCTION else base
-    return level
 
 
 class KernelWriter:

@@ -19,6 +19,7 @@ group's ``reason`` (``explain`` shows it).
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 
 import torch
@@ -26,16 +27,12 @@ import torch.fx as fx
 
 from ember.schedule.dim_map import walked_dims
 from ember.schedule.rules import OpClass
-from ember.schedule.steps import FusedGroup, Step
-
-
-def _is_group(step: Step) -> bool:
-    return isinstance(step, FusedGroup)
+from ember.schedule.steps import FusedGroup, Step, reduction_levels
 
 
 def _reads(step: Step) -> set[fx.Node]:
     """What a step reads from outside itself."""
-    if _is_group(step):
+    if isinstance(step, FusedGroup):
         return {a for ins in step.input_dims.values() for a in ins}
     members = set(step.nodes)
     return {a for n in step.nodes for a in n.all_input_nodes if a not in members}
@@ -71,19 +68,16 @@ def _bytes(node: fx.Node) -> int:
     return value.numel() * value.element_size() if isinstance(value, torch.Tensor) else 0
 
 
-def traffic(nodes: list[fx.Node], dims: dict, input_dims: dict, rdims: tuple[int, ...],
-            reductions: set[fx.Node]) -> int:
+def traffic(group: FusedGroup) -> int:
     """Bytes a group's kernels move, as they are written (codegen/triton_reductions.py): one pass
     per reduction level, reading what that level's reductions are computed from, and a last pass
     reading what the stored full-size values are computed from; plus every stored value. A
     reduction of an earlier pass is loaded, not recomputed, so what it reads is not read again."""
-    members = set(nodes)
-    level: dict[fx.Node, int] = {}
-    for n in nodes:
-        base = max((level[x] for x in n.all_input_nodes if x in members), default=0)
-        level[n] = base + 1 if n in reductions else base
-    outputs = [n for n in nodes if any(u not in members for u in n.users)]
-    full = [n for n in outputs if not rdims or walked_dims(dims[n]) & set(rdims)]
+    members = set(group.nodes)
+    level = reduction_levels(group)
+    reductions = {n for n in group.nodes if group.classes[n] is OpClass.REDUCTION}
+    outputs = [n for n in group.nodes if any(u not in members for u in n.users)]
+    full = [n for n in outputs if not group.rdims or walked_dims(group.dims[n]) & set(group.rdims)]
     passes = [[r for r in reductions if level[r] == lv] for lv in sorted({level[r] for r in reductions})]
     total = sum(_bytes(n) for n in outputs)
     for roots in passes + ([full] if full else []):
@@ -94,24 +88,18 @@ def traffic(nodes: list[fx.Node], dims: dict, input_dims: dict, rdims: tuple[int
                 if x in members and x not in needed and x not in reductions:
                     needed.add(x)
                     stack.append(x)
-        total += sum(_bytes(x) for x in {x for n in needed for x in input_dims[n] if x not in members})
+        total += sum(_bytes(x) for x in {x for n in needed for x in group.input_dims[n] if x not in members})
     return total
 
 
-def _group_traffic(g: FusedGroup) -> int:
-    reductions = {n for n in g.nodes if g.classes[n] is OpClass.REDUCTION}
-    return traffic(g.nodes, g.dims, g.input_dims, g.rdims, reductions)
-
-
-def _merge(a: FusedGroup, b: FusedGroup, into: FusedGroup) -> None:
-    """``a``'s and ``b``'s members into ``into`` (one of the two), in graph order."""
-    nodes = a.nodes + b.nodes
+def _merged(a: FusedGroup, b: FusedGroup, at: FusedGroup, reason: str) -> FusedGroup:
+    """One group holding ``a``'s and ``b``'s members in graph order, in ``at``'s place (one of them)."""
     dims = {**a.dims, **b.dims}
     input_dims = {n: {x: d for x, d in ins.items() if x not in dims}
                   for n, ins in {**a.input_dims, **b.input_dims}.items()}
-    classes = {**a.classes, **b.classes}
-    into.nodes, into.dims, into.input_dims, into.classes = nodes, dims, input_dims, classes
-    into.rdims = a.rdims or b.rdims
+    return dataclasses.replace(at, nodes=a.nodes + b.nodes, dims=dims, input_dims=input_dims,
+                               classes={**a.classes, **b.classes}, rdims=a.rdims or b.rdims,
+                               reason=f"{at.reason}; {reason}")
 
 
 def merge_connected_groups(steps: list[Step], step_of: dict[fx.Node, Step],
@@ -124,10 +112,10 @@ def merge_connected_groups(steps: list[Step], step_of: dict[fx.Node, Step],
         changed = False
         position = {id(s): i for i, s in enumerate(steps)}
         for j, b in enumerate(steps):
-            if not _is_group(b):
+            if not isinstance(b, FusedGroup):
                 continue
             reads = _reads(b)
-            producers = sorted({step_of[x] for x in reads if x in step_of and _is_group(step_of[x])},
+            producers = sorted({step_of[x] for x in reads if isinstance(step_of.get(x), FusedGroup)},
                                key=lambda s: -position[id(s)])
             for a in producers:
                 i = position[id(a)]
@@ -140,16 +128,12 @@ def merge_connected_groups(steps: list[Step], step_of: dict[fx.Node, Step],
                     keep, drop, where = b, a, "the later group's place"
                 else:
                     continue
-                before = _group_traffic(a) + _group_traffic(b)
-                kept = (keep.nodes, keep.dims, keep.input_dims, keep.classes, keep.rdims)
-                _merge(a, b, keep)
-                if _group_traffic(keep) > before:  # recomputing costs more reads than the store saves
-                    keep.nodes, keep.dims, keep.input_dims, keep.classes, keep.rdims = kept
+                merged = _merged(a, b, keep, f"merged with the group it {'feeds' if keep is a else 'reads'} ({where})")
+                if traffic(merged) > traffic(a) + traffic(b):  # recomputing reads more than the store saves
                     continue
-                keep.reason += f"; merged with the group it {'feeds' if keep is a else 'reads'} ({where})"
-                for n in drop.nodes:
-                    step_of[n] = keep
-                steps = [s for s in steps if s is not drop]
+                for n in merged.nodes:
+                    step_of[n] = merged
+                steps = [merged if s is keep else s for s in steps if s is not drop]
                 for k, s in enumerate(steps):
                     s.index = k
                 changed = True

@@ -46,3 +46,14 @@ class FusedGroup(Step):
 
     def covers(self, node: fx.Node) -> set[int]:
         return walked_dims(self.dims[node])
+
+
+def reduction_levels(group: FusedGroup) -> dict[fx.Node, int]:
+    """How many reductions lie on the longest path into each member (itself included): a
+    reduction that reads another reduction's result runs one level (one loop nest) later."""
+    level: dict[fx.Node, int] = {}
+    members = set(group.nodes)
+    for n in group.nodes:
+        base = max((level[a] for a in n.all_input_nodes if a in members), default=0)
+        level[n] = base + 1 if group.classes[n] == OpClass.REDUCTION else base
+    return level
