@@ -318,8 +318,8 @@ class Settings:
     split_store_tiles: int = _item(4, "tiles per program of the kernel that stores a split reduction's full-size "
                                       "outputs (its results are combined already, so it runs as a tiled pointwise "
                                       "kernel; 0: one program per chunk of the reduction, looping over the chunk). resnet50 "
-                                      "training on one H100: 4 tiles 23.68 / 23.76 ms a step, 1 tile 24.14 / 24.27, "
-                                      "0 24.30 / 24.17",
+                                      "training on one H100, Ember alone: 4 tiles 23.68 / 23.76 ms a step, 1 tile 24.14 / 24.27, "
+                                      "0 24.30 / 24.17 (benchmarks/results/h100/2026-11-27_group_merge_bn_kernels)",
                                    "EMBER_SPLIT_STORE_TILES", public=False)
 
 
