@@ -169,6 +169,11 @@ class Options:
                                      "fewer bytes (schedule/group_merge.py: ResNet's two batch norms of a downsampling "
                                      "block in one kernel); off: each stays a kernel and stores what the other reads",
                                "EMBER_MERGE_GROUPS")
+    recompute_values: bool = _item(True, "generated kernels: a pointwise value of a group's inputs that a later group "
+                                         "reads over the same iteration space is computed again there when that "
+                                         "moves fewer bytes than storing and reading it (schedule/recompute.py: a "
+                                         "LayerNorm backward's weight and bias sums from the bf16 inputs); off: "
+                                         "stored", "EMBER_RECOMPUTE")
     progress: bool | None = _item(None, "one updating line on stderr while a compile runs longer than about 2 s "
                                         "(report/progress.py); unset: on when stderr is a terminal",
                                   "EMBER_PROGRESS", "bool")

@@ -206,7 +206,8 @@ def _schedule_stage(job: GraphJob) -> KernelPlan:
     """Partition the graph into Extern / Fused / Fallback steps (schedule/)."""
     # cat / slice_scatter fuse where the generator writes range selects (Triton, not numba).
     plan = plan_graph(job.gm.graph, fuse_range_select=job.options.fuse_cat and job.target.language == "triton",
-                      refine_views=job.options.fuse_reshapes, merge_groups=job.options.merge_groups)
+                      refine_views=job.options.fuse_reshapes, merge_groups=job.options.merge_groups,
+                      recompute=job.options.recompute_values)
     job.record.plan_text = plan.describe()
     job.dump("plan.txt", job.record.plan_text)
     if job.level >= 1:
@@ -315,6 +316,7 @@ def _cache_key(job: GraphJob) -> tuple[ProgramStore | None, str | None]:
     key_target = job.target.name if job.options.channels_last else f"{job.target.name}+nchw"
     key_target += "" if job.options.fuse_reshapes else "+noreshape"
     key_target += "" if job.options.merge_groups else "+nomerge"
+    key_target += "" if job.options.recompute_values else "+norecompute"
     if job.target.gpu_code_path:
         key_target += "" if job.options.fuse_cat else "+nocat"
         key_target += f"+pad:{job.options.pad_matmul}{'+tf32' if tf32_matmuls() else ''}"

@@ -15,7 +15,7 @@ from collections.abc import Callable, Sequence
 import torch
 from torch._decomp import core_aten_decompositions, get_decompositions
 
-from ember.capture import pooling, var_mean
+from ember.capture import pooling, scatter_add, var_mean
 from ember.config import settings
 from ember.ops import reflection_pad
 
@@ -237,6 +237,7 @@ def decomposition_table(cpu_inference: bool = False, gpu: bool = False) -> dict[
         table[aten.roll.default] = _roll
         table[aten.constant_pad_nd.default] = _constant_pad
         table[aten.max_pool2d_with_indices_backward.default] = pooling.max_pool2d_with_indices_backward
+        scatter_add.register(table)
         if settings().reflection_pad:  # EMBER_REFLECTION_PAD=0: ATen's padding kernels
             table[aten.reflection_pad2d.default] = reflection_pad.decompose_forward
             table[aten.reflection_pad2d_backward.default] = reflection_pad.decompose_backward

@@ -30,7 +30,7 @@ from ember.schedule.rules import OpClass
 from ember.schedule.steps import FusedGroup, Step, reduction_levels
 
 
-def _reads(step: Step) -> set[fx.Node]:
+def reads_of(step: Step) -> set[fx.Node]:
     """What a step reads from outside itself."""
     if isinstance(step, FusedGroup):
         return {a for ins in step.input_dims.values() for a in ins}
@@ -63,7 +63,7 @@ def _mergeable(a: FusedGroup, b: FusedGroup) -> bool:
     return True
 
 
-def _bytes(node: fx.Node) -> int:
+def node_bytes(node: fx.Node) -> int:
     value = node.meta.get("val")
     return value.numel() * value.element_size() if isinstance(value, torch.Tensor) else 0
 
@@ -79,7 +79,7 @@ def traffic(group: FusedGroup) -> int:
     outputs = [n for n in group.nodes if any(u not in members for u in n.users)]
     full = [n for n in outputs if not group.rdims or walked_dims(group.dims[n]) & set(group.rdims)]
     passes = [[r for r in reductions if level[r] == lv] for lv in sorted({level[r] for r in reductions})]
-    total = sum(_bytes(n) for n in outputs)
+    total = sum(node_bytes(n) for n in outputs)
     for roots in passes + ([full] if full else []):
         needed, stack = set(roots), list(roots)
         while stack:
@@ -88,7 +88,7 @@ def traffic(group: FusedGroup) -> int:
                 if x in members and x not in needed and x not in reductions:
                     needed.add(x)
                     stack.append(x)
-        total += sum(_bytes(x) for x in {x for n in needed for x in group.input_dims[n] if x not in members})
+        total += sum(node_bytes(x) for x in {x for n in needed for x in group.input_dims[n] if x not in members})
     return total
 
 
@@ -114,7 +114,7 @@ def merge_connected_groups(steps: list[Step], step_of: dict[fx.Node, Step],
         for j, b in enumerate(steps):
             if not isinstance(b, FusedGroup):
                 continue
-            reads = _reads(b)
+            reads = reads_of(b)
             producers = sorted({step_of[x] for x in reads if isinstance(step_of.get(x), FusedGroup)},
                                key=lambda s: -position[id(s)])
             for a in producers:
@@ -124,12 +124,66 @@ def merge_connected_groups(steps: list[Step], step_of: dict[fx.Node, Step],
                 outside = [x for x in reads if x not in a.dims]
                 if all(producer_index(x) < a.index for x in outside):
                     keep, drop, where = a, b, "the earlier group's place"
-                elif not any(set(a.dims) & _reads(s) for s in steps[i + 1:j]):
+                elif not any(set(a.dims) & reads_of(s) for s in steps[i + 1:j]):
                     keep, drop, where = b, a, "the later group's place"
                 else:
                     continue
                 merged = _merged(a, b, keep, f"merged with the group it {'feeds' if keep is a else 'reads'} ({where})")
                 if traffic(merged) > traffic(a) + traffic(b):  # recomputing reads more than the store saves
+                    continue
+                for n in merged.nodes:
+                    step_of[n] = merged
+                steps = [merged if s is keep else s for s in steps if s is not drop]
+                for k, s in enumerate(steps):
+                    s.index = k
+                changed = True
+                break
+            if changed:
+                break
+    return steps
+
+
+# How many steps back a reduction looks for a sibling reduction to merge with.
+SIBLING_LOOKBACK = 8
+
+
+def _read_dims(group: FusedGroup, node: fx.Node) -> set:
+    return {ins[node] for ins in group.input_dims.values() if node in ins}
+
+
+def merge_sibling_reductions(steps: list[Step], step_of: dict[fx.Node, Step],
+                             producer_index: Callable[[fx.Node], int]) -> list[Step]:
+    """``steps`` with reductions over one iteration space and the same reduced dims that read a
+    common input at the same coordinates made one group: one pass over what they share (a
+    LayerNorm's weight and bias sums once recompute.py has them read the same bf16 gradient).
+    The later moves to the earlier's place when its inputs are ready by then, else the earlier to
+    the later's place when no step between reads it; never across a step that writes memory."""
+    changed = True
+    while changed:
+        changed = False
+        for j, b in enumerate(steps):
+            if not isinstance(b, FusedGroup) or not b.rdims or b.selects:
+                continue
+            b_reads = reads_of(b)
+            for i in range(j - 1, max(-1, j - 1 - SIBLING_LOOKBACK), -1):
+                a = steps[i]
+                if _writes(a):
+                    break
+                if not isinstance(a, FusedGroup) or a.rdims != b.rdims or a.selects \
+                        or tuple(a.shape) != tuple(b.shape):
+                    continue
+                shared = [x for x in reads_of(a) & b_reads
+                          if len(_read_dims(a, x)) == 1 and _read_dims(a, x) == _read_dims(b, x)]
+                if not shared or b_reads & set(a.dims):
+                    continue
+                if all(producer_index(x) < a.index for x in b_reads):
+                    keep, drop = a, b
+                elif not any(set(a.dims) & reads_of(s) for s in steps[i + 1:j]):
+                    keep, drop = b, a
+                else:
+                    continue
+                merged = _merged(a, b, keep, "merged with a reduction reading the same values")
+                if traffic(merged) > traffic(a) + traffic(b):
                     continue
                 for n in merged.nodes:
                     step_of[n] = merged

@@ -21,6 +21,7 @@ cycles.
 
 from __future__ import annotations
 
+import math
 import re
 from dataclasses import dataclass
 
@@ -40,7 +41,7 @@ from ember.schedule.dim_map import (
     reduction_keepdim,
     refine,
 )
-from ember.schedule.group_merge import merge_connected_groups
+from ember.schedule.group_merge import merge_connected_groups, merge_sibling_reductions
 from ember.schedule.op_support import POINTWISE_OPS
 from ember.schedule.range_select import (
     RANGE_SELECT_OPS,
@@ -50,6 +51,7 @@ from ember.schedule.range_select import (
     select_of,
     tree_view_supported,
 )
+from ember.schedule.recompute import recompute_into_consumers
 from ember.schedule.rules import Classification, OpClass, classify
 from ember.schedule.steps import FusedGroup, Step
 
@@ -103,15 +105,24 @@ def _reads_any(group: FusedGroup, nodes: list[fx.Node]) -> bool:
     return any(a in wanted for ins in group.input_dims.values() for a in ins)
 
 
+def _passes_over(group: FusedGroup, shape: tuple[int, ...]) -> bool:
+    """May a sibling search look past ``group`` for a value of ``shape``? Pointwise groups of
+    another size (a weight gradient's float32 copy, placed where AOTAutograd put it) are
+    unrelated work: a LayerNorm backward's row reduction and the rest of it stay one kernel
+    across them instead of two, the first storing float32 values for the second."""
+    return not group.rdims and not group.selects and math.prod(group.shape) != math.prod(shape)
+
+
 def _is_tensor(node: object) -> bool:
     return isinstance(node, fx.Node) and isinstance(node.meta.get("val"), torch.Tensor)
 
 
 class _Partitioner:
     def __init__(self, graph: fx.Graph, fuse_range_select: bool = True, refine_views: bool = True,
-                 merge_groups: bool = True) -> None:
+                 merge_groups: bool = True, recompute: bool = True) -> None:
         self.graph = graph
         self.merge_groups = merge_groups
+        self.recompute = recompute
         self.fuse_range_select = fuse_range_select
         self.refine_views = refine_views
         self.selects: dict[fx.Node, RangeSelect] = {}  # planned range selects (cat, slice_scatter)
@@ -138,7 +149,8 @@ class _Partitioner:
         joins a reduction beside it as a per-kept-point value (``_sibling``)."""
         # Every input from outside the group must come from an earlier step (keeps order acyclic).
         for arg in self._reads(node):
-            if arg not in group.dims and self._producer_index(arg) >= group.index:
+            if arg not in group.dims and self._producer_index(arg) >= group.index \
+                    and not self._move_before(self.step_of[arg], group):
                 return "an input is computed after the group starts (joining would reorder steps)"
         if node in self.selects:
             return self._join_select(group, node)
@@ -185,6 +197,21 @@ class _Partitioner:
         group.classes[node] = cls
         self.step_of[node] = group
         return None
+
+    def _move_before(self, step: Step, group: FusedGroup) -> bool:
+        """Move ``step`` to just before ``group`` if it reads graph inputs only, so a node reading
+        both can join ``group``; whether it moved. AOTAutograd places a stochastic-depth scale
+        (``bernoulli / keep``) right before its one use, after the LayerNorm backward whose
+        output it scales: unmoved, that multiply is a full pass of its own."""
+        if not isinstance(step, FusedGroup) or step.rdims or step.selects or step.index < group.index:
+            return False
+        if any(self._producer_index(x) != -1 for ins in step.input_dims.values() for x in ins):
+            return False
+        self.steps.remove(step)
+        self.steps.insert(group.index, step)
+        for i, s in enumerate(self.steps):
+            s.index = i
+        return True
 
     def _seed(self, node: fx.Node, cls: OpClass) -> FusedGroup | None:
         if node in self.selects:
@@ -274,6 +301,11 @@ class _Partitioner:
             self._place_views_of(node)
         if self.merge_groups:
             self.steps = merge_connected_groups(self.steps, self.step_of, self._producer_index)
+        if self.recompute:
+            self.steps = recompute_into_consumers(self.graph, self.steps, self.step_of, self.classes,
+                                                  self._producer_index)
+        if self.merge_groups:
+            self.steps = merge_sibling_reductions(self.steps, self.step_of, self._producer_index)
         self._finish_groups()
         return KernelPlan(self.graph, self.steps, self.step_of, self.constants, self.classes)
 
@@ -381,14 +413,17 @@ class _Partitioner:
                     if tuple(step.shape) == shape:
                         return step
                     # A smaller value rides along only as a per-kept-point (x domain) value of a
-                    # reduction: computed once per kept point, never once per element.
-                    kept = [n for s, n in enumerate(step.shape) if s not in step.rdims]
-                    big = [n for n in shape if n != 1]
-                    if step.is_reduction and big and all(kept.count(n) == 1 for n in big):
+                    # reduction: computed once per kept point, never once per element. Any
+                    # placement on kept dims computes it once; the positional one (a [N, H, W, 1]
+                    # row factor beside a LayerNorm over C with H = W) lets later nodes combine
+                    # it with the group's values.
+                    if step.is_reduction and any(n != 1 for n in shape) \
+                            and complete_dims(step, shape, {}, step.rdims) is not None:
                         return step
                 elif tuple(step.shape) == shape and not step.rdims and _reads_any(step, self._reads(node)):
                     return step
-                adjacent = False
+                if not _passes_over(step, shape):
+                    adjacent = False
             elif step.kind not in ("view", "getitem", "constant"):
                 adjacent = False
         return None
@@ -497,12 +532,15 @@ _ALWAYS_VIEWS = {
 
 
 def plan_graph(graph: fx.Graph, fuse_range_select: bool = True, refine_views: bool = True,
-               merge_groups: bool = True) -> KernelPlan:
+               merge_groups: bool = True, recompute: bool = True) -> KernelPlan:
     """Partition ``graph`` into steps (see the module docstring). ``fuse_range_select``: cat and
     slice_scatter become pointwise members of fused groups (schedule/range_select.py); off, they
     run through ATen (targets whose generator has no range select, the fuse_cat option).
     ``refine_views``: a reshape that splits or merges dims joins the group (a merge as a run of S
     dims, a split after refining S: dim_map.refine); off, it ends the group (the fuse_reshapes
     option). ``merge_groups``: a fused group merges into a later one over the same iteration space
-    that reads it where the steps between allow (schedule/group_merge.py; the merge_groups option)."""
-    return _Partitioner(graph, fuse_range_select, refine_views, merge_groups).run()
+    that reads it where the steps between allow (schedule/group_merge.py; the merge_groups option).
+    ``recompute``: cheap values a later group reads are computed again there instead of stored
+    (schedule/recompute.py; the recompute_values option). Copies of the recomputed ops are added
+    to ``graph``."""
+    return _Partitioner(graph, fuse_range_select, refine_views, merge_groups, recompute).run()

@@ -1,0 +1,62 @@
+"""Accumulating index writes as ``index_add`` on GPU targets.
+
+The backward of ``table[index]`` (a relative-position bias, swin_t's 12 per training step) is
+``zeros.index_put_([index], grad, accumulate=True)``, and an embedding's backward is
+``embedding_dense_backward``. On CUDA, ATen runs both as a sort of the indices followed by
+segment sums: about ten kernels each (radix sort passes, a bounds check with an
+``_assert_async``, gathers); swin_t spent 0.45 ms of a 21 ms step there on an H100.
+``index_add`` along dim 0 is the same sum as one kernel of atomic adds, the way Inductor
+writes it. The order of the additions differs, so float results may differ in the last bits,
+as they do between Inductor and eager; under ``torch.use_deterministic_algorithms`` the ops
+stay whole.
+"""
+
+from __future__ import annotations
+
+import torch
+
+aten = torch.ops.aten
+
+
+def _one_index(x: torch.Tensor, indices: list) -> torch.Tensor | None:
+    """The single 1-D integer index of dim 0, if that is what ``indices`` is."""
+    if len(indices) != 1 or indices[0] is None:
+        return None
+    index = indices[0]
+    if index.dtype not in (torch.int64, torch.int32) or index.dim() != 1 or x.dim() < 1:
+        return None
+    return index
+
+
+def index_put(x: torch.Tensor, indices: list, values: torch.Tensor, accumulate: bool = False) -> torch.Tensor:
+    index = None if not accumulate or torch.are_deterministic_algorithms_enabled() else _one_index(x, indices)
+    if index is None or values.dtype != x.dtype:
+        return NotImplemented
+    shape = (index.shape[0], *x.shape[1:])
+    try:
+        source = values.expand(shape)
+    except RuntimeError:
+        return NotImplemented
+    return aten.index_add.default(x, 0, index, source)
+
+
+def embedding_dense_backward(grad: torch.Tensor, indices: torch.Tensor, num_weights: int, padding_idx: int,
+                             scale_grad_by_freq: bool) -> torch.Tensor:
+    if scale_grad_by_freq or torch.are_deterministic_algorithms_enabled() or indices.is_floating_point():
+        return NotImplemented
+    dim = grad.shape[-1]
+    flat_index = indices.reshape(-1)
+    rows = grad.reshape(-1, dim)
+    if padding_idx >= 0:
+        rows = torch.where((flat_index == padding_idx).unsqueeze(-1), 0, rows)
+    out = grad.new_zeros((num_weights, dim))
+    return aten.index_add.default(out, 0, flat_index, rows)
+
+
+def register(table: dict) -> None:
+    """GPU targets: both ops through ``index_add``, which stays whole (torch's table turns it back
+    into ``index_put``)."""
+    for overload in aten.index_add.overloads():
+        table.pop(getattr(aten.index_add, overload), None)
+    table[aten.index_put.default] = index_put
+    table[aten.embedding_dense_backward.default] = embedding_dense_backward
