@@ -29,9 +29,9 @@ class BiasTable(nn.Module):
 
 
 class Tokens(nn.Module):
-    def __init__(self, padding_idx: int | None) -> None:
+    def __init__(self, padding_idx: int | None, rows: int = 20) -> None:
         super().__init__()
-        self.embed = nn.Embedding(20, 8, padding_idx=padding_idx)
+        self.embed = nn.Embedding(rows, 8, padding_idx=padding_idx)
         self.head = nn.Linear(8, 4)
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
@@ -94,4 +94,15 @@ def test_deterministic_mode_keeps_the_sorting_ops() -> None:
     finally:
         torch.use_deterministic_algorithms(False)
     names = {op for _, op in ops}
+    assert "aten.index_add" not in names
+
+
+def test_many_indices_per_row_keep_the_sorting_op() -> None:
+    """A token-type embedding: every index 0, thousands of adds into one row; atomic adds would
+    queue on it, so the sort-based op stays."""
+    torch.manual_seed(3)
+    ids = torch.zeros(4, 40, dtype=torch.long)
+    ids[1, 5] = 1
+    names = {op for _, op in _check(Tokens(None, rows=2), ids)}
+    assert "aten.embedding_dense_backward" in names
     assert "aten.index_add" not in names
