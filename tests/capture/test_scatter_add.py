@@ -53,7 +53,11 @@ def _train_step(model: nn.Module, x: torch.Tensor) -> tuple[torch.Tensor, list[t
     return out.detach(), [p.grad.detach().clone() for p in model.parameters()]
 
 
-def _check(model: nn.Module, x: torch.Tensor) -> Counter:
+def _programs(compiled: nn.Module) -> str:
+    return "\n".join(g.program for g in compiled._ember_backend.log.graphs)
+
+
+def _check(model: nn.Module, x: torch.Tensor) -> tuple[Counter, str]:
     torch._dynamo.reset()
     eager, ours = model, copy.deepcopy(model)
     with config.patch(strict=True):
@@ -64,15 +68,17 @@ def _check(model: nn.Module, x: torch.Tensor) -> Counter:
     for g, r in zip(grads, ref_grads, strict=True):
         torch.testing.assert_close(g, r, rtol=1e-5, atol=1e-5)
     torch._dynamo.reset()
-    return _placed_ops(compiled)
+    return _placed_ops(compiled), _programs(compiled)
 
 
 def test_a_bias_tables_gradient_is_one_index_add() -> None:
     torch.manual_seed(0)
-    ops = _check(BiasTable(), torch.randn(3, 6, 6))
+    ops, program = _check(BiasTable(), torch.randn(3, 6, 6))
     names = {op for _, op in ops}
     assert "aten.index_add" in names
     assert "aten.index_put" not in names
+    # Into a zero fill made for it alone: in place, no copy of the fill first.
+    assert "aten.index_add_.default(" in program
 
 
 @pytest.mark.parametrize("padding_idx", [None, 3])
@@ -80,7 +86,7 @@ def test_an_embeddings_gradient_is_one_index_add(padding_idx: int | None) -> Non
     torch.manual_seed(1)
     ids = torch.randint(0, 20, (4, 9))
     ids[0, :3] = 3  # the padding row, repeated: its gradient stays zero
-    ops = _check(Tokens(padding_idx), ids)
+    ops, _ = _check(Tokens(padding_idx), ids)
     names = {op for _, op in ops}
     assert "aten.index_add" in names
     assert "aten.embedding_dense_backward" not in names
@@ -90,7 +96,7 @@ def test_deterministic_mode_keeps_the_sorting_ops() -> None:
     torch.manual_seed(2)
     torch.use_deterministic_algorithms(True, warn_only=True)
     try:
-        ops = _check(BiasTable(), torch.randn(3, 6, 6))
+        ops, _ = _check(BiasTable(), torch.randn(3, 6, 6))
     finally:
         torch.use_deterministic_algorithms(False)
     names = {op for _, op in ops}
@@ -103,6 +109,6 @@ def test_many_indices_per_row_keep_the_sorting_op() -> None:
     torch.manual_seed(3)
     ids = torch.zeros(4, 40, dtype=torch.long)
     ids[1, 5] = 1
-    names = {op for _, op in _check(Tokens(None, rows=2), ids)}
+    names = {op for _, op in _check(Tokens(None, rows=2), ids)[0]}
     assert "aten.embedding_dense_backward" in names
     assert "aten.index_add" not in names

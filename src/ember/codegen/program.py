@@ -23,6 +23,12 @@ from ember.runtime.frozen import FrozenValues
 from ember.schedule.plan import FusedGroup, KernelPlan, Step
 from ember.schedule.rules import constant_value
 
+aten = torch.ops.aten
+
+# Functional accumulating ops and their in-place forms (ProgramWriter._in_place_line).
+_IN_PLACE = {aten.index_add.default: aten.index_add_.default, aten.index_put.default: aten.index_put_.default,
+             aten.scatter_add.default: aten.scatter_add_.default}
+
 _RESERVED = {"torch", "aten", "prims", "run", "args", "_empty", "_expect", "_consts", "operator", "_frozen",
              "_prepare", "_reuse", "_ws", "_bump"}
 
@@ -188,7 +194,7 @@ class _Writer:
         for n in step.nodes:
             note = {"extern": "library", "fallback": f"fallback: {step.reason}", "view": "view",
                     "constant": "constant", "getitem": None, "fused": None}[step.kind]
-            line = self._input_write_line(n) or f"{self.name(n)} = {self.call(n)}"
+            line = self._input_write_line(n) or self._in_place_line(n) or f"{self.name(n)} = {self.call(n)}"
             if note and n not in self.writes.elided:
                 line += f"  # [{note}]"
             lines.append(line)
@@ -196,6 +202,16 @@ class _Writer:
                 lines.append(self._expect_line(n))
             lines += self._del_line((step.index, n))  # op by op, as eager frees
         return lines
+
+    def _in_place_line(self, n: fx.Node) -> str | None:
+        """An accumulating op into a fill made for it alone (a gradient's ``zeros.index_add``)
+        adds in place: the functional op would copy the fill first, a second pass over it."""
+        twin = _IN_PLACE.get(n.target)
+        base = n.args[0] if n.args else None
+        if twin is None or base not in self.plan.constants or len(base.users) != 1:
+            return None
+        args = [self.arg(a) for a in n.args] + [f"{k}={self.arg(v)}" for k, v in n.kwargs.items()]
+        return f"{self.name(n)} = {_qualname(twin)}({', '.join(args)})"
 
     def _input_write_line(self, n: fx.Node) -> str | None:
         """A kept ``copy_`` into a graph input: nothing to copy if a kernel stored the value there."""
