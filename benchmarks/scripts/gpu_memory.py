@@ -147,7 +147,10 @@ def main() -> int:
             extra = {"EMBER_CUDAGRAPHS": "0"} if backend == "ember-nographs" else {}
             with fresh_caches(**extra) as env:
                 traced = ["trace"] if backend in args.trace.split(",") else []
-                r, stderr = child_result(CHILD, [name, backend.split("-")[0], args.mode, *traced], env)
+                # ember-nographs is Ember with the environment above; every other name is the
+                # bench's backend itself (ember-whole-step ran as plain ember here before).
+                child_backend = "ember" if backend == "ember-nographs" else backend
+                r, stderr = child_result(CHILD, [name, child_backend, args.mode, *traced], env)
             if r is None:
                 print(f"{name:<14}{backend:<16}ERROR {stderr[-600:]}", flush=True)
                 rows.append({"model": name, "backend": backend, "error": stderr[-3000:]})
