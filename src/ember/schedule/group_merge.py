@@ -156,8 +156,10 @@ def merge_sibling_reductions(steps: list[Step], step_of: dict[fx.Node, Step],
     """``steps`` with reductions over one iteration space and the same reduced dims that read a
     common input at the same coordinates made one group: one pass over what they share (a
     LayerNorm's weight and bias sums once recompute.py has them read the same bf16 gradient).
-    The later moves to the earlier's place when its inputs are ready by then, else the earlier to
-    the later's place when no step between reads it; never across a step that writes memory."""
+    Only groups that views alone separate merge: moved past a library call, one group's outputs
+    (or the other's inputs) would stay allocated across it (a downsampling block's two batch-norm
+    backwards around a convolution backward raised resnet18's peak). The later moves to the
+    earlier's place when its inputs are ready by then, else the earlier to the later's place."""
     changed = True
     while changed:
         changed = False
@@ -171,6 +173,8 @@ def merge_sibling_reductions(steps: list[Step], step_of: dict[fx.Node, Step],
                     break
                 if not isinstance(a, FusedGroup) or a.rdims != b.rdims or a.selects \
                         or tuple(a.shape) != tuple(b.shape):
+                    if a.kind not in ("view", "getitem", "constant"):
+                        break  # a step that allocates: moving either group past it holds memory longer
                     continue
                 shared = [x for x in reads_of(a) & b_reads
                           if len(_read_dims(a, x)) == 1 and _read_dims(a, x) == _read_dims(b, x)]

@@ -9,8 +9,9 @@ values again inside its column-sum kernels from the bf16 inputs.
 
 Here a value ``v`` of group ``a`` that a later group ``b`` reads over the same iteration space
 is computed again in ``b`` when the pointwise ops it is made of read only ``a``'s inputs (tensors
-already in memory: no reduction of ``a``, no shifted loads) and ``b`` then reads fewer bytes
-than it saves: the read of ``v`` plus, when nothing else reads ``v``, ``a``'s store of it. The
+already in memory: no reduction of ``a``, no shifted loads), ``b`` then reads fewer bytes
+than it saves (the read of ``v`` plus, when nothing else reads ``v``, ``a``'s store of it), and
+the inputs kept alive longer for ``b`` hold no more bytes than ``v`` no longer stored. The
 ops are copied into the graph (fresh nodes, members of ``b``); a value no group reads any more
 leaves ``a``, and a group left empty leaves the plan. A small value of ``a``'s inputs alone
 (``bernoulli / keep``, a stochastic-depth scale) is copied into a group of any shape that reads
@@ -57,6 +58,15 @@ def _cone(a: FusedGroup, v: fx.Node) -> tuple[list[fx.Node], set[fx.Node]] | Non
         leaves.update(a.input_dims[n])
         stack += [x for x in n.all_input_nodes if x in members]
     return [n for n in a.nodes if n in cone], leaves
+
+
+def _last_reader(x: fx.Node, step_of: dict[fx.Node, Step]) -> float:
+    """The index of the last step reading ``x`` (infinite for a graph output or an unplanned user)."""
+    last = -1.0
+    for u in x.users:
+        step = step_of.get(u)
+        last = max(last, float("inf") if step is None else step.index)
+    return last
 
 
 def _reads_near(steps: list[Step], b: FusedGroup) -> set[fx.Node]:
@@ -111,8 +121,10 @@ def recompute_into_consumers(graph: fx.Graph, steps: list[Step], step_of: dict[f
     """``steps`` with each value worth recomputing copied into the later groups that read it (see
     the module docstring) and groups left empty removed. ``classes``: the plan's node classes,
     kept in step with the copies."""
-    for b in list(steps):
-        if not isinstance(b, FusedGroup) or b.selects:
+    # Two sweeps: a copy made in the first can keep an input alive that a value turned down in the
+    # first then reads for free (a LayerNorm's gradient, read again by both sums).
+    for b in list(steps) * 2:
+        if not isinstance(b, FusedGroup) or b.selects or not b.nodes:
             continue
         for v in sorted(reads_of(b), key=lambda x: (producer_index(x), x.name)):
             a = step_of.get(v)
@@ -124,6 +136,10 @@ def recompute_into_consumers(graph: fx.Graph, steps: list[Step], step_of: dict[f
                 continue
             cone, leaves = found
             if tuple(a.shape) == tuple(b.shape):
+                if a.rdims == b.rdims:
+                    # Over the same dims group merging is the tool; copying a ReLU mask into each
+                    # batch-norm backward reading it moved resnet18's CPU peak above eager's.
+                    continue
                 if reads != {a.dims[v]}:
                     continue  # read at other coordinates than computed (a transposed read)
                 read = None
@@ -132,9 +148,15 @@ def recompute_into_consumers(graph: fx.Graph, steps: list[Step], step_of: dict[f
             else:
                 continue
             already = _reads_near(steps, b)
-            added = sum(node_bytes(x) for x in leaves if x not in already)
+            added = [x for x in leaves if x not in already]
             others = [u for u in v.users if u not in a.dims and step_of.get(u) is not b]
-            if added > node_bytes(v) * (1 if others else 2):
+            if sum(map(node_bytes, added)) > node_bytes(v) * (1 if others else 2):
+                continue
+            # Memory: what ``b`` newly reads stays alive until ``b``; only where ``v`` stops being
+            # stored, and by no more bytes than ``v`` holds (two batch norms reading one masked
+            # gradient would each keep the mask's inputs alive and still need it stored).
+            extended = sum(node_bytes(x) for x in added if _last_reader(x, step_of) < b.index)
+            if extended > (0 if others else node_bytes(v)):
                 continue
             _copy_into(graph, a, b, v, cone, read, step_of, classes)
     kept = [s for s in steps if s.nodes]
