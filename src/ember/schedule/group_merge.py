@@ -102,6 +102,22 @@ def _merged(a: FusedGroup, b: FusedGroup, at: FusedGroup, reason: str) -> FusedG
                                reason=f"{at.reason}; {reason}")
 
 
+def _replace(steps: list[Step], step_of: dict[fx.Node, Step], a: FusedGroup, b: FusedGroup, keep: FusedGroup,
+             reason: str) -> list[Step] | None:
+    """``steps`` with ``a`` and ``b`` made one group in ``keep``'s place (``step_of`` updated), or
+    None when the merged kernels would move more bytes than the two apart."""
+    merged = _merged(a, b, keep, reason)
+    if traffic(merged) > traffic(a) + traffic(b):
+        return None
+    for n in merged.nodes:
+        step_of[n] = merged
+    drop = b if keep is a else a
+    steps = [merged if s is keep else s for s in steps if s is not drop]
+    for k, s in enumerate(steps):
+        s.index = k
+    return steps
+
+
 def merge_connected_groups(steps: list[Step], step_of: dict[fx.Node, Step],
                            producer_index: Callable[[fx.Node], int]) -> list[Step]:
     """``steps`` with each mergeable pair of fused groups made one (see the module docstring);
@@ -123,20 +139,16 @@ def merge_connected_groups(steps: list[Step], step_of: dict[fx.Node, Step],
                     continue
                 outside = [x for x in reads if x not in a.dims]
                 if all(producer_index(x) < a.index for x in outside):
-                    keep, drop, where = a, b, "the earlier group's place"
+                    keep, where = a, "the earlier group's place"
                 elif not any(set(a.dims) & reads_of(s) for s in steps[i + 1:j]):
-                    keep, drop, where = b, a, "the later group's place"
+                    keep, where = b, "the later group's place"
                 else:
                     continue
-                merged = _merged(a, b, keep, f"merged with the group it {'feeds' if keep is a else 'reads'} ({where})")
-                if traffic(merged) > traffic(a) + traffic(b):  # recomputing reads more than the store saves
+                merged = _replace(steps, step_of, a, b, keep,
+                                  f"merged with the group it {'feeds' if keep is a else 'reads'} ({where})")
+                if merged is None:  # recomputing reads more than the store saves
                     continue
-                for n in merged.nodes:
-                    step_of[n] = merged
-                steps = [merged if s is keep else s for s in steps if s is not drop]
-                for k, s in enumerate(steps):
-                    s.index = k
-                changed = True
+                steps, changed = merged, True
                 break
             if changed:
                 break
@@ -181,20 +193,15 @@ def merge_sibling_reductions(steps: list[Step], step_of: dict[fx.Node, Step],
                 if not shared or b_reads & set(a.dims):
                     continue
                 if all(producer_index(x) < a.index for x in b_reads):
-                    keep, drop = a, b
+                    keep = a
                 elif not any(set(a.dims) & reads_of(s) for s in steps[i + 1:j]):
-                    keep, drop = b, a
+                    keep = b
                 else:
                     continue
-                merged = _merged(a, b, keep, "merged with a reduction reading the same values")
-                if traffic(merged) > traffic(a) + traffic(b):
+                merged = _replace(steps, step_of, a, b, keep, "merged with a reduction reading the same values")
+                if merged is None:
                     continue
-                for n in merged.nodes:
-                    step_of[n] = merged
-                steps = [merged if s is keep else s for s in steps if s is not drop]
-                for k, s in enumerate(steps):
-                    s.index = k
-                changed = True
+                steps, changed = merged, True
                 break
             if changed:
                 break
