@@ -11,7 +11,7 @@ Here a value ``v`` of group ``a`` that a later group ``b`` reads over the same i
 is computed again in ``b`` when the pointwise ops it is made of read only ``a``'s inputs (tensors
 already in memory: no reduction of ``a``, no shifted loads), ``b`` then reads fewer bytes
 than it saves (the read of ``v`` plus, when nothing else reads ``v``, ``a``'s store of it), and
-the inputs kept alive longer for ``b`` hold no more bytes than ``v`` no longer stored. The
+the inputs kept alive longer for ``b`` hold fewer bytes than ``v`` no longer stored. The
 ops are copied into the graph (fresh nodes, members of ``b``); a value no group reads any more
 leaves ``a``, and a group left empty leaves the plan. A small value of ``a``'s inputs alone
 (``bernoulli / keep``, a stochastic-depth scale) is copied into a group of any shape that reads
@@ -155,8 +155,12 @@ def recompute_into_consumers(graph: fx.Graph, steps: list[Step], step_of: dict[f
             # Memory: what ``b`` newly reads stays alive until ``b``; only where ``v`` stops being
             # stored, and by no more bytes than ``v`` holds (two batch norms reading one masked
             # gradient would each keep the mask's inputs alive and still need it stored).
+            # Strictly fewer over a full iteration space: at a tie the program's memory plan may lose
+            # a buffer reuse it had (the stored value took a dead buffer's storage; the input kept
+            # alive now blocks one). A small value of inputs alone may tie.
             extended = sum(node_bytes(x) for x in added if _last_reader(x, step_of) < b.index)
-            if extended > (0 if others else node_bytes(v)):
+            room = 0 if others else node_bytes(v)
+            if extended and (extended > room if read is not None else extended >= room):
                 continue
             _copy_into(graph, a, b, v, cone, read, step_of, classes)
     kept = [s for s in steps if s.nodes]
