@@ -99,8 +99,9 @@ class _Writer:
             return str(a)
         return self.const(a)
 
-    def call(self, node: fx.Node) -> str:
-        target = node.target
+    def call(self, node: fx.Node, target: object = None) -> str:
+        """``node``'s op as Python (``target`` in its place when given: an in-place twin)."""
+        target = node.target if target is None else target
         if target is operator.getitem:
             return f"{self.arg(node.args[0])}[{node.args[1]!r}]"
         args = [self.arg(a) for a in node.args] + [f"{k}={self.arg(v)}" for k, v in node.kwargs.items()]
@@ -210,8 +211,7 @@ class _Writer:
         base = n.args[0] if n.args else None
         if twin is None or base not in self.plan.constants or len(base.users) != 1:
             return None
-        args = [self.arg(a) for a in n.args] + [f"{k}={self.arg(v)}" for k, v in n.kwargs.items()]
-        return f"{self.name(n)} = {_qualname(twin)}({', '.join(args)})"
+        return f"{self.name(n)} = {self.call(n, twin)}"
 
     def _input_write_line(self, n: fx.Node) -> str | None:
         """A kept ``copy_`` into a graph input: nothing to copy if a kernel stored the value there."""

@@ -74,13 +74,14 @@ class GroupSpace(Protocol):
     input_dims: dict[fx.Node, dict[fx.Node, Dims]]
 
 
-def _shape(node: fx.Node) -> tuple[int, ...]:
+def node_shape(node: fx.Node) -> tuple[int, ...]:
+    """A graph value's shape, from its fake-tensor metadata."""
     return tuple(node.meta["val"].shape)
 
 
 def reduction_dims(node: fx.Node) -> list[int]:
     """The dims (of the input) a reduction node reduces, normalised to non-negative ints."""
-    rank = len(_shape(node.args[0]))
+    rank = len(node_shape(node.args[0]))
     dims = node.args[1] if len(node.args) > 1 else node.kwargs.get("dim")
     if node.target == aten.sum.default or dims is None or (isinstance(dims, (list, tuple)) and len(dims) == 0):
         return list(range(rank))
@@ -144,7 +145,7 @@ def complete_dims(group: GroupSpace, shape: tuple[int, ...], known: dict[int, in
 def aligned_dims(out_rank: int, arg: fx.Node, dims_of_out: Dims) -> Dims:
     """The dims an operand ``arg`` is read at by a value of rank ``out_rank`` with dims
     ``dims_of_out`` (broadcasting: trailing dims align, size-1 dims walk none)."""
-    shape = _shape(arg)
+    shape = node_shape(arg)
     off = out_rank - len(shape)
     return tuple(None if size == 1 else dims_of_out[k + off] for k, size in enumerate(shape))
 
@@ -155,12 +156,12 @@ def map_pointwise(group: GroupSpace, node: fx.Node, x_domain: bool = False) -> D
     only (batch 128 beside 128 channels, or channels equal to the width: a per-channel vector on
     a reduced dim of its size could never meet the reduction's results, and batch norm's backward
     split into three kernels, the group storing two full-size float32 tensors for the third)."""
-    shape = _shape(node)
+    shape = node_shape(node)
     known: dict[int, int] = {}
     for arg in node.all_input_nodes:
         if arg not in group.dims:
             continue
-        a_shape = _shape(arg)
+        a_shape = node_shape(arg)
         off = len(shape) - len(a_shape)
         if off < 0:
             return None
@@ -183,7 +184,7 @@ def map_view(group: GroupSpace, node: fx.Node, regroup: bool = True) -> Dims | S
     if src not in group.dims:
         return None
     src_dims = group.dims[src]
-    src_shape, shape = _shape(src), _shape(node)
+    src_shape, shape = node_shape(src), node_shape(node)
     target = node.target
     if target == aten.permute.default:
         perm = [p % len(src_shape) for p in node.args[1]]

@@ -118,14 +118,20 @@ def _replace(steps: list[Step], step_of: dict[fx.Node, Step], a: FusedGroup, b: 
     return steps
 
 
+def _until_stable(steps: list[Step], merge_one: Callable[[list[Step]], list[Step] | None]) -> list[Step]:
+    """Apply ``merge_one`` (the steps with one pair merged, or None) until it finds no pair."""
+    while (merged := merge_one(steps)) is not None:
+        steps = merged
+    return steps
+
+
 def merge_connected_groups(steps: list[Step], step_of: dict[fx.Node, Step],
                            producer_index: Callable[[fx.Node], int]) -> list[Step]:
     """``steps`` with each mergeable pair of fused groups made one (see the module docstring);
     ``step_of`` is updated. ``producer_index(node)``: the index of the step computing ``node``
     (-1 for graph inputs and inlined constants)."""
-    changed = True
-    while changed:
-        changed = False
+
+    def merge_one(steps: list[Step]) -> list[Step] | None:
         position = {id(s): i for i, s in enumerate(steps)}
         for j, b in enumerate(steps):
             if not isinstance(b, FusedGroup):
@@ -146,13 +152,11 @@ def merge_connected_groups(steps: list[Step], step_of: dict[fx.Node, Step],
                     continue
                 merged = _replace(steps, step_of, a, b, keep,
                                   f"merged with the group it {'feeds' if keep is a else 'reads'} ({where})")
-                if merged is None:  # recomputing reads more than the store saves
-                    continue
-                steps, changed = merged, True
-                break
-            if changed:
-                break
-    return steps
+                if merged is not None:  # None: recomputing reads more than the store saves
+                    return merged
+        return None
+
+    return _until_stable(steps, merge_one)
 
 
 # How many steps back a reduction looks for a sibling reduction to merge with.
@@ -163,18 +167,24 @@ def _read_dims(group: FusedGroup, node: fx.Node) -> set:
     return {ins[node] for ins in group.input_dims.values() if node in ins}
 
 
+def sibling_reductions(a: Step, b: FusedGroup) -> bool:
+    """Whether ``a`` is a reduction over ``b``'s iteration space and reduced dims (neither with
+    shifted loads): the groups merge_sibling_reductions may make one."""
+    return (isinstance(a, FusedGroup) and a is not b and bool(a.rdims) and a.rdims == b.rdims
+            and not a.selects and not b.selects and tuple(a.shape) == tuple(b.shape))
+
+
 def merge_sibling_reductions(steps: list[Step], step_of: dict[fx.Node, Step],
                              producer_index: Callable[[fx.Node], int]) -> list[Step]:
-    """``steps`` with reductions over one iteration space and the same reduced dims that read a
+    """``steps`` with reductions over the same space and the same reduced dims that read a
     common input at the same coordinates made one group: one pass over what they share (a
     LayerNorm's weight and bias sums once recompute.py has them read the same bf16 gradient).
     Only groups that views alone separate merge: moved past a library call, one group's outputs
     (or the other's inputs) would stay allocated across it (a downsampling block's two batch-norm
     backwards around a convolution backward raised resnet18's peak). The later moves to the
     earlier's place when its inputs are ready by then, else the earlier to the later's place."""
-    changed = True
-    while changed:
-        changed = False
+
+    def merge_one(steps: list[Step]) -> list[Step] | None:
         for j, b in enumerate(steps):
             if not isinstance(b, FusedGroup) or not b.rdims or b.selects:
                 continue
@@ -183,11 +193,11 @@ def merge_sibling_reductions(steps: list[Step], step_of: dict[fx.Node, Step],
                 a = steps[i]
                 if _writes(a):
                     break
-                if not isinstance(a, FusedGroup) or a.rdims != b.rdims or a.selects \
-                        or tuple(a.shape) != tuple(b.shape):
+                if not sibling_reductions(a, b):
                     if a.kind not in ("view", "getitem", "constant"):
                         break  # a step that allocates: moving either group past it holds memory longer
                     continue
+                assert isinstance(a, FusedGroup)
                 shared = [x for x in reads_of(a) & b_reads
                           if len(_read_dims(a, x)) == 1 and _read_dims(a, x) == _read_dims(b, x)]
                 if not shared or b_reads & set(a.dims):
@@ -199,10 +209,8 @@ def merge_sibling_reductions(steps: list[Step], step_of: dict[fx.Node, Step],
                 else:
                     continue
                 merged = _replace(steps, step_of, a, b, keep, "merged with a reduction reading the same values")
-                if merged is None:
-                    continue
-                steps, changed = merged, True
-                break
-            if changed:
-                break
-    return steps
+                if merged is not None:
+                    return merged
+        return None
+
+    return _until_stable(steps, merge_one)

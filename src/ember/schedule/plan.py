@@ -37,6 +37,7 @@ from ember.schedule.dim_map import (
     entry_dims,
     map_pointwise,
     map_view,
+    node_shape,
     reduction_dims,
     reduction_keepdim,
     refine,
@@ -90,10 +91,6 @@ class KernelPlan:
                 extra = f"  ({s.reason})" if s.reason else ""
                 lines.append(f"{s.index:4d} {s.kind:16s} {ops}{extra}")
         return "\n".join(lines)
-
-
-def _shape(node: fx.Node) -> tuple[int, ...]:
-    return tuple(node.meta["val"].shape)
 
 
 # How many steps back horizontal fusion looks for a group reading the same input.
@@ -187,7 +184,7 @@ class _Partitioner:
             if dims is not None:
                 for arg in node.all_input_nodes:
                     if arg not in group.dims and arg not in self.constants:
-                        in_dims[arg] = aligned_dims(len(_shape(node)), arg, dims)
+                        in_dims[arg] = aligned_dims(len(node_shape(node)), arg, dims)
         if dims is None:
             what = "view" if cls == OpClass.VIEW else "shape"
             return f"{what} does not map onto the group's iteration space"
@@ -215,13 +212,13 @@ class _Partitioner:
 
     def _seed(self, node: fx.Node, cls: OpClass) -> FusedGroup | None:
         if node in self.selects:
-            group = FusedGroup(len(self.steps), "fused", [], shape=_shape(node))
+            group = FusedGroup(len(self.steps), "fused", [], shape=node_shape(node))
             self.steps.append(group)
-            self._add_select(group, node, tuple(None if size == 1 else d for d, size in enumerate(_shape(node))))
+            self._add_select(group, node, tuple(None if size == 1 else d for d, size in enumerate(node_shape(node))))
             return group
         if cls == OpClass.REDUCTION:
             src = node.args[0]
-            shape = _shape(src)
+            shape = node_shape(src)
             rdims = tuple(d for d in reduction_dims(node) if shape[d] != 1)
             if not rdims:
                 return None
@@ -233,7 +230,7 @@ class _Partitioner:
             group.dims[node] = dims
             group.input_dims[node] = {src: src_dims}
         else:
-            shape = _shape(node)
+            shape = node_shape(node)
             group = FusedGroup(len(self.steps), "fused", [node], shape=shape)
             dims = tuple(None if size == 1 else d for d, size in enumerate(shape))
             group.dims[node] = dims
@@ -260,7 +257,7 @@ class _Partitioner:
             return
         sibling = self._sibling(node, cls, candidates)
         if sibling is not None:
-            x_domain = sibling.is_reduction and tuple(sibling.shape) != _shape(node)
+            x_domain = sibling.is_reduction and tuple(sibling.shape) != node_shape(node)
             why = self._try_join(sibling, node, cls, x_domain)
             if why is None:
                 return
@@ -363,7 +360,7 @@ class _Partitioner:
         known: dict[int, int] = {}
         if sel.base is not None and sel.base in group.dims:
             known = {k: s for k, s in enumerate(group.dims[sel.base]) if s is not None}
-        dims = complete_dims(group, _shape(node), known)
+        dims = complete_dims(group, node_shape(node), known)
         if dims is None:
             return "shape does not map onto the group's iteration space"
         self._add_select(group, node, dims)
@@ -381,7 +378,7 @@ class _Partitioner:
             self.step_of[t] = group
         in_dims: dict[fx.Node, Dims] = {}
         if sel.base is not None and sel.base not in group.dims and sel.base not in self.constants:
-            in_dims[sel.base] = aligned_dims(len(_shape(node)), sel.base, dims)
+            in_dims[sel.base] = aligned_dims(len(node_shape(node)), sel.base, dims)
         for leaf, ldims in leaf_dims(sel, node, dims).items():
             if leaf not in self.constants and isinstance(leaf.meta.get("val"), torch.Tensor):
                 in_dims.setdefault(leaf, ldims)
@@ -403,7 +400,7 @@ class _Partitioner:
         can fuse with both."""
         if cls != OpClass.POINTWISE:
             return None
-        shape = _shape(node)
+        shape = node_shape(node)
         adjacent = True
         for step in reversed(self.steps[-SIBLING_LOOKBACK:]):
             if isinstance(step, FusedGroup):

@@ -25,15 +25,10 @@ from collections.abc import Callable
 
 import torch.fx as fx
 
-from ember.schedule.dim_map import Dims
-from ember.schedule.group_merge import SIBLING_LOOKBACK, node_bytes, reads_of
+from ember.schedule.dim_map import Dims, node_shape
+from ember.schedule.group_merge import SIBLING_LOOKBACK, node_bytes, reads_of, sibling_reductions
 from ember.schedule.rules import OpClass
 from ember.schedule.steps import FusedGroup, Step
-
-
-def _shape(node: fx.Node) -> tuple[int, ...]:
-    return tuple(node.meta["val"].shape)
-
 
 # Most ops copied for one value (bounds the work added to the consuming kernel).
 MAX_RECOMPUTED_OPS = 16
@@ -74,12 +69,8 @@ def _reads_near(steps: list[Step], b: FusedGroup) -> set[fx.Node]:
     and dims read: merge_sibling_reductions makes them one kernel, so an input one of them reads
     costs the others nothing (a LayerNorm's bias sum reads the gradient its weight sum needs)."""
     out = reads_of(b)
-    if not b.rdims:
-        return out
-    at = steps.index(b)
-    for s in steps[max(0, at - SIBLING_LOOKBACK):at + SIBLING_LOOKBACK + 1]:
-        if isinstance(s, FusedGroup) and s is not b and not s.selects and s.rdims == b.rdims \
-                and tuple(s.shape) == tuple(b.shape):
+    for s in steps[max(0, b.index - SIBLING_LOOKBACK):b.index + SIBLING_LOOKBACK + 1]:
+        if sibling_reductions(s, b):
             out |= reads_of(s)
     return out
 
@@ -131,8 +122,8 @@ def recompute_into_consumers(graph: fx.Graph, steps: list[Step], step_of: dict[f
             if not isinstance(a, FusedGroup) or a is b or a.selects:
                 continue
             reads = {ins[v] for ins in b.input_dims.values() if v in ins}
-            found = _cone(a, v)
-            if found is None or len(reads) != 1:
+            found = _cone(a, v) if len(reads) == 1 else None
+            if found is None:
                 continue
             cone, leaves = found
             if tuple(a.shape) == tuple(b.shape):
@@ -143,7 +134,7 @@ def recompute_into_consumers(graph: fx.Graph, steps: list[Step], step_of: dict[f
                 if reads != {a.dims[v]}:
                     continue  # read at other coordinates than computed (a transposed read)
                 read = None
-            elif not a.rdims and all(_shape(x) == _shape(v) for x in [*cone, *leaves]):
+            elif not a.rdims and all(node_shape(x) == node_shape(v) for x in [*cone, *leaves]):
                 read = reads.pop()  # a small value of inputs only (a stochastic-depth scale)
             else:
                 continue
