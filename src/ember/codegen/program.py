@@ -30,7 +30,7 @@ _IN_PLACE = {aten.index_add.default: aten.index_add_.default, aten.index_put.def
              aten.scatter_add.default: aten.scatter_add_.default}
 
 _RESERVED = {"torch", "aten", "prims", "run", "args", "_empty", "_expect", "_consts", "operator", "_frozen",
-             "_prepare", "_reuse", "_ws", "_bump"}
+             "_frozen_inputs", "_prepare", "_reuse", "_ws", "_bump"}
 
 
 @dataclass
@@ -239,11 +239,15 @@ class _Writer:
                          *("    " + line for line in body), f"    return ({ret}{',' if len(outs) == 1 else ''})", ""]
         target = f"{ret}{',' if len(outs) == 1 else ''}"
         placeholders = [n for n in self.plan.graph.nodes if n.op == "placeholder"]
-        self.prelude += ["def refresh_frozen(args):",
+        self.prelude += [f"_frozen_inputs = ({''.join(f'{placeholders.index(p)}, ' for p in params)})",
+                         "",
+                         "def refresh_frozen(args, addresses_known=False):",
                          "    # run's _frozen call, without running the program: before a CUDA-graph replay,",
-                         "    # which runs none of run's host code. True: the values moved (capture again)",
-                         f"    return _frozen.refresh(_prepare, "
-                         f"{', '.join(f'args[{placeholders.index(p)}]' for p in params)})", ""]
+                         "    # which runs none of run's host code. True: the values moved (capture again).",
+                         "    # addresses_known: the replay's check found every parameter where it was.",
+                         "    return _frozen.refresh(_prepare, [args[i] for i in _frozen_inputs], addresses_known)",
+                         "",
+                         "refresh_frozen.inputs = _frozen_inputs", ""]
         return [f"{target} = _frozen(_prepare, {', '.join(self.name(p) for p in params)})"
                 f"  # [frozen] {len(step.nodes)} ops, recomputed when a parameter changes"]
 

@@ -46,9 +46,9 @@ def enabled(setting: bool | None) -> bool:
 class CompileProgress:
     """What one scope's compiles have done so far, and the live line that shows it."""
 
-    def __init__(self, forced: bool) -> None:
+    def __init__(self, forced: bool, began: float | None = None) -> None:
         self.forced = forced
-        self.began = time.perf_counter()
+        self.began = time.perf_counter() if began is None else began
         self.stage = "capture"
         self._begun: set[int] = set()  # ids of the graphs' records
         self._done: set[int] = set()
@@ -150,37 +150,72 @@ class CompileProgress:
             live.console.print(summary, highlight=False)
 
 
-_CURRENT: list[CompileProgress] = []
+class Scope:
+    """One open scope: when it began, and its progress line once something compiles in it."""
+
+    __slots__ = ("setting", "began", "progress", "checked")
+
+    def __init__(self, setting: bool | None) -> None:
+        self.setting = setting
+        self.began = time.perf_counter()
+        self.progress: CompileProgress | None = None
+        self.checked = False  # whether ``enabled`` was asked (once per scope, at its first compile)
+
+
+_CURRENT: list[Scope] = []
+
+
+def open_scope(setting: bool | None) -> Scope | None:
+    """Open a scope unless one is open (then None: this call joins it). Costs a clock read: the
+    progress line is made only when something compiles (every call of a compiled model opens one)."""
+    if _CURRENT:
+        return None
+    opened = Scope(setting)
+    _CURRENT.append(opened)
+    return opened
+
+
+def close_scope(opened: Scope | None) -> None:
+    if opened is None:
+        return
+    _CURRENT.pop()
+    if opened.progress is not None:
+        opened.progress.stop()
 
 
 @contextlib.contextmanager
-def scope(setting: bool | None) -> Iterator[CompileProgress | None]:
+def scope(setting: bool | None) -> Iterator[None]:
     """One call of a compiled model, or one compile: joins the scope already open, if any."""
-    if _CURRENT:
-        yield _CURRENT[-1]
-        return
-    if not enabled(setting):
-        yield None
-        return
-    progress = CompileProgress(forced=bool(setting))
-    _CURRENT.append(progress)
+    opened = open_scope(setting)
     try:
-        yield progress
+        yield
     finally:
-        _CURRENT.pop()
-        progress.stop()
+        close_scope(opened)
+
+
+def _active() -> CompileProgress | None:
+    """The open scope's progress line, made at its first compile when the line is on."""
+    if not _CURRENT:
+        return None
+    current = _CURRENT[-1]
+    if not current.checked:
+        current.checked = True
+        if enabled(current.setting):
+            current.progress = CompileProgress(forced=bool(current.setting), began=current.began)
+    return current.progress
 
 
 def compiling() -> None:
     """The backend compiles a frame in the open scope (if any)."""
-    if _CURRENT:
-        _CURRENT[-1].compiling()
+    progress = _active()
+    if progress is not None:
+        progress.compiling()
 
 
 def waiting_for_kernels(pending: Any) -> None:
     """A program's first call waits for its kernels (runtime/precompile.py PendingCompile)."""
-    if _CURRENT:
-        progress = _CURRENT[-1]
+    progress = _active()
+    if progress is not None:
         if pending not in progress.pending:
             progress.pending.append(pending)
         progress.compiling()

@@ -40,7 +40,13 @@ def _check(compiled: object, model: nn.Module, autocast: bool) -> None:
 
 
 @pytest.mark.parametrize("autocast", [False, True], ids=["fp32", "bf16-autocast"])
-def test_parameter_changes_reach_the_replayed_graph(cuda_graphs_on_cpu: None, autocast: bool) -> None:  # noqa: F811
+def test_parameter_changes_reach_the_replayed_graph(cuda_graphs_on_cpu: None, autocast: bool,  # noqa: F811
+                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    from ember.runtime.frozen import FrozenValues
+    checks: list[bool] = []  # addresses_known of each validity check
+    valid = FrozenValues.valid
+    monkeypatch.setattr(FrozenValues, "valid", lambda self, params, addresses_known=False:
+                        checks.append(addresses_known) or valid(self, params, addresses_known))
     torch.manual_seed(0)
     model = Head().eval()
     with torch.no_grad():
@@ -50,8 +56,11 @@ def test_parameter_changes_reach_the_replayed_graph(cuda_graphs_on_cpu: None, au
     for _ in range(4):  # uncaptured, captured, replayed
         _check(compiled, model, autocast)
     graph = _graph(compiled)
-    assert "[frozen]" in graph.program and "def refresh_frozen(args):" in graph.program
+    assert "[frozen]" in graph.program and "def refresh_frozen(args, addresses_known=False):" in graph.program
     assert "replay" in graph.cudagraph or "captured" in graph.cudagraph, graph.cudagraph
+    # Before a replay only the versions are read: the replay checked the addresses (the stand-in's
+    # replays run the program, whose own check reads both).
+    assert True in checks, checks
     with torch.no_grad():  # in place: the frozen values are recomputed where they were
         model.fc.weight.mul_(-2.0)
         model.bn.running_var.add_(1.0)
@@ -62,6 +71,10 @@ def test_parameter_changes_reach_the_replayed_graph(cuda_graphs_on_cpu: None, au
         state["bn.running_var"] = state["bn.running_var"].abs() + 0.5
         model.load_state_dict(state)
     _check(compiled, model, autocast)
+    with torch.no_grad():  # a parameter's data replaced: another address, the same version count
+        model.fc.weight.data = torch.randn_like(model.fc.weight)
+    for _ in range(3):
+        _check(compiled, model, autocast)
 
 
 def test_freeze_off_keeps_casts_in_the_program(cuda_graphs_on_cpu: None) -> None:  # noqa: F811
@@ -81,7 +94,7 @@ class _Program:
         self.refreshed = 0
         self.move_next = False
 
-    def refresh_frozen(self, args: list) -> bool:
+    def refresh_frozen(self, args: list, addresses_known: bool = False) -> bool:
         self.refreshed += 1
         if self.move_next:
             self.move_next = False
@@ -111,18 +124,24 @@ def test_the_runner_refreshes_before_each_replay_and_captures_again_when_values_
     assert runner.captures == 2 and runner.replays == 5 and program.refreshed == 5
 
 
-def test_frozen_key_sees_each_kind_of_parameter_change() -> None:
-    # The key read through map (all tensors) and one by one (a non-tensor among them): a version
-    # bump, a new tensor at another address and another non-tensor object each change it.
-    from ember.runtime.frozen import _key
+def test_frozen_check_sees_each_kind_of_parameter_change() -> None:
+    # The state read through map (all tensors) and one by one (a non-tensor among them): a version
+    # bump, a new tensor at another address and another non-tensor object each invalidate it;
+    # with the addresses known (a replay checked them), a version bump still does.
+    from ember.runtime.frozen import FrozenValues
 
     w, b = torch.randn(4, 3), torch.randn(4)
     marker = object()
     for params in ((w, b), (w, b, marker)):
-        before = _key(params)
-        assert _key(params) == before
+        frozen = FrozenValues()
+        assert not frozen.valid(params)
+        frozen.get(lambda *p: (p[0] * 2,), params)
+        assert frozen.valid(params) and frozen.valid(params, addresses_known=True)
         with torch.no_grad():
             w.mul_(2)  # in place: the version counter moves
-        assert _key(params) != before
-    assert _key((w, b)) != _key((w.clone(), b))  # another tensor: another address
-    assert _key((w, object())) != _key((w, marker))
+        assert not frozen.valid(params) and not frozen.valid(params, addresses_known=True)
+        frozen.get(lambda *p: (p[0] * 2,), params)
+        torch.testing.assert_close(frozen.values[0], w * 2)
+        assert not frozen.valid((w.clone(), b, marker)[:len(params)])  # another tensor: another address
+    frozen.get(lambda *p: (p[0],), (w, marker))
+    assert frozen.valid((w, marker)) and not frozen.valid((w, object()))

@@ -8,7 +8,8 @@ from __future__ import annotations
 
 import bisect
 import math
-from collections.abc import Sequence
+import operator
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -133,6 +134,24 @@ class CapturedGraph:
         return self._expanded
 
     _expanded: bool | None = None
+
+    def pick_static(self, args: list) -> Sequence:
+        """The inputs the graph reads in place, in ``static_idx`` order (one C call)."""
+        if self._pick is None:
+            self._pick = picker(self.static_idx)
+        return self._pick(args)
+
+    _pick: Callable[[list], Sequence] | None = None
+
+
+def picker(idx: Sequence[int]) -> Callable[[list], Sequence]:
+    """``args -> [args[i] for i in idx]`` as ``operator.itemgetter`` (a tuple even for one index)."""
+    if len(idx) == 1:
+        only = idx[0]
+        return lambda args: (args[only],)
+    if not idx:
+        return lambda args: ()
+    return operator.itemgetter(*idx)
 
 
 def broadcast_dims(t: torch.Tensor) -> tuple[int, ...]:

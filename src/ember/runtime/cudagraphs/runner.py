@@ -97,6 +97,7 @@ from ember.runtime.cudagraphs.rules import (  # noqa: F401 - the decision, re-ex
 )
 
 aten = torch.ops.aten
+_DATA_PTR = torch.Tensor.data_ptr
 
 def pooled_inputs_enabled() -> bool:
     return settings().pooled_inputs
@@ -119,7 +120,9 @@ class CudaGraphRunner(GraphRecorder):
         self.run = run
         # The program's parameter-only values (passes/freeze.py), recomputed on the host when a
         # parameter changed: a replay runs none of the program's host code.
-        self.refresh_frozen: Callable[[list], bool] | None = getattr(run, "refresh_frozen", None)
+        self.refresh_frozen: Callable[..., bool] | None = getattr(run, "refresh_frozen", None)
+        self._frozen_for: CapturedGraph | None = None  # the graph _frozen_in_place was worked out for
+        self._frozen_in_place = False
         self.title = title
         # Inputs the program never writes (rules.read_only_inputs): their copy buffers
         # may live in the graph's pool and die after their last read.
@@ -175,10 +178,12 @@ class CudaGraphRunner(GraphRecorder):
             if self.refresh_frozen is not None:
                 self.refresh_frozen(args)  # not inside the capture: replays would recompute them
             return self._capture(args, "")
-        if self.refresh_frozen is not None and self.refresh_frozen(args):
-            self.next_static = [i for i in self.g.static_idx if i not in self.g.sources]
-            return self._capture(args, "values computed from parameters moved (a parameter was replaced)")
         why = self._check(args)
+        # After the check: a replay's parameters are where they were, so only versions are read.
+        if self.refresh_frozen is not None and self.refresh_frozen(args, why is None and self._frozen_static()):
+            if not why:  # a replay or an uncaptured call would read the old values' addresses
+                self.next_static = [i for i in self.g.static_idx if i not in self.g.sources]
+                why = "values computed from parameters moved (a parameter was replaced)"
         if why is None:
             return self._replay(args)
         if not why:
@@ -189,6 +194,16 @@ class CudaGraphRunner(GraphRecorder):
 
     # -- deciding whether this call may replay ----------------------------------------------
 
+    def _frozen_static(self) -> bool:
+        """Whether every input of the program's parameter-only values is one the graph reads in
+        place (its address checked before each replay)."""
+        g = self.g
+        if self._frozen_for is not g:
+            inputs = getattr(self.refresh_frozen, "inputs", None)
+            self._frozen_for = g
+            self._frozen_in_place = inputs is not None and g is not None and set(inputs) <= set(g.static_idx)
+        return self._frozen_in_place
+
     def _check(self, args: list) -> str | None:
         """None: replay. "": run uncaptured (outputs held). Otherwise: why to capture again (the
         inputs to read in place are left in ``self.next_static``)."""
@@ -197,7 +212,7 @@ class CudaGraphRunner(GraphRecorder):
         if self.pool is not None and g.state.shared and g.state is not self.pool.state:
             self.next_static = [i for i in g.static_idx if i not in g.sources]
             return "the memory pool was renewed"
-        if g.static_idx and [args[i].data_ptr() for i in g.static_idx] != g.static_ptrs:
+        if g.static_idx and list(map(_DATA_PTR, g.pick_static(args))) != g.static_ptrs:
             return self._moved(g, args)
         self.transient = 0
         if g.expanded:
