@@ -174,6 +174,10 @@ class Options:
                                          "moves fewer bytes than storing and reading it (schedule/recompute.py: a "
                                          "LayerNorm backward's weight and bias sums from the bf16 inputs); off: "
                                          "stored", "EMBER_RECOMPUTE")
+    batch_casts: bool = _item(True, "Triton targets: casts of graph inputs (autocast's weight casts) run as a few "
+                                    "multi-tensor copies (torch._foreach_copy_) at the first one's place instead of "
+                                    "a kernel each (schedule/batched_casts.py); off: a kernel each",
+                              "EMBER_BATCH_CASTS")
     progress: bool | None = _item(None, "one updating line on stderr while a compile runs longer than about 2 s "
                                         "(report/progress.py); unset: on when stderr is a terminal",
                                   "EMBER_PROGRESS", "bool")

@@ -49,6 +49,7 @@ from ember.runtime.cudagraphs.runner import CudaGraphRunner
 from ember.runtime.kernels import kernel_file
 from ember.runtime.precompile import PendingCompile, job_for, submit
 from ember.runtime.program import CompiledGraph, boxed, expect_strides
+from ember.schedule.batched_casts import batch_input_casts
 from ember.schedule.plan import FusedGroup, KernelPlan, plan_graph
 from ember.schedule.rules import OpClass
 from ember.targets import GeneratedKernels, Target, cpu_codegen_unavailable, resolve_target
@@ -208,6 +209,8 @@ def _schedule_stage(job: GraphJob) -> KernelPlan:
     plan = plan_graph(job.gm.graph, fuse_range_select=job.options.fuse_cat and job.target.language == "triton",
                       refine_views=job.options.fuse_reshapes, merge_groups=job.options.merge_groups,
                       recompute=job.options.recompute_values)
+    if job.options.batch_casts and job.target.language == "triton":
+        batch_input_casts(plan)  # weights cast under autocast: a few multi-tensor kernels, not one each
     job.record.plan_text = plan.describe()
     job.dump("plan.txt", job.record.plan_text)
     if job.level >= 1:
@@ -317,6 +320,7 @@ def _cache_key(job: GraphJob) -> tuple[ProgramStore | None, str | None]:
     key_target += "" if job.options.fuse_reshapes else "+noreshape"
     key_target += "" if job.options.merge_groups else "+nomerge"
     key_target += "" if job.options.recompute_values else "+norecompute"
+    key_target += "" if job.options.batch_casts else "+nobatchcasts"
     if job.target.gpu_code_path:
         key_target += "" if job.options.fuse_cat else "+nocat"
         key_target += f"+pad:{job.options.pad_matmul}{'+tf32' if tf32_matmuls() else ''}"
@@ -420,6 +424,8 @@ def _record_plan(record: GraphRecord, plan: KernelPlan, kernels: GeneratedKernel
             where = "generated"
         elif isinstance(step, FusedGroup) and step.index in kernels.by_rule:
             where, reason = "fallback", kernels.by_rule[step.index]
+        elif step is not None and step.kind == "foreach":
+            where = "library"  # ATen's multi-tensor copy (schedule/batched_casts.py)
         elif isinstance(step, FusedGroup) or (step is not None and step.kind == "fused"):
             where = "generated" if step.index in kernels.by_step else "fused-aten"
         else:

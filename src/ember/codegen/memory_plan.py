@@ -100,6 +100,8 @@ def _slots(plan: KernelPlan, kernels: dict, placeholders: list[fx.Node]) -> list
             continue  # materialised by the program right before the first op that reads it
         if step.index in kernels:
             out.append(_Slot((step.index, None), list(step.inputs), list(step.outputs), kernel=True))
+        elif step.kind == "foreach":
+            out.append(_Slot((step.index, None), [n.args[0] for n in step.nodes], list(step.nodes)))
         elif step.kind == "frozen":
             members = set(step.nodes)
             reads = list(dict.fromkeys(a for n in step.nodes for a in n.all_input_nodes if a not in members))
@@ -124,8 +126,8 @@ def _allocates(slot: _Slot, plan: KernelPlan) -> bool:
     if slot.kernel or slot.key == START:
         return False  # a kernel's fresh outputs are decided (and counted) by the reuse pass
     step = plan.steps[slot.key[0]]
-    if step.kind == "frozen":
-        return True  # recomputed (rarely) when a parameter changes: count it
+    if step.kind in ("frozen", "foreach"):
+        return True  # frozen: recomputed (rarely) when a parameter changes: count it
     # A constant is materialised right before the first op that reads it: count that op.
     if any(a in plan.constants for a in slot.reads):
         return True

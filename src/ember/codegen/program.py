@@ -30,7 +30,7 @@ _IN_PLACE = {aten.index_add.default: aten.index_add_.default, aten.index_put.def
              aten.scatter_add.default: aten.scatter_add_.default}
 
 _RESERVED = {"torch", "aten", "prims", "run", "args", "_empty", "_expect", "_consts", "operator", "_frozen",
-             "_frozen_inputs", "_prepare", "_reuse", "_ws", "_bump"}
+             "_frozen_inputs", "_prepare", "_reuse", "_ws", "_bump", "_cast_all"}
 
 
 @dataclass
@@ -44,7 +44,15 @@ def base_namespace() -> dict:
     """The names every generated program uses besides its own kernels and constants."""
     return {"torch": torch, "aten": torch.ops.aten, "prims": torch.ops.prims, "operator": operator,
             "_empty": torch.empty_strided, "_kernels": {}, "_frozen": FrozenValues(),
-            "_reuse": reuse_storage, "_bump": bump_version}
+            "_reuse": reuse_storage, "_bump": bump_version, "_cast_all": cast_all}
+
+
+def cast_all(tensors: tuple[torch.Tensor, ...], dtype: torch.dtype) -> list[torch.Tensor]:
+    """The program's ``_cast_all``: ``[t.to(dtype) for t in tensors]`` (same strides) in one
+    multi-tensor copy, a few kernels for all of them (schedule/batched_casts.py)."""
+    out = [torch.empty_like(t, dtype=dtype) for t in tensors]
+    torch._foreach_copy_(out, list(tensors))
+    return out
 
 
 def bump_version(t: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
@@ -188,6 +196,8 @@ class _Writer:
             return self._kernel_lines(step, self.kernels[step.index])
         if step.kind == "frozen":
             return self._frozen_lines(step)
+        if step.kind == "foreach":
+            return self._foreach_lines(step)
         lines = []
         if step.kind == "fused":
             ops = ", ".join(_short(n) for n in step.nodes)
@@ -203,6 +213,14 @@ class _Writer:
                 lines.append(self._expect_line(n))
             lines += self._del_line((step.index, n))  # op by op, as eager frees
         return lines
+
+    def _foreach_lines(self, step: Step) -> list[str]:
+        """Casts of graph inputs in one multi-tensor copy (schedule/batched_casts.py)."""
+        dtype = step.nodes[0].meta["val"].dtype
+        outs = ", ".join(self.name(n) for n in step.nodes)
+        ins = ", ".join(self.name(n.args[0]) for n in step.nodes)
+        return [f"# [foreach] {step.reason}",
+                f"{outs}, = _cast_all(({ins},), {dtype})"]
 
     def _in_place_line(self, n: fx.Node) -> str | None:
         """An accumulating op into a fill made for it alone (a gradient's ``zeros.index_add``)

@@ -1,0 +1,91 @@
+"""Casts in a few multi-tensor copies (schedule/batched_casts.py): autocast's weight casts at the
+first one's place, weight-gradient casts that are only returned at the end, on the Triton code
+path (the interpreter), against eager, forward and every gradient."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torchvision
+
+import ember
+from ember.schedule.batched_casts import batch_input_casts
+from ember.schedule.plan import plan_graph
+
+
+def _mlp() -> torch.nn.Module:
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.GELU(), torch.nn.Linear(32, 32), torch.nn.GELU(),
+                               torch.nn.Linear(32, 8))
+
+
+def _step(model: torch.nn.Module, fn, x: torch.Tensor) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    model.zero_grad(set_to_none=True)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out = fn(x)
+    (out.float() * torch.linspace(-1, 1, out.numel()).view_as(out)).sum().backward()
+    return out.float().detach(), [p.grad.clone() for p in model.parameters()]
+
+
+def _graphs(compiled) -> dict[str, object]:
+    return {g.kind: g for g in compiled._ember_backend.log.graphs}
+
+
+@pytest.mark.parametrize("on", [True, False], ids=["batched", "a-kernel-each"])
+def test_autocast_training_step_matches_eager(on: bool) -> None:
+    model = _mlp()
+    compiled = ember.compile(model, target="triton-interpret", cache=False, batch_casts=on)
+    for _ in range(2):  # fresh random inputs each step
+        x = torch.randn(4, 16)
+        got, got_grads = _step(model, compiled, x)
+        want, want_grads = _step(model, model, x)
+        torch.testing.assert_close(got, want, rtol=2e-2, atol=2e-2)
+        for g, w in zip(got_grads, want_grads):
+            torch.testing.assert_close(g, w, rtol=2e-2, atol=2e-2)
+    graphs = _graphs(compiled)
+    forward, backward = graphs["forward"], graphs["backward"]
+    if on:
+        # The input and six weights and biases cast to bf16 in one copy; the three weight
+        # gradients cast to float32 last, in one copy.
+        assert "7 casts of graph inputs to torch.bfloat16" in forward.plan_text, forward.plan_text
+        assert forward.program.count("_cast_all(") == 1
+        assert "3 casts to torch.float32 of values only returned" in backward.plan_text, backward.plan_text
+        last_step = backward.plan_text.strip().splitlines()[-1]
+        assert "foreach" in last_step
+    else:
+        assert "foreach" not in forward.plan_text + backward.plan_text
+        assert "_cast_all(" not in forward.program + backward.program
+
+
+def test_batches_close_at_the_byte_limit() -> None:
+    def f(a, b, c, d):
+        return (a.to(torch.bfloat16) @ b.to(torch.bfloat16)).sum() + (c.to(torch.bfloat16) @ d.to(torch.bfloat16)).sum()
+
+    from torch.fx.experimental.proxy_tensor import make_fx
+    # Shapes all different: each cast a group of its own (casts of one shape fuse anyway).
+    args = [torch.randn(8, 16), torch.randn(16, 8), torch.randn(4, 32), torch.randn(32, 4)]  # 256 bytes in bf16
+    gm = make_fx(f)(*args)
+    plan = plan_graph(gm.graph)
+    assert batch_input_casts(plan, max_bytes=2 * 256) == 4  # two casts' results per batch
+    batches = [s for s in plan.steps if s.kind == "foreach"]
+    assert [len(s.nodes) for s in batches] == [2, 2]
+    assert [s.index for s in plan.steps] == list(range(len(plan.steps)))
+    assert all(plan.step_of[n] is s for s in batches for n in s.nodes)
+
+    plan = plan_graph(make_fx(f)(*args).graph)
+    assert batch_input_casts(plan, max_bytes=256) == 0  # one cast per batch: nothing to batch
+
+
+def test_a_real_convnet_under_autocast() -> None:
+    # torchvision's SqueezeNet: 26 convolutions' weights and biases in the forward's batches.
+    torch.manual_seed(0)
+    model = torchvision.models.squeezenet1_1(num_classes=10).eval()  # no dropout: the same numbers as eager
+    compiled = ember.compile(model, target="triton-interpret", cache=False)
+    x = torch.randn(1, 3, 32, 32)
+    got, got_grads = _step(model, compiled, x)
+    want, want_grads = _step(model, model, x)
+    torch.testing.assert_close(got, want, rtol=3e-2, atol=3e-2)
+    for g, w in zip(got_grads, want_grads):
+        torch.testing.assert_close(g, w, rtol=5e-2, atol=5e-2)
+    forward = _graphs(compiled)["forward"]
+    assert "foreach" in forward.plan_text
