@@ -16,7 +16,6 @@ from __future__ import annotations
 import argparse
 import functools
 import importlib
-import json
 import statistics
 import sys
 import time
@@ -26,7 +25,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from gpu_host_profile import bench_step  # noqa: E402 - the script's sibling
+from gpu_host_profile import bench_step, each_case, time_steps  # noqa: E402 - the script's sibling
 
 LAYERS = {
     "ember": [
@@ -35,7 +34,8 @@ LAYERS = {
         "ember.runtime.cudagraphs.runner:CudaGraphRunner._check",
         "ember.runtime.cudagraphs.runner:CudaGraphRunner._replay",
         "ember.runtime.cudagraphs.device:CudaBackend.replay",
-        "ember.runtime.frozen:FrozenValues.__call__",
+        "ember.runtime.frozen:FrozenValues.__call__",  # the program's check (before a replay too, until e3f9ec0)
+        "ember.runtime.frozen:FrozenValues.get",  # the check since: before a replay through refresh, not __call__
         "torch._functorch._aot_autograd.runtime_wrappers:call_func_at_runtime_with_args",
         "torch.cuda.graphs:CUDAGraph.replay",
     ],
@@ -79,14 +79,7 @@ def measure(name: str, backend: str, mode: str, batch: int | None, steps: int) -
     for i in range(8):
         step(*batches[i % 2])
     torch.cuda.synchronize()
-    host, wall = [], []
-    for i in range(steps):
-        t0 = time.perf_counter()
-        step(*batches[i % 2])
-        t1 = time.perf_counter()
-        torch.cuda.synchronize()
-        host.append((t1 - t0) * 1e6)
-        wall.append((time.perf_counter() - t0) * 1e6)
+    host, wall = ([t * 1e6 for t in ts] for ts in time_steps(step, batches, steps))
     totals: dict[str, list[float]] = defaultdict(list)
     wrapped = [w for p in LAYERS.get(backend, []) if (w := _wrap(p, totals)) is not None]
     layered_host = []
@@ -120,24 +113,14 @@ def main() -> int:
     args = parser.parse_args()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    rows = []
-    for name in args.models:
-        for backend in args.backend.split(","):
-            try:
-                row = measure(name, backend, args.mode, args.batch, args.steps)
-            except Exception as err:  # noqa: BLE001 - one failed run must not lose the others
-                row = {"model": name, "backend": backend, "error": repr(err)[:500]}
-            rows.append(row)
-            if "error" in row:
-                print(f"{name} {backend}: {row['error']}", flush=True)
-            else:
-                print(f"== {name} {args.mode} bs{args.batch} {backend}: host {row['host_us_median']:.1f} us, "
-                      f"step {row['step_us_median']:.1f} us; with timers host {row['layered_host_us_median']:.1f}",
-                      flush=True)
-                for k, v in row["layers_us_median"].items():
-                    print(f"   {v:9.1f} us  {k}", flush=True)
-            (out / "host_layers.json").write_text(json.dumps(rows, indent=1))
-            torch.cuda.empty_cache()
+    def one(name: str, backend: str) -> tuple[dict, str]:
+        row = measure(name, backend, args.mode, args.batch, args.steps)
+        lines = [f"== {name} {args.mode} bs{args.batch} {backend}: host {row['host_us_median']:.1f} us, "
+                 f"step {row['step_us_median']:.1f} us; with timers host {row['layered_host_us_median']:.1f}"]
+        lines += [f"   {v:9.1f} us  {k}" for k, v in row["layers_us_median"].items()]
+        return row, "\n".join(lines)
+
+    each_case(args.models, args.backend, one, out / "host_layers.json")
     return 0
 
 

@@ -20,6 +20,7 @@ import pstats
 import statistics
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -39,6 +40,19 @@ def bench_step(name: str, backend: str, mode: str = "train", batch: int | None =
     return step, models.make_batches(case, batch or case.default_batch(mode), device, count=2)
 
 
+def time_steps(step: Callable[..., object], batches: list, steps: int) -> tuple[list[float], list[float]]:
+    """Seconds of each step's call until it returns (host) and until the device is done (wall)."""
+    host, wall = [], []
+    for i in range(steps):
+        t0 = time.perf_counter()
+        step(*batches[i % 2])
+        t1 = time.perf_counter()
+        torch.cuda.synchronize()
+        host.append(t1 - t0)
+        wall.append(time.perf_counter() - t0)
+    return host, wall
+
+
 def profile_case(name: str, backend: str, steps: int, top: int, mode: str = "train",
                  batch: int | None = None) -> tuple[dict, str]:
     case = models.get_case(name)
@@ -48,14 +62,7 @@ def profile_case(name: str, backend: str, steps: int, top: int, mode: str = "tra
         step(*batches[i % 2])
     torch.cuda.synchronize()
     warm_s = time.perf_counter() - t0
-    host, wall = [], []
-    for i in range(steps):
-        t0 = time.perf_counter()
-        step(*batches[i % 2])
-        t1 = time.perf_counter()
-        torch.cuda.synchronize()
-        host.append((t1 - t0) * 1e3)
-        wall.append((time.perf_counter() - t0) * 1e3)
+    host, wall = ([t * 1e3 for t in ts] for ts in time_steps(step, batches, steps))
     prof = cProfile.Profile()
     prof.enable()
     for i in range(steps):
@@ -86,19 +93,30 @@ def main() -> int:
     args = parser.parse_args()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    rows = []
-    for name in args.models:
-        for backend in args.backend.split(","):
-            try:
-                row, text = profile_case(name, backend, args.steps, args.top, args.mode, args.batch)
-            except Exception as err:  # noqa: BLE001 - one failed run must not lose the others
-                row, text = {"model": name, "backend": backend, "error": repr(err)[:500]}, repr(err)
-            rows.append(row)
-            (out / f"host_{name}_{args.mode}_{backend}.txt").write_text(text)
-            print(text.split("\n", 1)[0] if "error" not in row else f"{name} {backend}: {row['error']}", flush=True)
-            (out / "host_profile.json").write_text(json.dumps(rows, indent=1))
-            torch.cuda.empty_cache()
+    def one(name: str, backend: str) -> tuple[dict, str]:
+        row, text = profile_case(name, backend, args.steps, args.top, args.mode, args.batch)
+        (out / f"host_{name}_{args.mode}_{backend}.txt").write_text(text)
+        return row, text.split("\n", 1)[0]
+
+    each_case(args.models, args.backend, one, out / "host_profile.json")
     return 0
+
+
+def each_case(models: list[str], backends: str, one: Callable[[str, str], tuple[dict, str]], json_path: Path) -> None:
+    """``one(model, backend)`` -> (row, text to print) for every model and backend, the rows
+    rewritten to ``json_path`` after each; a failed case is a row with its error."""
+    rows = []
+    for name in models:
+        for backend in backends.split(","):
+            try:
+                row, text = one(name, backend)
+            except Exception as err:  # noqa: BLE001 - one failed run must not lose the others
+                row = {"model": name, "backend": backend, "error": repr(err)[:500]}
+                text = f"{name} {backend}: {row['error']}"
+            rows.append(row)
+            print(text, flush=True)
+            json_path.write_text(json.dumps(rows, indent=1))
+            torch.cuda.empty_cache()
 
 
 if __name__ == "__main__":
