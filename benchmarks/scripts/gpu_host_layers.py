@@ -34,7 +34,7 @@ LAYERS = {
         "ember.runtime.cudagraphs.runner:CudaGraphRunner._check",
         "ember.runtime.cudagraphs.runner:CudaGraphRunner._replay",
         "ember.runtime.cudagraphs.device:CudaBackend.replay",
-        "ember.runtime.frozen:FrozenValues.__call__",  # the program's check (before a replay too, until e3f9ec0)
+        "ember.runtime.frozen:FrozenValues.__call__",  # the program's check (before a replay too, until 702082b)
         "ember.runtime.frozen:FrozenValues.get",  # the check since: before a replay through refresh, not __call__
         "torch._functorch._aot_autograd.runtime_wrappers:call_func_at_runtime_with_args",
         "torch.cuda.graphs:CUDAGraph.replay",

@@ -243,3 +243,24 @@ def test_wrong_rank_raises_like_eager(case, warm: bool) -> None:
     # The first line of eager's message (the part that names the problem) appears in Ember's.
     key = str(eager_err).splitlines()[0].split(",")[0]
     assert key in str(info.value), (key, str(info.value)[:400])
+
+
+def test_a_call_sets_dynamo_settings_only_while_it_runs() -> None:
+    # ShapePolicy writes the settings that differ, restores exactly those, and a user's own
+    # value (here a limit of 3) is what Dynamo sees again after the call.
+    cfg = torch._dynamo.config
+    limit_name = "recompile_limit" if hasattr(cfg, "recompile_limit") else "cache_size_limit"
+    seen: list[tuple] = []
+
+    def spy(x: torch.Tensor) -> torch.Tensor:
+        seen.append((cfg.automatic_dynamic_shapes, cfg.assume_static_by_default, getattr(cfg, limit_name)))
+        return x * 2.0
+
+    setattr(cfg, limit_name, 3)
+    before = (cfg.automatic_dynamic_shapes, cfg.assume_static_by_default, getattr(cfg, limit_name))
+    compiled = ember.compile(lambda x: spy(x) + 1.0, target="aten", max_recompiles=2, warm_start=False)
+    x = torch.randn(4)
+    assert_close(compiled(x), x * 2.0 + 1.0, "first call")
+    assert (cfg.automatic_dynamic_shapes, cfg.assume_static_by_default, getattr(cfg, limit_name)) == before
+    # While Dynamo traced the call: static shapes first, this model's limit (2 static + dynamic ones).
+    assert seen[0] == (False, True, 2 + DYNAMIC_RECOMPILES), seen
