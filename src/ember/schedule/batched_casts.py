@@ -48,6 +48,8 @@ def plain_cast(step: Step) -> fx.Node | None:
         return None
     if node.kwargs.get("layout", torch.strided) != torch.strided or node.kwargs.get("pin_memory"):
         return None
+    if not all(type(d) is int for d in (*a.shape, *a.stride(), *b.shape, *b.stride())):
+        return None  # symbolic sizes: no byte count to batch by
     if a.device != b.device or a.shape != b.shape or a.stride() != b.stride() or a.numel() == 0:
         return None
     if not _dense(a) or b.storage_offset() != 0:
