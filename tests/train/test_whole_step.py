@@ -4,8 +4,9 @@ Each test trains two copies of one model from identical weights on the same fres
 one with the whole-step program, one with the canonical eager loop (zero_grad, loss, backward,
 clip, step). Parameters (and losses) must agree within fp32 tolerance after every step, and must
 have moved. On CPU there is no CUDA graph: these check the step's semantics (the optimizer, the
-scheduler, clipping, accumulation, GradScaler, checkpoints, fallbacks); the guards of the CUDA
-capture are checked as pure functions at the end. benchmarks/scripts/gpu_whole_step.py checks
+scheduler, clipping, accumulation, GradScaler, checkpoints, fallbacks), every optimizer and a
+checkpoint resumed mid-run also with the GPU code path's generated kernels (Triton's
+interpreter); the guards of the CUDA capture are checked as pure functions at the end. benchmarks/scripts/gpu_whole_step.py checks
 the captured path on a GPU.
 """
 
@@ -25,7 +26,7 @@ import ember
 from ember.train.capture import CudaWholeStep, _hyper, _hyper_change, _signature
 
 STEPS = 20
-TARGET = "aten"  # the generated-code targets are tested elsewhere; this file tests the step
+TARGET = "aten"  # the step's semantics; the optimizers and a checkpoint also on the Triton interpreter
 
 
 @pytest.fixture(autouse=True)
@@ -113,16 +114,19 @@ OPTIMIZERS = {
 }
 
 
-# Every optimizer on the MLP; the conv net (batch norm) with one SGD and one Adam-family optimizer.
-CASES = [(mlp, name) for name in OPTIMIZERS] + [(SmallConvNet, "sgd_momentum_nesterov_wd"), (SmallConvNet, "adamw")]
+# Every optimizer on the MLP; the conv net (batch norm) with one SGD and one Adam-family optimizer;
+# every optimizer on the MLP again with the GPU code path's generated kernels (Triton's interpreter).
+CASES = ([(mlp, name, TARGET) for name in OPTIMIZERS]
+         + [(SmallConvNet, "sgd_momentum_nesterov_wd", TARGET), (SmallConvNet, "adamw", TARGET)]
+         + [(mlp, name, "triton-interpret") for name in OPTIMIZERS])
 
 
-@pytest.mark.parametrize(("make", "name"), CASES, ids=[f"{m.__name__}-{n}" for m, n in CASES])
-def test_optimizers_match_eager(make: Callable[[], torch.nn.Module], name: str) -> None:
+@pytest.mark.parametrize(("make", "name", "target"), CASES, ids=[f"{m.__name__}-{n}-{t}" for m, n, t in CASES])
+def test_optimizers_match_eager(make: Callable[[], torch.nn.Module], name: str, target: str) -> None:
     model, ref = twins(make)
     initial = [p.detach().clone() for p in model.parameters()]
     opt, ref_opt = OPTIMIZERS[name](model.parameters()), OPTIMIZERS[name](ref.parameters())
-    step = ember.compile_step(loss_of(model), opt, model=model, target=TARGET)
+    step = ember.compile_step(loss_of(model), opt, model=model, target=target)
     for i in range(STEPS):
         x, y = batch_for(model)
         loss = step(x, y)
@@ -131,6 +135,8 @@ def test_optimizers_match_eager(make: Callable[[], torch.nn.Module], name: str) 
         assert_same_params(model, ref, f"step {i}")
     assert_moved(model, initial)
     assert step.optimizer_steps == STEPS and step.calls == STEPS
+    if target != TARGET:  # the step's graphs ran generated kernels, not ATen's
+        assert all(g.placement.get("generated") for g in step.backend.log.graphs), step.backend.log.graphs
     report = step.explain()
     assert {"forward", "backward"} <= {t.split()[0] for t in report.graphs}, report.graphs
     # The optimizer's own state is the user's: same keys and values as eager's.
@@ -204,13 +210,14 @@ def test_gradient_accumulation_over_micro_steps() -> None:
     assert step.optimizer_steps == 8 and step.calls == 24
 
 
-def test_checkpoint_resume_mid_run() -> None:
+@pytest.mark.parametrize("target", [TARGET, "triton-interpret"])
+def test_checkpoint_resume_mid_run(target: str) -> None:
     model, ref = twins(SmallConvNet)
     make_opt = lambda ps: torch.optim.AdamW(ps, lr=1e-2, weight_decay=0.1)  # noqa: E731
     opt, ref_opt = make_opt(model.parameters()), make_opt(ref.parameters())
     scheduler = torch.optim.lr_scheduler.StepLR(opt, step_size=4, gamma=0.5)
     ref_scheduler = torch.optim.lr_scheduler.StepLR(ref_opt, step_size=4, gamma=0.5)
-    step = ember.compile_step(loss_of(model), opt, target=TARGET)
+    step = ember.compile_step(loss_of(model), opt, target=target)
     batches = [batch_for(model) for _ in range(STEPS)]
     half = STEPS // 2
     for x, y in batches[:half]:
@@ -230,7 +237,7 @@ def test_checkpoint_resume_mid_run() -> None:
     opt2.load_state_dict(checkpoint["optimizer"])
     scheduler2 = torch.optim.lr_scheduler.StepLR(opt2, step_size=4, gamma=0.5)
     scheduler2.load_state_dict(checkpoint["scheduler"])
-    step2 = ember.compile_step(loss_of(resumed), opt2, target=TARGET)
+    step2 = ember.compile_step(loss_of(resumed), opt2, target=target)
     for i, (x, y) in enumerate(batches):
         eager_step(ref, ref_opt, x, y)
         ref_scheduler.step()
