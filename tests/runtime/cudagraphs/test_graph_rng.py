@@ -43,7 +43,8 @@ def _statuses(compiled) -> list[str]:
     return [g.cudagraph for g in compiled._ember_backend.log.graphs]
 
 
-def test_dropout_in_replayed_graphs_draws_new_masks_with_eager_statistics(monkeypatch) -> None:
+@pytest.mark.parametrize("target", ["aten", "triton-interpret"])  # the interpreter: generated kernels around the draws
+def test_dropout_in_replayed_graphs_draws_new_masks_with_eager_statistics(monkeypatch, target: str) -> None:
     n, steps = 4096, 6
     x = torch.rand(n) + 0.5
     runs = {}
@@ -53,7 +54,7 @@ def test_dropout_in_replayed_graphs_draws_new_masks_with_eager_statistics(monkey
         torch._dynamo.reset()
         model = _DropoutNet(n)
         model.w.data.copy_(torch.linspace(0.5, 1.5, n))
-        compiled = ember.compile(model, target="aten")
+        compiled = ember.compile(model, target=target)
         torch.manual_seed(7)
         outs, grads = [], []
         for _ in range(steps):
@@ -64,6 +65,8 @@ def test_dropout_in_replayed_graphs_draws_new_masks_with_eager_statistics(monkey
             outs.append(out.detach().clone())
             grads.append((g, xi.grad.clone()))
         runs[graphs] = (outs, grads, _statuses(compiled))
+        if target != "aten":
+            assert any(g.placement.get("generated") for g in compiled._ember_backend.log.graphs)
     outs, grads, statuses = runs[True]
     assert len(statuses) == 2 and all(s.startswith("captured") for s in statuses), statuses
     # Every replay draws what the same program draws uncaptured from the same generator state.
