@@ -271,6 +271,11 @@ class Settings:
     whole_step_warmup: int = _item(3, "optimizer steps a whole-step program runs uncaptured on CUDA before it "
                                       "captures (PyTorch's whole-network capture recipe warms up)",
                                    "EMBER_WHOLE_STEP_WARMUP")
+    compact_optimizer_state: bool = _item(False, "whole-step programs on CUDA: before the first capture, the optimizer "
+                                                 "state the warm-up made moves to fresh memory (each tensor kept), "
+                                                 "so the segments it shared with the warm-up's temporaries are "
+                                                 "released (train/capture.compact_tensors); not yet measured",
+                                          "EMBER_COMPACT_OPTIMIZER_STATE")
     tuning: bool = _item(True, "compile uses the tuning database's kernel configurations and library choices "
                                "(ember tune); off: the fixed rules only", "EMBER_TUNING")
     tuning_db: str | None = _item(None, "the user's tuning database (default <cache_dir>/tuning.sqlite)",
@@ -431,6 +436,10 @@ def whole_step_cudagraph_enabled() -> bool:
 
 def whole_step_warmup() -> int:
     return max(1, settings().whole_step_warmup)
+
+
+def compact_optimizer_state_enabled() -> bool:
+    return settings().compact_optimizer_state
 
 
 def quiet_profiler_logs() -> None:

@@ -379,3 +379,33 @@ def test_capture_preparation_and_state_guard_on_cpu_objects() -> None:
     scaled = ember.compile_step(loss_of(model), torch.optim.SGD(model.parameters(), lr=0.1),
                                 scaler=torch.amp.GradScaler("cpu"), target=TARGET)
     assert "non-fused" in CudaWholeStep(scaled, torch.device("cpu"))._prepare()
+
+
+def test_compacting_optimizer_state_keeps_tensors_values_and_training() -> None:
+    # What the whole-step capture does before its first capture with compact_optimizer_state on
+    # (CUDA only; the function itself is device-agnostic): each state tensor keeps its object,
+    # values and strides, gets new memory, and training goes on as without it.
+    from ember.train.capture import compact_tensors
+
+    model, ref = twins(mlp)
+    opt = OPTIMIZERS["adam_amsgrad_wd"](model.parameters())
+    ref_opt = OPTIMIZERS["adam_amsgrad_wd"](ref.parameters())
+    batches = [batch_for(model) for _ in range(6)]
+    for x, y in batches[:3]:
+        eager_step(model, opt, x, y)
+        eager_step(ref, ref_opt, x, y)
+    state = [v for s in opt.state.values() for v in s.values() if isinstance(v, torch.Tensor)]
+    before = [(id(t), t.clone(), t.stride()) for t in state]
+    released = []
+    moved = compact_tensors(state, lambda: released.append(True))
+    assert released == [True] and moved == sum(t.numel() * t.element_size() for t in state)
+    for t, (ident, value, stride) in zip(state, before):  # (CPU malloc may hand back the same address)
+        assert id(t) == ident and t.stride() == stride and torch.equal(t, value)
+    assert all(a is b for a, b in zip(state, (v for s in opt.state.values() for v in s.values()
+                                              if isinstance(v, torch.Tensor))))
+    for x, y in batches[3:]:
+        eager_step(model, opt, x, y)
+        eager_step(ref, ref_opt, x, y)
+    assert_same_params(model, ref, "after compacting", tol=0)
+    shared = torch.zeros(8)
+    assert compact_tensors([shared[:4], shared[4:]], lambda: None) == 0  # one storage: left as it is

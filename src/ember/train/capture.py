@@ -9,7 +9,9 @@
                 peak was 12,674 MiB against eager's 7,294 on the H100), and the pool is reserved
                 as one segment of what the last warm-up step allocated at its peak, which the
                 capture then carves by best fit (runtime/cudagraphs/pool.py explains the
-                segment growth this avoids). Captures use Ember's one capture stream per device:
+                segment growth this avoids). With ``compact_optimizer_state`` (off by default, not
+                yet measured) the optimizer state moves to fresh memory first (``compact_tensors``).
+                Captures use Ember's one capture stream per device:
                 the allocator hands a freed block only to allocations on the stream it was freed on.
     capture     with every gradient set to None, ``torch.cuda.graph`` records forward, loss,
                 backward, clipping, the GradScaler and ``optimizer.step()`` reading the batch from
@@ -45,12 +47,13 @@ replay runs kernels, nothing else (as in PyTorch's recipe).
 from __future__ import annotations
 
 import warnings
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import torch
 
+from ember.config import compact_optimizer_state_enabled
 from ember.runtime.cudagraphs.device import CudaBackend, capture_stream
 from ember.runtime.cudagraphs.pool import presize_enabled
 from ember.runtime.frozen import addresses
@@ -379,6 +382,10 @@ class CudaWholeStep:
         what the warm-up step needed (see the module docstring)."""
         torch.cuda.synchronize(self.device)
         with torch.cuda.device(self.device):
+            if compact_optimizer_state_enabled():
+                state = [v for s in self.step.optimizer.state.values() for v in s.values()
+                         if isinstance(v, torch.Tensor) and v.device == self.device]
+                compact_tensors(state, torch.cuda.empty_cache)
             torch.cuda.empty_cache()
         if self.need and presize_enabled():
             self.keeper = CudaBackend().reserve(self.pool, self.need, self.device)
@@ -418,6 +425,30 @@ class CudaWholeStep:
         if self.changes:
             text += "; optimizer: " + "; ".join(self.changes)
         return text
+
+
+def compact_tensors(tensors: Sequence[torch.Tensor], release: Callable[[], None]) -> int:
+    """Give ``tensors`` fresh memory, each keeping its tensor object (the user's optimizer state
+    stays the user's): values to the host, old memory released (``release``: the allocator's
+    ``empty_cache``), then a new buffer each with its size, strides and values. The warm-up's
+    first optimizer step allocates its state beside that step's temporaries; those segments
+    cannot be released while the state lies in them, and once the activations live in the
+    graph's pool nothing reuses their free parts. Tensors that share memory are left as they
+    are (moving them apart would break the sharing). Returns the bytes moved."""
+    unique = list({id(t): t for t in tensors if t.numel() > 0}.values())
+    bases = [t.untyped_storage().data_ptr() for t in unique]
+    if len(set(bases)) != len(bases):
+        return 0
+    held = []
+    for t in unique:
+        held.append((t, t.detach().to("cpu", copy=True), t.size(), t.stride()))
+        t.data = torch.empty(0, dtype=t.dtype, device=t.device)
+    release()
+    for t, host, size, stride in held:
+        fresh = torch.empty_strided(size, stride, dtype=t.dtype, device=t.device)
+        fresh.copy_(host)
+        t.data = fresh
+    return sum(host.numel() * host.element_size() for _, host, _, _ in held)
 
 
 def _scaler_states(scaler: Any) -> dict | None:
