@@ -57,22 +57,27 @@ def test_autocast_training_step_matches_eager(on: bool) -> None:
         assert "_cast_all(" not in forward.program + backward.program
 
 
-def test_batches_close_at_the_byte_limit() -> None:
-    def f(a, b, c, d):
-        return (a.to(torch.bfloat16) @ b.to(torch.bfloat16)).sum() + (c.to(torch.bfloat16) @ d.to(torch.bfloat16)).sum()
+def _four_casts(a, b, c, d):
+    return (a.to(torch.bfloat16) @ b.to(torch.bfloat16)).sum() + (c.to(torch.bfloat16) @ d.to(torch.bfloat16)).sum()
 
+
+def _four_casts_plan():
+    """The plan of ``_four_casts`` on inputs of four shapes (each cast a group of its own: casts of
+    one shape fuse anyway), each 256 bytes in bf16."""
     from torch.fx.experimental.proxy_tensor import make_fx
-    # Shapes all different: each cast a group of its own (casts of one shape fuse anyway).
-    args = [torch.randn(8, 16), torch.randn(16, 8), torch.randn(4, 32), torch.randn(32, 4)]  # 256 bytes in bf16
-    gm = make_fx(f)(*args)
-    plan = plan_graph(gm.graph)
+    args = [torch.randn(8, 16), torch.randn(16, 8), torch.randn(4, 32), torch.randn(32, 4)]
+    return plan_graph(make_fx(_four_casts)(*args).graph)
+
+
+def test_batches_close_at_the_byte_limit() -> None:
+    plan = _four_casts_plan()
     assert batch_input_casts(plan, max_bytes=2 * 256) == 4  # two casts' results per batch
     batches = [s for s in plan.steps if s.kind == "foreach"]
     assert [len(s.nodes) for s in batches] == [2, 2]
     assert [s.index for s in plan.steps] == list(range(len(plan.steps)))
     assert all(plan.step_of[n] is s for s in batches for n in s.nodes)
 
-    plan = plan_graph(make_fx(f)(*args).graph)
+    plan = _four_casts_plan()
     assert batch_input_casts(plan, max_bytes=256) == 0  # one cast per batch: nothing to batch
 
 
@@ -120,3 +125,11 @@ def test_whole_step_program_under_autocast_matches_eager() -> None:
             torch.testing.assert_close(p, q, rtol=2e-2, atol=2e-2, msg=f"parameters after step {i}")
     plans = {g.kind: g.plan_text for g in step.backend.log.graphs}
     assert "casts of graph inputs to torch.bfloat16" in plans["forward"], plans["forward"]
+
+
+def test_large_casts_stay_where_they_are(monkeypatch: pytest.MonkeyPatch) -> None:
+    from ember.schedule import batched_casts
+
+    monkeypatch.setattr(batched_casts, "MAX_EARLY_CAST_BYTES", 255)
+    plan = _four_casts_plan()
+    assert batch_input_casts(plan) == 0 and not any(s.kind == "foreach" for s in plan.steps)

@@ -9,7 +9,8 @@ each model cast fp32 -> bf16): swin_t 201.6 -> 85.6 us, BERT 485.8 -> 250.3, res
 
 A batch holds casts with the same source and result dtypes and device. Moving a cast earlier
 keeps its result alive from there: a batch closes once its results hold ``max_bytes`` (so at
-most that much memory is allocated earlier than before), and the next cast starts a new batch.
+most that much memory is allocated earlier than before), and the next cast starts a new batch;
+a cast whose result is larger than ``MAX_EARLY_CAST_BYTES`` stays where it is.
 
 The backward's casts of weight gradients (bf16 matmul results to float32) read no graph input,
 but their results are only returned: they run last, in one batch. That holds each bf16 input
@@ -29,6 +30,9 @@ from ember.schedule.steps import FusedGroup, Step
 aten = torch.ops.aten
 
 MAX_BATCH_BYTES = 64 << 20  # results of one batch: memory allocated earlier than the casts were
+# A cast moved earlier holds its result longer. Weights are small; a large cast of a graph input
+# (an activation a backward saved) gains little from a batch and would hold its result longest.
+MAX_EARLY_CAST_BYTES = 16 << 20
 _PLAIN_KWARGS = {"dtype", "layout", "device", "memory_format", "pin_memory", "non_blocking"}
 
 
@@ -90,6 +94,8 @@ def batch_input_casts(plan: KernelPlan, max_bytes: int = MAX_BATCH_BYTES) -> int
                 late.setdefault(key, []).append((step, node))
             continue
         size = node_bytes(node)
+        if size > MAX_EARLY_CAST_BYTES:
+            continue
         current = open_batch.get(key)
         if current is None or current[1][0] + size > max_bytes:
             current = ([], [0])
