@@ -41,6 +41,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.fx as fx
 
+from ember.graph_utils import is_dense
 from ember.schedule.dim_map import walked_dims
 from ember.schedule.plan import FusedGroup, KernelPlan
 from ember.schedule.rules import OpClass
@@ -98,7 +99,7 @@ def _storable(plan: KernelPlan, kernels: dict, copy: fx.Node, p: fx.Node, value:
     if not isinstance(pv, torch.Tensor) or not isinstance(vv, torch.Tensor):
         return False
     if (pv.shape, pv.stride(), pv.dtype, pv.device) != (vv.shape, vv.stride(), vv.dtype, vv.device) \
-            or not _dense(pv):  # rule 2
+            or not is_dense(pv):  # rule 2
         return False
     for reader, direct in _readers(p, copy):
         at = plan.step_of.get(reader)
@@ -147,16 +148,6 @@ def _readers(p: fx.Node, copy: fx.Node) -> list[tuple[fx.Node, bool]]:
                 stack.append(user)
             out.append((user, n is p))
     return out
-
-
-def _dense(t: torch.Tensor) -> bool:
-    """Every element at its own address and no gaps: the strides, smallest first, pack the sizes."""
-    expected = 1
-    for stride, size in sorted((st, sz) for st, sz in zip(t.stride(), t.shape) if sz != 1):
-        if stride != expected:
-            return False
-        expected *= size
-    return True
 
 
 def _view_of_input(node: fx.Node) -> bool:

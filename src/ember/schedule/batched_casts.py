@@ -23,6 +23,7 @@ from __future__ import annotations
 import torch
 import torch.fx as fx
 
+from ember.graph_utils import is_dense
 from ember.schedule.group_merge import node_bytes
 from ember.schedule.plan import KernelPlan
 from ember.schedule.steps import FusedGroup, Step
@@ -56,19 +57,9 @@ def plain_cast(step: Step) -> fx.Node | None:
         return None  # symbolic sizes: no byte count to batch by
     if a.device != b.device or a.shape != b.shape or a.stride() != b.stride() or a.numel() == 0:
         return None
-    if not _dense(a) or b.storage_offset() != 0:
+    if not is_dense(a) or b.storage_offset() != 0:
         return None
     return node
-
-
-def _dense(t: torch.Tensor) -> bool:
-    """Whether ``t``'s elements fill its storage span exactly once, in some order of its dims."""
-    expected = 1
-    for stride, size in sorted((st, s) for s, st in zip(t.shape, t.stride()) if s != 1):
-        if stride != expected:
-            return False
-        expected *= size
-    return True
 
 
 def _returned_only(node: fx.Node) -> bool:
