@@ -54,7 +54,7 @@ def time_steps(step: Callable[..., object], batches: list, steps: int) -> tuple[
 
 
 def profile_case(name: str, backend: str, steps: int, top: int, mode: str = "train",
-                 batch: int | None = None) -> tuple[dict, str]:
+                 batch: int | None = None, dump: Path | None = None) -> tuple[dict, str]:
     case = models.get_case(name)
     step, batches = bench_step(name, backend, mode, batch)
     t0 = time.perf_counter()
@@ -69,6 +69,8 @@ def profile_case(name: str, backend: str, steps: int, top: int, mode: str = "tra
         step(*batches[i % 2])
         torch.cuda.synchronize()
     prof.disable()
+    if dump is not None:
+        prof.dump_stats(dump)  # the whole profile, for pstats or snakeviz
     text = io.StringIO()
     stats = pstats.Stats(prof, stream=text)
     text.write(f"== {name} {mode} bs{batch or case.default_batch(mode)} {backend}: host {statistics.median(host):.2f} ms, "
@@ -90,12 +92,17 @@ def main() -> int:
     parser.add_argument("--batch", type=int, default=None, help="batch size (default: the model's for the mode)")
     parser.add_argument("--top", type=int, default=35)
     parser.add_argument("--out", default="host_profile")
+    parser.add_argument("--dump", action="store_true", help="also write each run's whole profile (.prof)")
     args = parser.parse_args()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
+    runs = iter(range(1000))
+
     def one(name: str, backend: str) -> tuple[dict, str]:
-        row, text = profile_case(name, backend, args.steps, args.top, args.mode, args.batch)
-        (out / f"host_{name}_{args.mode}_{backend}.txt").write_text(text)
+        stem = f"host_{name}_{args.mode}_{backend}_{next(runs)}"  # numbered: a backend may run twice
+        row, text = profile_case(name, backend, args.steps, args.top, args.mode, args.batch,
+                                 out / f"{stem}.prof" if args.dump else None)
+        (out / f"{stem}.txt").write_text(text)
         return row, text.split("\n", 1)[0]
 
     each_case(args.models, args.backend, one, out / "host_profile.json")

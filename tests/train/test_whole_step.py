@@ -409,3 +409,38 @@ def test_compacting_optimizer_state_keeps_tensors_values_and_training() -> None:
     assert_same_params(model, ref, "after compacting", tol=0)
     shared = torch.zeros(8)
     assert compact_tensors([shared[:4], shared[4:]], lambda: None) == 0  # one storage: left as it is
+
+
+def test_first_capture_holds_no_gradient_of_the_warm_up(monkeypatch: pytest.MonkeyPatch) -> None:
+    # The pool is reserved after the warm-up's cached memory is handed back; a gradient of the
+    # warm-up still alive then keeps its memory reserved, unused, beside the graph's pool for the
+    # whole run (bert: 419 MiB above eager's peak). Driven on CPU with the capture calls stubbed.
+    import contextlib
+    import gc
+    import weakref
+
+    import ember.train.capture as capture
+
+    model = mlp()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    step = ember.compile_step(loss_of(model), opt, target=TARGET)
+    x, y = batch_for(model)
+    step(x, y)
+    old = [weakref.ref(p.grad) for p in model.parameters()]
+    assert all(r() is not None for r in old)
+    alive_at_reserve = []
+    monkeypatch.setattr(torch.cuda, "graph_pool_handle", lambda: object())
+    monkeypatch.setattr(torch.cuda, "CUDAGraph", lambda: object())
+    monkeypatch.setattr(torch.cuda, "graph", lambda *a, **k: contextlib.nullcontext())
+    monkeypatch.setattr(capture, "capture_stream", lambda device: None)
+
+    def reserve(self: CudaWholeStep) -> None:
+        gc.collect()
+        alive_at_reserve.append(sum(r() is not None for r in old))
+
+    monkeypatch.setattr(CudaWholeStep, "_reserve", reserve)
+    cuda = CudaWholeStep(step, torch.device("cpu"))
+    cuda.static_batch = (x, y)
+    graph = cuda._capture(first=True, last=True)
+    assert alive_at_reserve == [0]
+    assert all(p.grad is g and g is not None for p, g in zip(model.parameters(), graph.grads))
