@@ -271,10 +271,11 @@ class Settings:
     whole_step_warmup: int = _item(3, "optimizer steps a whole-step program runs uncaptured on CUDA before it "
                                       "captures (PyTorch's whole-network capture recipe warms up)",
                                    "EMBER_WHOLE_STEP_WARMUP")
-    compact_optimizer_state: bool = _item(False, "whole-step programs on CUDA: before the first capture, the optimizer "
-                                                 "state the warm-up made moves to fresh memory (each tensor kept), "
-                                                 "so the segments it shared with the warm-up's temporaries are "
-                                                 "released (train/capture.compact_tensors); not yet measured",
+    compact_optimizer_state: bool = _item(True, "whole-step programs on CUDA: before the first capture, the optimizer "
+                                                "state the warm-up made (up to 4 GiB) moves to fresh memory through "
+                                                "the host (each tensor kept), so the segments it shared with the "
+                                                "warm-up's temporaries are released (train/capture.compact_tensors; "
+                                                "cyclegan's peak reserved 378 -> 318 MiB on an H100)",
                                           "EMBER_COMPACT_OPTIMIZER_STATE")
     tuning: bool = _item(True, "compile uses the tuning database's kernel configurations and library choices "
                                "(ember tune); off: the fixed rules only", "EMBER_TUNING")

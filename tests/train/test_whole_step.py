@@ -444,3 +444,27 @@ def test_first_capture_holds_no_gradient_of_the_warm_up(monkeypatch: pytest.Monk
     graph = cuda._capture(first=True, last=True)
     assert alive_at_reserve == [0]
     assert all(p.grad is g and g is not None for p, g in zip(model.parameters(), graph.grads))
+
+
+@pytest.mark.parametrize("limit, compacted", [(1 << 30, True), (16, False)])
+def test_reserve_compacts_optimizer_state_up_to_the_limit(monkeypatch: pytest.MonkeyPatch, limit: int,
+                                                          compacted: bool) -> None:
+    # Before a first capture the optimizer state moves to fresh memory (on by default), unless it
+    # holds more than MAX_COMPACT_BYTES (seconds of copies through the host). CUDA calls stubbed.
+    import contextlib
+
+    import ember.train.capture as capture
+
+    model = mlp()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    step = ember.compile_step(loss_of(model), opt, target=TARGET)
+    step(*batch_for(model))
+    moved = []
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: None)
+    monkeypatch.setattr(torch.cuda, "device", lambda device: contextlib.nullcontext())
+    monkeypatch.setattr(torch.cuda, "empty_cache", lambda: None)
+    monkeypatch.setattr(capture, "compact_tensors", lambda state, release: moved.append(len(state)))
+    monkeypatch.setattr(capture, "MAX_COMPACT_BYTES", limit)
+    cuda = CudaWholeStep(step, torch.device("cpu"))
+    cuda._reserve()
+    assert moved == ([len(list(model.parameters()))] if compacted else [])
