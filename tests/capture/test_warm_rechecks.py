@@ -133,3 +133,37 @@ def test_globals_dynamo_names_by_an_id_are_named_by_import() -> None:
     assert portable("G['_140164627608688_c0'].Tensor", f_globals) == "G['__import_torch'].Tensor"
     assert portable("G['_99_c0'].x", f_globals) is None
     assert eval(portable("G['_140164627608688_c0'].Tensor", f_globals), {"G": GuardGlobals({})}) is torch.Tensor  # noqa: S307
+
+
+def test_per_call_check_resolves_dynamos_aliases_once(monkeypatch: pytest.MonkeyPatch) -> None:
+    # Dynamo names an imported module ``G['__import_a_dot_b']`` and the builtins dict
+    # ``G['__builtins_dict___0']``; the per-call check looks them up when it is generated (as Dynamo
+    # installs them once) and reads the frame's globals as a plain dict, not through GuardGlobals.
+    import sys
+    import types
+
+    module = types.ModuleType("ember_alias_probe")
+    module.fn = helper
+    monkeypatch.setitem(sys.modules, "ember_alias_probe", module)
+    reads = []
+
+    class Counting(GuardGlobals):
+        def __getitem__(self, key: str) -> Any:
+            reads.append(key)
+            return super().__getitem__(key)
+
+    values = {"FLAG": True}
+    items = [["code", "G['__import_ember_alias_probe'].fn", None, None],
+             ["is", "G['__builtins_dict___0']['len']", None, None], ["eq", "G['FLAG']", "bool True", None]]
+    from ember.capture.warm_rechecks import _want
+    for item in items[:2]:
+        item[2] = _want(item[0], eval(item[1], {"G": GuardGlobals(values)}), None)  # noqa: S307
+    r = Rechecks(items)
+    assert r.failing({"G": Counting(values)}, helper, (1,), {}) is None
+    reads.clear()
+    assert _holds(r, values) and reads == []
+    module.fn = other_helper  # the module's attribute changes: the check reads it from the module
+    assert not _holds(r, values)
+    module.fn = helper
+    values["FLAG"] = False  # a global assigned later is still seen
+    assert not _holds(r, values)

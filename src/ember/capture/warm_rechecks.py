@@ -328,16 +328,18 @@ class Rechecks:
         sub-expression the checks share is evaluated once per call (see ``_SharedReads``)."""
         reads = _SharedReads()
         seen: set[tuple] = set()
+        namespace: dict[str, Any] = {**_guard_names(), **names}
+        aliases = _AliasReads(names.get("G"), namespace)
         for i, (kind, name, _, arg) in enumerate(self.items):
             if (kind, name, str(arg)) in seen:
                 continue
             seen.add((kind, name, str(arg)))
-            other = reads.value(arg) if kind == "same" else arg
-            reads.lines.append(f"if not ({_CALL_FORM[kind].format(e=reads.value(name), i=i, a=other)}): return False")
+            other = reads.value(aliases.rewrite(arg)) if kind == "same" else arg
+            expression = reads.value(aliases.rewrite(name))
+            reads.lines.append(f"if not ({_CALL_FORM[kind].format(e=expression, i=i, a=other)}): return False")
         body = "\n        ".join(reads.lines or ["pass"])
         source = (f"def __ember_rechecks(O):\n    try:\n        {body}\n    except NameError:\n        raise\n"
                   f"    except Exception:\n        return False\n    return True\n")
-        namespace: dict[str, Any] = {**_guard_names(), **names}
         exec(compile(source, "<ember warm-start guards>", "exec"), namespace)  # noqa: S102 - Dynamo's expressions
         return namespace["__ember_rechecks"]
 
@@ -364,6 +366,37 @@ class Rechecks:
             if kind not in ("same", "notnone") and not _eq_or_is(_reference(kind, value, arg), ref):
                 return False
         return True
+
+
+class _AliasReads:
+    """The per-call check reads the frame's globals as a plain dict, not through ``GuardGlobals``:
+    the names Dynamo installs while tracing (an imported module's alias, the builtins dict) are
+    looked up once, when the check is generated, as Dynamo itself installs them once in the frame's
+    globals. Through ``GuardGlobals`` a small BERT's check made 24 Python-level reads and 14
+    ``import_module`` calls per call (23.9 us of a 0.43 ms call on the CI CPU)."""
+
+    _ALIAS = re.compile(r"""G\[(['"])((?:__import_|__builtins_dict__)\w*)\1\]""")
+
+    def __init__(self, g: object, namespace: dict[str, Any]) -> None:
+        self.g = g if isinstance(g, GuardGlobals) else None
+        self.namespace = namespace
+        if self.g is not None:
+            namespace["G"] = self.g.f_globals
+
+    def rewrite(self, expression: str | None) -> str | None:
+        if self.g is None or not isinstance(expression, str):
+            return expression
+        return self._ALIAS.sub(self._resolve, expression)
+
+    def _resolve(self, match: re.Match) -> str:
+        local = f"__ember_G{match.group(2)}"
+        if local not in self.namespace:
+            try:
+                self.namespace[local] = self.g[match.group(2)]
+            except Exception:  # noqa: BLE001 - no such module here: read through GuardGlobals per call
+                self.namespace["G"] = self.g
+                return match.group(0)
+        return local
 
 
 class _SharedReads:
