@@ -17,11 +17,14 @@ import argparse
 import json
 import os
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
 from collections.abc import Callable
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from fresh_process import child_result, write_rows  # noqa: E402 - the script's sibling
 
 CONFIGS = {"tiny": (dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=2, intermediate_size=128,
                          vocab_size=1000), 16),
@@ -105,25 +108,19 @@ def main() -> int:
     parser.add_argument("--child", nargs=2, metavar=("SIZE", "CACHE"), help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
-        print("ROW " + json.dumps(child(args.child[0], args.child[1], args.calls)))
+        print("RESULT " + json.dumps(child(args.child[0], args.child[1], args.calls)))
         return 0
     rows = []
+    rerun = f"import runpy, sys; sys.argv[0] = {__file__!r}; runpy.run_path({__file__!r}, run_name='__main__')"
     with tempfile.TemporaryDirectory() as tmp:
         for rnd in range(args.rounds + 1):  # round 0 fills each setting's cache
             for setting in ("1", "0"):
-                env = {**os.environ, "EMBER_WARM_START": setting}
-                out = subprocess.run([sys.executable, __file__, "--calls", str(args.calls), "--child", args.size,
-                                      os.path.join(tmp, setting)], env=env, capture_output=True, text=True)
-                line = next((ln for ln in out.stdout.splitlines() if ln.startswith("ROW ")), None)
-                row = json.loads(line[4:]) if line else {"error": out.stderr[-500:]}
-                row["round"] = rnd
+                row, err = child_result(rerun, ["--calls", str(args.calls), "--child", args.size,
+                                                os.path.join(tmp, setting)], {**os.environ, "EMBER_WARM_START": setting})
+                row = {**(row or {"error": err[-500:]}), "round": rnd}
                 rows.append(row)
                 print(json.dumps(row), flush=True)
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(rows, f, indent=1)
-    return 0
-
+    return write_rows(args.json, rows)
 
 if __name__ == "__main__":
     sys.exit(main())

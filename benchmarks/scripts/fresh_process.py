@@ -1,7 +1,8 @@
 """What the first-call benchmarks share: run a snippet in a new Python process with empty Ember
 and Triton caches, and read back the one ``RESULT {json}`` line it prints.
 
-Used by ``gpu_warm_start.py`` (cold, then warm, in one cache) and ``gpu_compile_profile.py``.
+Used by ``gpu_warm_start.py`` (cold, then warm, in one cache), ``gpu_compile_profile.py`` and
+``cpu_warm_start_call_bench.py``.
 """
 
 from __future__ import annotations
