@@ -69,8 +69,8 @@ def test_every_ember_variable_read_under_src_is_defined_in_config() -> None:
 
 @pytest.mark.parametrize("spec", BOOL_OPTIONS, ids=[s.name for s in BOOL_OPTIONS])
 def test_boolean_option_precedence(spec: config.Spec, monkeypatch: pytest.MonkeyPatch) -> None:
-    default = spec.default
-    assert getattr(Options.from_env(), spec.name) is default
+    default = getattr(Options.from_env(), spec.name)  # an unset default resolves when the options are made
+    assert default is spec.default or spec.default is None
     monkeypatch.setenv(spec.env, "0" if default else "1")  # the environment beats the default
     assert getattr(Options.from_env(), spec.name) is (not default)
     # An explicit argument beats the environment, also when it repeats the default (it used to be
@@ -204,3 +204,17 @@ def test_compile_jobs_carry_the_worker_niceness_a_patch_sets(tmp_path: Path,
     with config.patch(worker_niceness=3, compile_workers=0):
         pc.precompile([job])
     assert [j.niceness for j in seen] == [3]
+
+
+def test_warm_start_unset_is_on_for_cpu_compiles_only(monkeypatch: pytest.MonkeyPatch) -> None:
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert Options.from_env().warm_start is True  # a machine without a GPU
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    assert Options.from_env().warm_start is False  # a GPU may run the model
+    assert Options.from_env(device="cpu").warm_start is True
+    assert Options.from_env(target="cpu").warm_start is True
+    assert Options.from_env(device="cpu", warm_start=False).warm_start is False
+    monkeypatch.setenv("EMBER_WARM_START", "1")
+    assert Options.from_env().warm_start is True

@@ -64,6 +64,15 @@ def _item(default: object, doc: str, env: str | None = None, kind: str = "", *, 
     return dataclasses.field(default=default, metadata=meta)
 
 
+def _cpu_compile(device: str, target: str) -> bool:
+    """Whether a compile with these options runs on the CPU whatever the model's tensors are."""
+    if device == "cpu" or target == "cpu":
+        return True
+    import torch
+
+    return not torch.cuda.is_available()
+
+
 @dataclasses.dataclass(frozen=True)
 class Spec:
     """What one option or setting is: the field's name, environment variable, type, default, doc."""
@@ -144,11 +153,14 @@ class Options:
                                "(passes/freeze.py)", "EMBER_FREEZE")
     channels_last: bool = _item(True, "GPU targets: convolutional graphs run in channels_last (passes/layout.py; "
                                       "off: eager's NCHW everywhere)", "EMBER_LAYOUT", false_words=("nchw",))
-    warm_start: bool = _item(False, "an nn.Module or function (compile_step's train_fn) captured as one graph is "
-                                    "saved with Dynamo's guards and Ember's programs; a new process loads it "
-                                    "instead of tracing again (capture/warm_start.py, warm_function.py; a module "
-                                    "in eval mode called with gradients on keeps Dynamo's path)",
-                             "EMBER_WARM_START")
+    warm_start: bool | None = _item(None, "an nn.Module or function (compile_step's train_fn) captured as one graph "
+                                           "is saved with Dynamo's guards and Ember's programs; a new process loads "
+                                           "it instead of tracing again (capture/warm_start.py, warm_function.py; a "
+                                           "module in eval mode called with gradients on keeps Dynamo's path); "
+                                           "unset: on for CPU compiles (device or target cpu, or no CUDA device), "
+                                           "off where a GPU may run the model (its per-call host time at batch 1 "
+                                           "is not measured at this code)",
+                                    "EMBER_WARM_START", "bool")
     frame_cache: bool = _item(True, "every Dynamo frame Ember compiles is kept (AOTAutograd's forward/backward split "
                                     "with Ember's programs) in <cache_dir>/programs.sqlite, keyed by its Dynamo graph; "
                                     "a new process that traces the same graph skips AOTAutograd and Ember's stages "
@@ -183,6 +195,8 @@ class Options:
                                   "EMBER_PROGRESS", "bool")
 
     def __post_init__(self) -> None:
+        if self.warm_start is None:  # frozen: the resolved value replaces "unset" once, here
+            object.__setattr__(self, "warm_start", _cpu_compile(self.device, self.target))
         if self.device not in DEVICES:
             raise ValueError(f"ember: unknown device {self.device!r}; choose one of {', '.join(DEVICES)}")
         if self.target not in TARGETS:
