@@ -1,6 +1,8 @@
 """Warm start: a new process runs a model Ember compiled before without tracing it again.
 
-``ember.compile(model, warm_start=True)`` (or ``EMBER_WARM_START=1``). For an ``nn.Module`` whose
+On by default for CPU compiles (``config.Options``: unset ``warm_start`` resolves to on when the
+device or target is the CPU or no CUDA device is present); ``ember.compile(model, warm_start=True)``
+(or ``EMBER_WARM_START=1``) turns it on everywhere. For an ``nn.Module`` whose
 ``forward`` Dynamo captures as ONE graph, the first call of each input signature goes through
 torch's ahead-of-time compile (``torch._dynamo.aot_compile.aot_compile_fullgraph``): Dynamo's
 guards and bytecode plus Ember's backend result (capture/warm_artifact.py: AOTAutograd's
