@@ -14,10 +14,10 @@ is host time before and after each replay.
 from __future__ import annotations
 
 import argparse
-import functools
 import statistics
 import sys
 import time
+from collections import defaultdict
 from pathlib import Path
 
 import torch
@@ -28,20 +28,12 @@ from cudagraph_fakes import FakeGraphs, graphs_on_cpu_rule  # noqa: E402 - the t
 
 import ember  # noqa: E402
 from ember.instruments import instrument  # noqa: E402
-from ember.runtime.cudagraphs import runner  # noqa: E402
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from gpu_host_layers import wrap_timer  # noqa: E402 - the script's sibling: a timer around a named function
 
-def _timed(owner: object, attr: str, sink: list[float]) -> None:
-    original = getattr(owner, attr)
-
-    @functools.wraps(original)
-    def timed(*args: object, **kwargs: object) -> object:
-        t0 = time.perf_counter()
-        try:
-            return original(*args, **kwargs)
-        finally:
-            sink.append(time.perf_counter() - t0)
-    setattr(owner, attr, timed)
+LAYERS = ["ember.runtime.cudagraphs.runner:CudaGraphRunner.__call__",
+          "ember.runtime.cudagraphs.runner:CudaGraphRunner._check", "cudagraph_fakes:FakeGraphs.replay"]
 
 
 def measure(name: str, steps: int) -> dict:
@@ -49,7 +41,6 @@ def measure(name: str, steps: int) -> dict:
     model = getattr(torchvision.models, name)(num_classes=10).train()
     opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9, foreach=True)
     x, y = torch.randn(2, 3, 32, 32), torch.randint(0, 10, (2,))
-    times: dict[str, list[float]] = {"call": [], "check": [], "replay": []}
     backend = FakeGraphs()
     with instrument(cudagraph_device=backend, capture_rule=graphs_on_cpu_rule):
         compiled = ember.compile(model, target="aten", cudagraphs=True, cache=False)
@@ -61,10 +52,8 @@ def measure(name: str, steps: int) -> dict:
 
         for _ in range(4):
             step()
-        originals = (runner.CudaGraphRunner.__call__, runner.CudaGraphRunner._check, FakeGraphs.replay)
-        _timed(runner.CudaGraphRunner, "__call__", times["call"])
-        _timed(runner.CudaGraphRunner, "_check", times["check"])
-        _timed(FakeGraphs, "replay", times["replay"])
+        times: dict[str, list[float]] = defaultdict(list)
+        wrapped = [w for p in LAYERS if (w := wrap_timer(p, times)) is not None]
         try:
             wall = []
             for _ in range(steps):
@@ -72,12 +61,14 @@ def measure(name: str, steps: int) -> dict:
                 step()
                 wall.append(time.perf_counter() - t0)
         finally:
-            runner.CudaGraphRunner.__call__, runner.CudaGraphRunner._check, FakeGraphs.replay = originals
+            for owner, attr, original in wrapped:
+                setattr(owner, attr, original)
         statuses = [g.cudagraph for g in compiled._ember_backend.log.graphs]
-    per_step = {k: sum(v) / steps * 1e3 for k, v in times.items()}
+    times = {k.rsplit(".", 1)[-1]: v for k, v in times.items()}  # __call__, _check, replay (microseconds)
+    per_step = {k: sum(v) / steps / 1e3 for k, v in times.items()}
     return {"model": name, "steps": steps, "step_ms_median": statistics.median(wall) * 1e3,
-            "runner_own_ms_per_step": per_step["call"] - per_step["replay"], "check_ms_per_step": per_step["check"],
-            "runner_calls_per_step": len(times["call"]) / steps, "graphs": statuses}
+            "runner_own_ms_per_step": per_step["__call__"] - per_step["replay"], "check_ms_per_step": per_step["_check"],
+            "runner_calls_per_step": len(times["__call__"]) / steps, "graphs": statuses}
 
 
 def main() -> int:

@@ -23,7 +23,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from gpu_host_profile import bench_step, each_case  # noqa: E402 - the script's sibling
+from gpu_host_profile import bench_step, each_case, time_steps  # noqa: E402 - the script's sibling
 
 WINDOWS = ((1, 10), (11, 40), (41, 100), (101, 200), (201, 400), (401, 1000))
 
@@ -38,25 +38,13 @@ def measure(name: str, backend: str, calls: int, freeze: bool) -> dict:
     step(*batches[0])
     torch.cuda.synchronize()
     first_s = time.perf_counter() - t0
-    host, wall = [], []
-    for i in range(calls):
-        t0 = time.perf_counter()
-        step(*batches[(i + 1) % 2])
-        t1 = time.perf_counter()
-        torch.cuda.synchronize()
-        host.append((t1 - t0) * 1e6)
-        wall.append((time.perf_counter() - t0) * 1e6)
+    host, wall = ([t * 1e6 for t in ts] for ts in time_steps(step, batches, calls))
     row = {"model": name, "backend": backend, "first_call_s": first_s, "host_us": windows(host),
            "step_us": windows(wall), "gc_counts": gc.get_count(), "gc_tracked": len(gc.get_objects())}
     if freeze:
         gc.collect()
         gc.freeze()
-        host2 = []
-        for i in range(calls):
-            t0 = time.perf_counter()
-            step(*batches[i % 2])
-            host2.append((time.perf_counter() - t0) * 1e6)
-            torch.cuda.synchronize()
+        host2 = [t * 1e6 for t in time_steps(step, batches, calls)[0]]
         row["host_us_after_freeze"] = windows(host2)
         gc.unfreeze()
     return row

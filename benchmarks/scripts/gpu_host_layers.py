@@ -48,7 +48,7 @@ LAYERS = {
 }
 
 
-def _wrap(path: str, totals: dict[str, list[float]]) -> tuple[object, str, object] | None:
+def wrap_timer(path: str, totals: dict[str, list[float]]) -> tuple[object, str, object] | None:
     """Replace ``module:Class.attr`` by a timing wrapper; (owner, attr, original) or None."""
     module_name, _, qual = path.partition(":")
     try:
@@ -81,7 +81,7 @@ def measure(name: str, backend: str, mode: str, batch: int | None, steps: int) -
     torch.cuda.synchronize()
     host, wall = ([t * 1e6 for t in ts] for ts in time_steps(step, batches, steps))
     totals: dict[str, list[float]] = defaultdict(list)
-    wrapped = [w for p in LAYERS.get(backend, []) if (w := _wrap(p, totals)) is not None]
+    wrapped = [w for p in LAYERS.get(backend, []) if (w := wrap_timer(p, totals)) is not None]
     layered_host = []
     try:
         for i in range(steps):
