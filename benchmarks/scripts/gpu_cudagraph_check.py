@@ -5,8 +5,9 @@ to runtime/cudagraphs/runner.py (from the repo root).
     PYTHONPATH=src python benchmarks/scripts/gpu_cudagraph_check.py --only train   # or: --only infer
 
 Training: resnet18 (batch norm in train mode: running statistics written every step),
-tiny_transformer (2-layer BERT in train mode, dropout 0.1 on) and a small conv net (batch norm,
-dropout). The same initial weights and batches go through eager, Ember with CUDA graphs and
+tiny_transformer (2-layer BERT in train mode, dropout 0.1 on), a small conv net (batch norm,
+dropout) and six blocks with a graph break after each (``layer_breaks``: one frame's graphs run
+six times a step, one CUDA graph per call). The same initial weights and batches go through eager, Ember with CUDA graphs and
 Ember without them (same programs, uncaptured), SGD with momentum, from the same RNG seed:
 
 - plain: each step a forward/backward and an optimizer step, then a forward whose backward never
@@ -55,7 +56,7 @@ from ember import config
 from ember.bench import models
 from ember.runtime.cudagraphs import runner as cudagraph
 
-TRAIN_MODELS = ["resnet18", "tiny_transformer", "convnet"]
+TRAIN_MODELS = ["resnet18", "tiny_transformer", "convnet", "layer_breaks"]
 LR = 1e-3
 INFER_MODELS = ["resnet18", "tiny_transformer", "bert"]
 # Relative errors (norm of the difference / norm of the reference), param_abs absolute. "eager":
@@ -80,6 +81,31 @@ def small_convnet() -> nn.Module:
         nn.Flatten(), nn.Dropout(0.2), nn.Linear(32, 10))
 
 
+class _Block(nn.Module):
+    def __init__(self, d: int) -> None:
+        super().__init__()
+        self.fc, self.norm, self.drop = nn.Linear(d, d), nn.LayerNorm(d), nn.Dropout(0.1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.norm(x + self.drop(nn.functional.gelu(self.fc(x))))
+
+
+class LayerBreaks(nn.Module):
+    """Six blocks, a graph break after each: one compiled frame serves every block, so its
+    forward and backward graphs run six times a step (one CUDA graph per call of a step)."""
+
+    def __init__(self, d: int = 64, layers: int = 6, classes: int = 10) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList(_Block(d) for _ in range(layers))
+        self.head = nn.Linear(d, classes)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for block in self.blocks:
+            x = block(x)
+            torch._dynamo.graph_break()
+        return self.head(x.mean(1))
+
+
 @dataclass
 class Workload:
     model: nn.Module  # fp32, on the device, train mode
@@ -96,6 +122,11 @@ def workload(name: str, device: str, count: int, batch: int = 8, seed: int = 0) 
                     torch.randint(0, 10, (batch,), generator=gen).to(dev)) for _ in range(count)]
         return Workload(small_convnet().to(dev).train(), batches,
                         lambda out, y: nn.functional.cross_entropy(out, y))
+    if name == "layer_breaks":
+        gen = torch.Generator().manual_seed(seed)
+        batches = [((torch.randn(batch, 16, 64, generator=gen).to(dev),),
+                    torch.randint(0, 10, (batch,), generator=gen).to(dev)) for _ in range(count)]
+        return Workload(LayerBreaks().to(dev).train(), batches, lambda out, y: nn.functional.cross_entropy(out, y))
     case = models.get_case(name)
     model = case.build(True).to(dev).train()  # BERT: dropout 0.1 stays on
     return Workload(model, models.make_batches(case, batch, dev, small=True, count=count, seed=seed), case.loss)

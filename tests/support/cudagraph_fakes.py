@@ -29,7 +29,11 @@ class _FakeGraph:
 
     def __init__(self, run, inputs: list, outputs: object) -> None:
         self.run = run
-        self.outputs = [x.detach() if isinstance(x, torch.Tensor) else x for x in _leaves(outputs)]
+        # An output on an input's memory (a forward returning its input as a saved activation) is
+        # not kept: that memory is the caller's, and a real graph holds no reference to it.
+        given = {x.untyped_storage()._cdata for x in inputs if isinstance(x, torch.Tensor)}
+        self.outputs = [None if isinstance(x, torch.Tensor) and x.untyped_storage()._cdata in given
+                        else x.detach() if isinstance(x, torch.Tensor) else x for x in _leaves(outputs)]
         self.inputs = [weakref.ref(x) if isinstance(x, torch.Tensor) else (lambda x=x: x) for x in inputs]
         self.ptrs = [x.data_ptr() if isinstance(x, torch.Tensor) else None for x in inputs]
         # A consumed input whose memory is still alive (another graph's pool) is read from it.

@@ -43,6 +43,7 @@ from ember.ops.upsample import rewrite_nearest_interpolate
 from ember.pipeline import compile_graph
 from ember.report import progress
 from ember.report.records import CompileLog, GraphRecord
+from ember.runtime.cudagraphs.call_sites import CallClock
 from ember.runtime.cudagraphs.runner import GraphPool, share_pool
 from ember.runtime.precompile import start_workers
 from ember.runtime.program import CompiledGraph, boxed
@@ -149,6 +150,7 @@ class ShapePolicy:
                 setattr(cfg, name, value)
                 self.changed.append((name, old))
         _CALLING.append(backend)
+        backend.call_clock.calls += 1
         self.scope = progress.open_scope(backend.options.progress)  # a compile's progress line
 
     def __exit__(self, *exc: object) -> None:
@@ -174,6 +176,9 @@ class EmberBackend:
         # One CUDA-graph memory pool for every training graph of this model, so that a backward
         # reuses the memory of the activations it consumes (runtime/cudagraphs/runner.py).
         self.graph_pool = GraphPool()
+        # Calls of the compiled model, counted by ShapePolicy: a graph run several times in one
+        # gets a CUDA graph per call (runtime/cudagraphs/call_sites.py).
+        self.call_clock = CallClock()
         # torch._dynamo.optimize enters this around every call of the compiled model (what
         # ember.compile uses; torch.compile(backend=...) does not pass it on).
         self.backend_ctx_ctor = self.shape_policy
@@ -251,7 +256,8 @@ class EmberBackend:
                 self.programs.append((record, compiled.ember_graph))  # explain times their calls
                 # Training graphs share the model's pool; an inference graph gets a pool of its own,
                 # measured, pre-sized and released the same way (runtime/cudagraphs/pool.py).
-                share_pool(compiled, self.graph_pool if kind != "inference" else GraphPool(training=False))
+                share_pool(compiled, self.graph_pool if kind != "inference" else GraphPool(training=False),
+                           self.call_clock)
                 return self.output_wrapper(compiled, graph, record) if self.output_wrapper else compiled
             return compiler
 

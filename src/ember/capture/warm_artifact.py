@@ -125,7 +125,8 @@ class EmberOutputCode(API.OutputCode):  # type: ignore[misc,name-defined]
             graph = link_stored(stored, attrs, backend.options, record, BY_NAME[self.target], self.blocker,
                                 frozenset(self.read_only))
         compiled = boxed(graph)
-        share_pool(compiled, backend.graph_pool if self.kind != "inference" else GraphPool(training=False))
+        share_pool(compiled, backend.graph_pool if self.kind != "inference" else GraphPool(training=False),
+                   backend.call_clock)
         backend.log.graphs.append(record)
         backend.programs.append((record, graph))
         self._run = compiled

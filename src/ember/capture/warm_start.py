@@ -222,6 +222,7 @@ class WarmStart:
         return Path(self.backend.options.cache_root()) / "warm_start"
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        self.backend.call_clock.calls += 1  # a model call (runtime/cudagraphs/call_sites.py)
         if self.off or _global_hooks():
             return self.dynamo_forward(*args, **kwargs)
         ckey = call_key(args, kwargs)

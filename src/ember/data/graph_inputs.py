@@ -289,6 +289,7 @@ def _child(parent: Any, k: int) -> Any:
     child = CudaGraphRunner(parent.run, f"{parent.title} [prefetch slot {k}]", on_status=on_status,
                             backend=parent.backend, read_only=parent.read_only)
     child.pool = parent.pool  # a training graph's children share the model's pool, like its graphs
+    child.clock = parent.clock  # and run one graph per call of a step, like it (call_sites.py)
     return child
 
 

@@ -372,6 +372,16 @@ def test_gpu_check_training_rows_pass_on_cpu(cuda_graphs_on_cpu, monkeypatch, mo
     assert "convnet" in check.table([row]) and "NO" not in check.table([row])
 
 
+def test_gpu_check_layer_per_graph_rows_pass_on_cpu(cuda_graphs_on_cpu, monkeypatch) -> None:
+    # One frame's graphs run six times a step, each call on a graph of its own (call_sites.py).
+    check = _check_module()
+    row = check.check_training("layer_breaks", "fp32", "together", device="cpu", steps=3, graphs_off=False,
+                               compile_fn=functools.partial(ember.compile, target="aten"))
+    assert row["ok"], row["problems"]
+    assert row["replays"] > 0 and any("times per call of the model" in s for s in row["statuses"]), \
+        row["statuses"]
+
+
 def test_gpu_check_fails_when_a_replay_overwrites_held_outputs(cuda_graphs_on_cpu, monkeypatch) -> None:
     check = _check_module()
     monkeypatch.setattr(cudagraph, "is_held", lambda grp: False)  # the runner's guard, switched off

@@ -14,6 +14,7 @@ from torch import nn
 
 import ember
 from ember.instruments import instrument
+from ember.runtime.cudagraphs import runner as cudagraph_runner
 from ember.runtime.cudagraphs.runner import CudaGraphRunner
 
 
@@ -51,7 +52,13 @@ class _LayerPerGraph(nn.Module):
 
 
 @pytest.mark.parametrize("steps", [1, 3])
-def test_a_graph_called_once_per_layer_never_overwrites_saved_activations(steps: int) -> None:
+@pytest.mark.parametrize("sites", [True, False])
+def test_a_graph_called_once_per_layer_never_overwrites_saved_activations(monkeypatch, steps: int,
+                                                                          sites: bool) -> None:
+    # Without call sites (torch.compile(backend="ember") counts no model calls) one graph serves
+    # every layer: its second call within a step is captured while the first's outputs are held.
+    if not sites:
+        monkeypatch.setattr(cudagraph_runner, "MAX_SITES", 1)
     torch.manual_seed(0)
     base = _LayerPerGraph()
     x = torch.randn(2, 5, 16)
@@ -65,9 +72,64 @@ def test_a_graph_called_once_per_layer_never_overwrites_saved_activations(steps:
             model.zero_grad()
             (compiled(x) ** 2).sum().backward()
     statuses = [g.cudagraph for g in compiled._ember_backend.log.graphs]
-    assert any(s.startswith("captured") for s in statuses), statuses
+    if steps > 1 or not sites:  # with sites, one step is every site's first (uncaptured) call
+        assert any(s.startswith("captured") for s in statuses), statuses
     for (name, p), pr in zip(model.named_parameters(), ref.parameters()):
         torch.testing.assert_close(p.grad, pr.grad, rtol=1e-4, atol=1e-5, msg=lambda m, n=name: f"{n}: {m}")
+
+
+def _runners(compiled) -> list[CudaGraphRunner]:
+    return [graph.run for _, graph in compiled._ember_backend.programs if isinstance(graph.run, CudaGraphRunner)]
+
+
+def test_each_call_of_a_layer_graph_in_a_step_replays_a_graph_of_its_own() -> None:
+    # One frame serves layers 2-6 (its forward and backward run five times a step, with each
+    # layer's parameters). Each call of a step gets a graph of its own that reads that layer's
+    # parameters and activations in place: after the first two steps every call replays, nothing
+    # is copied in or out, and training matches eager step for step.
+    torch.manual_seed(0)
+    base = _LayerPerGraph(layers=6)
+    ref, model = copy.deepcopy(base), copy.deepcopy(base)
+    batches = [torch.randn(2, 5, 16) for _ in range(5)]
+    torch._dynamo.reset()
+    compiled = ember.compile(model, target="aten")
+    opts = [torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9) for m in (ref, model)]
+    with instrument(cudagraph_device=FakeGraphs(), capture_rule=lambda *a, **k: None):
+        for x in batches:
+            for fn, opt in ((ref, opts[0]), (compiled, opts[1])):
+                loss = (fn(x) ** 2).mean()
+                loss.backward()
+                opt.step()
+                opt.zero_grad()
+            for (name, p), pr in zip(model.named_parameters(), ref.parameters()):
+                torch.testing.assert_close(p, pr, rtol=1e-4, atol=1e-5, msg=lambda m, n=name: f"{n}: {m}")
+    runners = _runners(compiled)
+    repeated = [r for r in runners if r.sites]
+    assert len(repeated) == 2, [r.status for r in runners]  # the layer frame's forward and backward
+    for r in repeated:
+        assert len(r.sites) == 4 and "runs 5 times per call of the model" in r.status, r.status
+    for one in runners + [site for r in repeated for site in r.sites]:
+        assert one.captures == 1 and one.uncaptured == 0 and one.replays == len(batches) - 1, (one.title, one.status)
+        g = one.g
+        assert g is not None and not any(grp.copy for grp in g.groups), one.status
+    for r in [r for r in repeated if r.title.startswith("forward")]:
+        # the parameters of each call's layer are read in place (the input activation too)
+        assert all(not site.g.dynamic_idx for site in r.sites), [site.status for site in r.sites]
+
+
+def test_each_call_of_a_layer_graph_in_inference_gets_a_graph_of_its_own() -> None:
+    torch.manual_seed(0)
+    model = _LayerPerGraph(layers=4).eval()
+    torch._dynamo.reset()
+    compiled = ember.compile(model, target="aten")
+    with torch.no_grad(), instrument(cudagraph_device=FakeGraphs(), capture_rule=lambda *a, **k: None):
+        for _ in range(4):
+            x = torch.randn(2, 5, 16)
+            torch.testing.assert_close(compiled(x), model(x), rtol=1e-5, atol=1e-6)
+    repeated = [r for r in _runners(compiled) if r.sites]
+    assert len(repeated) == 1 and len(repeated[0].sites) == 3, [r.status for r in _runners(compiled)]
+    for site in repeated[0].sites:  # one pool for the four: captured in order, as training graphs
+        assert site.captures == 1 and site.replays == 3 and site.pool is repeated[0].pool, site.status
 
 
 def _masked_sum(args: list) -> tuple:

@@ -123,8 +123,11 @@ def presize(pool: GraphPool, reserve: Callable[[int], object]) -> object | None:
     return keeper
 
 
-def share_pool(compiled: Callable, pool: GraphPool) -> None:
-    """Make the CUDA-graph runner of ``compiled`` (an Ember program, boxed) capture into ``pool``."""
+def share_pool(compiled: Callable, pool: GraphPool, clock: object | None = None) -> None:
+    """Make the CUDA-graph runner of ``compiled`` (an Ember program, boxed) capture into ``pool``;
+    ``clock`` counts the model's calls, which gives each call of the graph within one its own
+    graph (runtime/cudagraphs/call_sites.py)."""
     runner = getattr(getattr(compiled, "ember_graph", None), "run", None)
     if runner is not None and hasattr(runner, "pool") and hasattr(runner, "backend"):
         runner.pool = pool
+        runner.clock = clock

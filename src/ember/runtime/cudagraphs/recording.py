@@ -56,12 +56,15 @@ class GraphRecorder:
             # Tensors handed out after replays lie on memory the allocator thinks free: a capture
             # into this pool could place its buffers there.
             assert self.pool is not None
-            if not unclean(state, storage_refs(refs)):
+            if not unclean(state, storage_refs(refs)) or self.renewed:
                 # Only this call's inputs (a forward's outputs, replayed in a call before this
-                # graph's first capture): a private pool of its own, which cannot overlap them.
+                # graph's first capture), or a pool this graph renewed before and found held
+                # again (a forward whose backward never runs caught the renewal, and the next
+                # step's forward replayed): a private pool of its own, which cannot overlap them.
                 state = PoolState(self.backend.new_pool(device, False), shared=False)
             else:  # a new pool; the other graphs follow on their next calls
                 self.pool.renew()
+                self.renewed = True
                 return self._defer(refs, "outputs of replays were still held: the pool was renewed")
         if final:
             static: list[int] = []

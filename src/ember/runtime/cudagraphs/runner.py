@@ -59,6 +59,10 @@ The rules a replay must keep, and how:
   its backward takes them through ``ember::attention_seeds`` (passes/attention_seeds.py), which
   gives it the form its own capture status reads. Random ops outside that set, or with an
   explicit generator, are refused.
+- A graph run several times in one call of the model (one compiled frame per layer, when a
+  layer ends in a graph break) gets one runner per call of it: its k-th call of a model call
+  runs on ``self.sites[k - 1]``, which captures that call's parameters and activations in place
+  (call_sites.py).
 - At most ``MAX_CAPTURES`` captures; the last one copies every input in and every output out,
   so it never needs another. A capture that fails runs the program uncaptured from then on
   and says why.
@@ -72,6 +76,7 @@ import torch
 
 from ember import compat
 from ember.config import settings
+from ember.runtime.cudagraphs.call_sites import MAX_SITES, CallClock, site_runner
 from ember.runtime.cudagraphs.device import CudaBackend
 from ember.runtime.cudagraphs.memory import (
     CapturedGraph,
@@ -142,12 +147,19 @@ class CudaGraphRunner(GraphRecorder):
         self.alive_last: set[int] = set()
         self.next_static: list[int] = []
         self.transient = 0  # calls in a row whose pool inputs came from an uncaptured call
+        self.renewed = False  # this runner renewed the pool once: a second time it captures alone
         self.last_reason = ""
         self.disabled: str | None = None
         self.device = torch.device("cuda")
         # Set by ember.data.prefetch(..., into=model) (data/graph_inputs.py): picks the runner of
         # this program that reads the batch's buffers in place; None: this one runs the call.
         self.route: Callable[[CudaGraphRunner, list], CudaGraphRunner | None] | None = None
+        # Calls of the compiled model (runtime/cudagraphs/call_sites.py): the k-th call of this
+        # program within one runs on self.sites[k - 1], a graph of its own.
+        self.clock: CallClock | None = None
+        self.epoch = 0
+        self.site = 0
+        self.sites: list[CudaGraphRunner] = []
         self._set_status("waiting for the second call, which is captured and replayed after")
 
     def _set_status(self, text: str) -> None:
@@ -158,6 +170,16 @@ class CudaGraphRunner(GraphRecorder):
     def __call__(self, args: list) -> object:
         if self.route is not None and (other := self.route(self, args)) is not None:
             return other(args)
+        clock = self.clock
+        if clock is not None and clock.calls and self.disabled is None:
+            if clock.calls != self.epoch:
+                self.epoch, self.site = clock.calls, 0
+            else:
+                self.site = k = self.site + 1
+                if k < MAX_SITES:
+                    if k > len(self.sites):
+                        self.sites.append(site_runner(self, k))
+                    return self.sites[k - 1](args)
         self.calls += 1
         if self.disabled is not None:
             return self.run(args)
@@ -354,6 +376,11 @@ class CudaGraphRunner(GraphRecorder):
             return leaves[0]
         return g.container(leaves)
 
+    def describe_sites(self) -> None:
+        """A site runner's status changed: this runner's status counts its sites' captures."""
+        if self.g is not None:
+            self._describe()
+
     def _describe(self) -> None:
         g = self.g
         if g is None:
@@ -379,6 +406,10 @@ class CudaGraphRunner(GraphRecorder):
             parts.append("a memory pool of its own (its inputs were outputs of replays when it was captured)")
         if self.uncaptured:
             parts.append(f"{self.uncaptured} call(s) ran uncaptured while earlier outputs were held")
+        if self.sites:
+            captured = sum(1 for s in self.sites if s.g is not None)
+            parts.append(f"runs {len(self.sites) + 1} times per call of the model: one graph per call "
+                         f"({captured} of the other {len(self.sites)} captured)")
         if self.last_reason:
             parts.append(f"last recapture: {self.last_reason}")
         self._set_status("; ".join(parts))
