@@ -33,6 +33,15 @@ class PoolState:
         self.consts: set[int] = set()  # ids of host tensors that live graphs hand out unchanged
         self.keeper: object = None  # the graph that pre-sized the pool (runtime/cudagraphs/pool.py)
         self.spans: dict[int, int] = {}  # address -> bytes of every output group ever handed out
+        # Output groups handed out (by a capture or a replay) and not yet seen free, by id: a group
+        # nobody holds cannot be held again until its graph hands it out anew, so the overwrite
+        # check before each replay reads these, not every group of every graph in the pool.
+        self.handed: dict[int, OutputGroup] = {}
+
+    def hand_out(self, groups: list[OutputGroup]) -> None:
+        for grp in groups:
+            if not grp.copy:  # a copy group hands out fresh tensors, not this pool's memory
+                self.handed[id(grp)] = grp
 
     def add(self, g: CapturedGraph) -> None:
         self.graphs.append(g)
@@ -124,7 +133,7 @@ class CapturedGraph:
     dyn_ptrs: list[int] = field(default_factory=list)
     same_calls: list[int] = field(default_factory=list)
     pooled: dict[int, tuple[int, int]] = field(default_factory=dict)  # input -> its buffer's (address, bytes) in the pool
-    candidates: tuple[int, list, list[OutputGroup]] | None = None  # (graphs in the pool, protected, hazard_candidates' answer)
+    candidates: tuple[int, list, set[int]] | None = None  # (graphs in the pool, protected, hazard_candidates' answer)
 
     @property
     def expanded(self) -> bool:
@@ -228,16 +237,16 @@ def merged(ranges: list[tuple[int, int]]) -> list[tuple[int, int]]:
     return out
 
 
-def hazard_candidates(g: CapturedGraph) -> list[OutputGroup]:
-    """The output groups of the pool's other graphs that ``g``'s replay may write over: those
+def hazard_candidates(g: CapturedGraph) -> set[int]:
+    """The output groups (by id) of the pool's other graphs that ``g``'s replay may write over: those
     outside the memory held throughout its capture. Graphs only join a pool, and a graph's groups
     and protected ranges are fixed at capture, so the list is kept until the pool gains a graph
     (or ``protected`` is replaced)."""
     graphs = g.state.graphs
     if g.candidates is None or g.candidates[0] != len(graphs) or g.candidates[1] is not g.protected:
         ranges = merged(g.protected)
-        g.candidates = (len(graphs), g.protected, [grp for y in graphs if y is not g for grp in y.groups
-                                                   if not inside(grp, ranges)])
+        g.candidates = (len(graphs), g.protected, {id(grp) for y in graphs if y is not g for grp in y.groups
+                                                   if not inside(grp, ranges)})
     return g.candidates[2]
 
 
@@ -249,11 +258,18 @@ def overwrite_hazards(g: CapturedGraph, args: list) -> list[OutputGroup]:
     in use: memory held throughout the capture (``g.protected``) is never written."""
     if not g.state.shared:
         return []
+    handed = g.state.handed
+    if not handed:
+        return []
+    candidates = hazard_candidates(g)
     refs: dict[int, int] | None = None
     out = []
-    for grp in hazard_candidates(g):
+    for key, grp in list(handed.items()):
+        if key not in candidates:  # held throughout g's capture: its replay never writes there
+            continue
         n = uses(grp)
         if n <= 0:
+            del handed[key]  # free: held again only once its graph hands it out anew
             continue
         if refs is None:
             refs = storage_refs(args)

@@ -290,6 +290,7 @@ class GraphRecorder:
             else:
                 out.append(leaf)
         leaves.clear()
+        g.state.hand_out(g.groups)
         if g.container is None:
             return out[0]
         return g.container(out)
