@@ -62,6 +62,11 @@ def _fmt(value: float | None, spec: str = ".2f", suffix: str = "") -> str:
     return "-" if value is None else f"{value:{spec}}{suffix}"
 
 
+def _ratio(value: float | None) -> str:
+    """A speedup cut (never rounded up) to three decimals."""
+    return "-" if value is None else f"{math.floor(value * 1000) / 1000:.3f}x"
+
+
 def _distinct(rows: Iterable[dict[str, Any]], field: str) -> str:
     values = sorted({str(r[field]) for r in rows if r.get(field) is not None})
     return ", ".join(values) if values else "unknown"
@@ -103,8 +108,8 @@ def headline(rows: Sequence[dict[str, Any]], ember: str = "ember") -> str:
                 used.append(e_row)
             ms_cells.append("-" if e_row is None else _fmt(e_ms) if e_row.get("error") is None
                             else f"error: {str(e_row['error'])[:60]}")
-            ratio_cells.append(_fmt(vs_best, ".2f", "x"))
-            eager_cells.append(_fmt(eager_ms / e_ms if e_ms and eager_ms else None, ".2f", "x"))
+            ratio_cells.append(_ratio(vs_best))
+            eager_cells.append(_ratio(eager_ms / e_ms if e_ms and eager_ms else None))
             compile_cells.append(_fmt(e_row.get("compile_s") if e_row else None, ".1f"))
         if row_ratios:
             best_of.append(max(row_ratios))
@@ -116,11 +121,11 @@ def headline(rows: Sequence[dict[str, Any]], ember: str = "ember") -> str:
     for e in embers:
         if ratios[e]:
             geo = math.exp(sum(math.log(r) for r in ratios[e]) / len(ratios[e]))
-            out += (f"Geometric mean of {e} against the best Inductor mode: {geo:.3f}x over {len(ratios[e])} rows "
+            out += (f"Geometric mean of {e} against the best Inductor mode: {_ratio(geo)} over {len(ratios[e])} rows "
                     f"(above 1: Ember faster).\n")
     if len(embers) > 1 and best_of:
         geo = math.exp(sum(math.log(r) for r in best_of) / len(best_of))
-        out += f"Geometric mean of the faster Ember variant of each row: {geo:.3f}x over {len(best_of)} rows.\n"
+        out += f"Geometric mean of the faster Ember variant of each row: {_ratio(geo)} over {len(best_of)} rows.\n"
     out += "\n"
     timers = sorted({str(r.get("timer")) for r in used if r.get("timer")})
     timer_text = "; ".join(f"`{t}` ({TIMER_TEXT.get(t, 'see the result files')})" for t in timers) or "unknown"
