@@ -213,3 +213,31 @@ def test_device_option() -> None:
 
 
 # The seed suite through this path (training step, then inference): tests/models/test_seed_models.py.
+
+
+class _PositionBiasMLP(nn.Module):
+    """A bias computed from a buffer by a small MLP, parameters only (Swin V2's continuous
+    position bias): the whole MLP is frozen, and its linears become oneDNN calls plus views."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.register_buffer("table", torch.randn(1, 7, 7, 2))
+        self.mlp = nn.Sequential(nn.Linear(2, 32), nn.ReLU(), nn.Linear(32, 4, bias=False))
+        self.proj = nn.Linear(16, 16)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        bias = self.mlp(self.table).view(-1, 4).permute(1, 0).reshape(4, 49)
+        return self.proj(x) + 16 * torch.sigmoid(bias).sum()
+
+
+def test_parameter_only_mlp_lowered_to_library_calls_stays_frozen_whole() -> None:
+    # The library lowering adds nodes (a linear's output view) after the parameters were marked:
+    # unmarked, the frozen values' function read a name only the main program defined.
+    torch.manual_seed(0)
+    model = _PositionBiasMLP().eval()
+    compiled = ember.compile(model, target="cpu")
+    with torch.no_grad():
+        for _ in range(2):
+            x = torch.randn(3, 16)
+            _close(compiled(x), model(x))
+    assert any("frozen" in g.program for g in _graphs(compiled))

@@ -105,7 +105,9 @@ def passes_for(context: PassContext) -> list[GraphPass]:
             def library(gm: fx.GraphModule) -> int:
                 return lower_cpu_library_calls(gm, choose)
             library.__name__ = lower_cpu_library_calls.__name__  # the pass keeps its name in reports
-        passes += [mark_frozen_parameters, fold_conv_affine, library, eliminate_dead_code]
+        # Marked again after the library calls: the nodes they add (a linear's output view) are
+        # computed from parameters too, and a frozen node must only read frozen ones.
+        passes += [mark_frozen_parameters, fold_conv_affine, library, eliminate_dead_code, mark_frozen_parameters]
     elif context.gpu_freezing:
         def mark_frozen_parameters(gm: fx.GraphModule) -> int:
             return mark_frozen(gm, context.static_inputs)

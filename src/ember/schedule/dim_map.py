@@ -181,8 +181,8 @@ def map_view(group: GroupSpace, node: fx.Node, regroup: bool = True) -> Dims | S
     again); None for any other view, and, without ``regroup``, for a reshape that splits or
     merges dims (one that only inserts or drops size-1 dims still maps)."""
     src = node.args[0]
-    if src not in group.dims:
-        return None
+    if src not in group.dims or not isinstance(node.meta.get("val"), torch.Tensor):
+        return None  # split, unbind, chunk: several views, read through getitems of a stored value
     src_dims = group.dims[src]
     src_shape, shape = node_shape(src), node_shape(node)
     target = node.target
