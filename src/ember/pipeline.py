@@ -92,6 +92,9 @@ def compile_graph(gm: fx.GraphModule, example_inputs: list, options: Options, re
     """Compile one AOTAutograd graph; on an internal error run the graph as captured (and say so).
     ``target`` is the frame's resolved target (resolved from the graph's inputs when not given)."""
     reference = fx.GraphModule(gm, _copy_graph(gm.graph)) if options.check else None
+    # A backward's inputs are freed as it runs: holding them through its first call for a rerun
+    # would raise that call's peak (and the CUDA-graph pool measured on it).
+    rescue = _as_captured_later(gm) if record.kind != "backward" and not config.strict() else None
     try:
         if target is None:
             # Every value, not the inputs alone: a graph with no CUDA input can make CUDA tensors.
@@ -100,7 +103,11 @@ def compile_graph(gm: fx.GraphModule, example_inputs: list, options: Options, re
         options, cache_problem = usable_options(options)
         job = GraphJob(gm, example_inputs, options, record, target, debug_folder(record.title), config.debug_level(),
                        cache_problem)
-        return boxed(_compile(job, reference))
+        compiled = _compile(job, reference)
+        if rescue is not None:
+            compiled.rescue = rescue
+            compiled.on_rescue = lambda why: _rescued(record, why)
+        return boxed(compiled)
     except Exception as err:  # noqa: BLE001 - never fail where eager works
         if config.strict():
             raise
@@ -440,6 +447,25 @@ def _record_plan(record: GraphRecord, plan: KernelPlan, kernels: GeneratedKernel
     record.fusion_decisions.update(plan.fusion_decisions())
     for why, count in kernels.on_aten.items():
         record.fallback_reasons[f"fused group via ATen: {why}"] += count
+
+
+def _as_captured_later(gm: fx.GraphModule) -> Callable[[], Callable[[list], object]]:
+    """The graph as captured, copied now (the passes rewrite ``gm`` in place), made runnable
+    only if the program fails on its first call (``CompiledGraph.rescue``)."""
+    graph = _copy_graph(gm.graph)
+    attrs = {str(n.target): get_attr(gm, str(n.target)) for n in graph.nodes if n.op == "get_attr"}
+
+    def make() -> Callable[[list], object]:
+        module = fx.GraphModule(attrs, graph)
+        if route_attention_seeds(module):
+            module.recompile()
+        return lambda args: module(*_take(args))
+    return make
+
+
+def _rescued(record: GraphRecord, why: str) -> None:
+    record.error = f"failed on its first call, runs through ATen as captured: {why}"
+    record.cudagraph = "not captured: the program failed on its first call"
 
 
 def _take(args: list) -> list:

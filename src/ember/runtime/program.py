@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import time
+import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -69,6 +70,10 @@ class CompiledGraph:
     # (capture/warm_start.py): the stored program and the replay rule's decision. None when the
     # graph ran as captured (an internal error, dynamic shapes).
     saved: dict | None = None
+    # Makes the captured graph runnable as it was (ATen, op by op): what the first call falls back
+    # to if the program raises before it wrote any input, with ``on_rescue`` told why.
+    rescue: Callable[[], Callable[[list], object]] | None = None
+    on_rescue: Callable[[str], None] | None = None
 
     def __call__(self, args: list) -> object:
         self.calls += 1
@@ -79,7 +84,7 @@ class CompiledGraph:
             ready()
         saved = list(args) if self.check and self.reference is not None else None
         start = time.perf_counter()
-        out = self.run(args)
+        out = self._first_run(args) if self.rescue is not None else self.run(args)
         if self.first_call_s is None:
             self.first_call_s = time.perf_counter() - start
             if self.after_first_call is not None:
@@ -90,6 +95,31 @@ class CompiledGraph:
                 want = self.reference(*saved)
             compare_outputs(out, want, self.title)
         return out
+
+
+    def _first_run(self, args: list) -> object:
+        """The first call, with the captured graph to fall back to: a program that raises (a bug
+        of Ember's: eager runs this graph) before it wrote any input gives the call to the graph
+        as captured, now and from then on, and says so."""
+        from ember import config
+
+        rescue, self.rescue = self.rescue, None
+        held = list(args)
+        versions = [a._version if isinstance(a, torch.Tensor) else None for a in held]
+        try:
+            return self.run(args)
+        except Exception as err:
+            written = any(isinstance(a, torch.Tensor) and a._version != v for a, v in zip(held, versions))
+            if rescue is None or written or config.strict() or isinstance(err, torch.OutOfMemoryError):
+                raise
+            why = f"{type(err).__name__}: {str(err)[:300]}"
+            warnings.warn(f"ember: {self.title} failed on its first call ({why}); running it through ATen as "
+                          "captured from now on. Please report this with the traceback from EMBER_STRICT=1.",
+                          RuntimeWarning, stacklevel=3)
+            if self.on_rescue is not None:
+                self.on_rescue(why)
+            self.run = rescue()
+            return self.run(held)
 
 
 def boxed(graph: CompiledGraph) -> Callable[[list], object]:
