@@ -26,7 +26,7 @@ from ember.passes.cleanup import (
 from ember.passes.cpu_library import lower_cpu_library_calls
 from ember.passes.depthwise import generate_depthwise_convs
 from ember.passes.fold_conv import fold_conv_affine
-from ember.passes.freeze import mark_frozen
+from ember.passes.freeze import extend_frozen, mark_frozen
 from ember.passes.layout import to_channels_last
 from ember.passes.library_sites import Choose
 from ember.passes.pad_matmul import pad_unaligned_matmuls
@@ -105,9 +105,9 @@ def passes_for(context: PassContext) -> list[GraphPass]:
             def library(gm: fx.GraphModule) -> int:
                 return lower_cpu_library_calls(gm, choose)
             library.__name__ = lower_cpu_library_calls.__name__  # the pass keeps its name in reports
-        # Marked again after the library calls: the nodes they add (a linear's output view) are
+        # extend_frozen after the library calls: the nodes they add (a linear's output view) are
         # computed from parameters too, and a frozen node must only read frozen ones.
-        passes += [mark_frozen_parameters, fold_conv_affine, library, eliminate_dead_code, mark_frozen_parameters]
+        passes += [mark_frozen_parameters, fold_conv_affine, library, eliminate_dead_code, extend_frozen]
     elif context.gpu_freezing:
         def mark_frozen_parameters(gm: fx.GraphModule) -> int:
             return mark_frozen(gm, context.static_inputs)

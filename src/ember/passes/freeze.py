@@ -60,6 +60,22 @@ def mark_frozen(gm: fx.GraphModule, static_inputs: set[int]) -> int:
     return frozen
 
 
+def extend_frozen(gm: fx.GraphModule) -> int:
+    """Mark the nodes later passes added (the CPU library calls' linears and output views) whose
+    inputs are all frozen: a frozen node must read only frozen ones, as ``_prepare`` computes them
+    apart from the program. Marks are only added, never taken: a pass may freeze a value by design
+    (``fold_conv_affine``'s folded weights). Returns how many nodes it marked."""
+    added = 0
+    for node in gm.graph.nodes:
+        if node.op != "call_function" or is_frozen(node):
+            continue
+        inputs = node.all_input_nodes
+        if inputs and all(is_frozen(a) for a in inputs) and _is_pure(node):
+            node.meta[FROZEN] = True
+            added += 1
+    return added
+
+
 def frozen_compute_nodes(graph: fx.Graph) -> list[fx.Node]:
     """The frozen call_function nodes in graph order (what ``_prepare`` computes)."""
     return [n for n in graph.nodes if n.op == "call_function" and is_frozen(n)]
