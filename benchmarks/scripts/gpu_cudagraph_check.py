@@ -329,7 +329,7 @@ def check_inference(name: str) -> dict:
             if i == 1:
                 kept, kept_value = got, got.clone()
     if not torch.equal(kept, kept_value):
-        problems.append("an output of call 1 changed after later replays")
+        problems.append("an output kept from the second call changed after later replays")
     statuses = statuses_of(compiled)
     if not any(s.split(": ", 1)[1].startswith("captured") for s in statuses):
         problems.append("no graph captured")

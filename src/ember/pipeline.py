@@ -116,9 +116,7 @@ def compile_graph(gm: fx.GraphModule, example_inputs: list, options: Options, re
                       "captured. Please report this with the traceback from EMBER_STRICT=1.", stacklevel=2)
         if config.debug_level() >= 1:
             traceback.print_exc()
-        fallback = fx.GraphModule(gm, _copy_graph(gm.graph))
-        if route_attention_seeds(fallback):  # runs uncaptured, maybe after a replayed forward
-            fallback.recompile()
+        fallback = _captured_module(gm, _copy_graph(gm.graph))
         return boxed(CompiledGraph(record.title, fallback.code, lambda args: fallback(*_take(args))))
 
 
@@ -456,11 +454,19 @@ def _as_captured_later(gm: fx.GraphModule) -> Callable[[], Callable[[list], obje
     attrs = {str(n.target): get_attr(gm, str(n.target)) for n in graph.nodes if n.op == "get_attr"}
 
     def make() -> Callable[[list], object]:
-        module = fx.GraphModule(attrs, graph)
-        if route_attention_seeds(module):
-            module.recompile()
+        module = _captured_module(attrs, graph)
         return lambda args: module(*_take(args))
     return make
+
+
+def _captured_module(root: fx.GraphModule | dict[str, object], graph: fx.Graph) -> fx.GraphModule:
+    """A captured graph made runnable op by op through ATen (a compile that failed, or a program
+    that failed on its first call): it runs uncaptured, maybe after a replayed forward, so its
+    attention seeds take the form that status reads (passes/attention_seeds.py)."""
+    module = fx.GraphModule(root, graph)
+    if route_attention_seeds(module):
+        module.recompile()
+    return module
 
 
 def _rescued(record: GraphRecord, why: str) -> None:

@@ -10,6 +10,8 @@ from dataclasses import dataclass
 import torch
 import torch.fx as fx
 
+from ember import config
+
 
 class EmberMismatchError(AssertionError):
     """``check=True`` found a compiled result that differs from eager."""
@@ -96,13 +98,10 @@ class CompiledGraph:
             compare_outputs(out, want, self.title)
         return out
 
-
     def _first_run(self, args: list) -> object:
         """The first call, with the captured graph to fall back to: a program that raises (a bug
         of Ember's: eager runs this graph) before it wrote any input gives the call to the graph
         as captured, now and from then on, and says so."""
-        from ember import config
-
         rescue, self.rescue = self.rescue, None
         held = list(args)
         versions = [a._version if isinstance(a, torch.Tensor) else None for a in held]

@@ -39,6 +39,8 @@ class PoolState:
         self.handed: dict[int, OutputGroup] = {}
 
     def hand_out(self, groups: list[OutputGroup]) -> None:
+        if not self.shared:  # the overwrite check reads these only in a shared pool
+            return
         for grp in groups:
             if not grp.copy:  # a copy group hands out fresh tensors, not this pool's memory
                 self.handed[id(grp)] = grp

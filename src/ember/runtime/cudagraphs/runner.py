@@ -348,8 +348,7 @@ class CudaGraphRunner(GraphRecorder):
             compat.set_version_counters([refs[i] for i in g.bump], [refs[i]._version + 1 for i in g.bump])
         if g.groups and g.groups[0].view is None:
             self._views(g)
-        if g.state.shared:
-            g.state.hand_out(g.groups)
+        g.state.hand_out(g.groups)
         leaves: list[object] = []
         copies: dict[int, dict[int, torch.Tensor]] = {}
         for j, s in enumerate(g.slots):
