@@ -106,6 +106,19 @@ def _inductor_cudagraphs(model: nn.Module) -> Callable[..., Any]:
     return _marking_steps(torch.compile(model, mode="reduce-overhead"))
 
 
+def _inductor_cudagraphs_rnn(model: nn.Module) -> Callable[..., Any]:
+    """Inductor with CUDA graphs and Dynamo's ``allow_rnn`` on during the calls: nn.LSTM / GRU / RNN
+    traced into the graph (Inductor then decomposes them per step), as Ember does by default."""
+    compiled = torch.compile(model, mode="reduce-overhead")
+
+    def call(*args: Any, **kwargs: Any) -> Any:
+        torch.compiler.cudagraph_mark_step_begin()
+        with torch._dynamo.config.patch(allow_rnn=True):
+            return compiled(*args, **kwargs)
+
+    return call
+
+
 def _inductor_max_autotune(model: nn.Module) -> Callable[..., Any]:
     return _marking_steps(torch.compile(model, mode="max-autotune"))
 
@@ -170,6 +183,9 @@ BACKENDS: dict[str, BackendFactory] = {
     "eager": Backend(_eager, "eager"),
     "inductor": Backend(_inductor, "torch.compile default"),
     "inductor-cudagraphs": Backend(_inductor_cudagraphs, "torch.compile mode=reduce-overhead"),
+    "inductor-cudagraphs-rnn": Backend(_inductor_cudagraphs_rnn,
+                                       "torch.compile mode=reduce-overhead, Dynamo's allow_rnn on (RNNs traced)",
+                                       opt_in=True),
     "inductor-max-autotune": Backend(_inductor_max_autotune, "torch.compile mode=max-autotune", opt_in=True),
     "inductor-cudagraphs-compiled-optimizer": Backend(
         _inductor_cudagraphs, "torch.compile mode=reduce-overhead + optimizer step compiled (fullgraph=False)",

@@ -54,6 +54,13 @@ from ember.targets import Target, frame_values, resolve_target
 DYNAMIC_RECOMPILES = 4
 _LIMIT = compat.recompile_limit_name()
 
+
+
+def _rnn_setting(trace: bool) -> tuple[tuple[str, object], ...]:
+    """Dynamo's switch for tracing RNN modules (``allow_rnn``), where this torch has it."""
+    return (("allow_rnn", trace),) if hasattr(torch._dynamo.config, "allow_rnn") else ()
+
+
 _DECOMPOSITIONS: dict[tuple[bool, bool], dict] = {}
 
 
@@ -142,7 +149,7 @@ class ShapePolicy:
         if wanted is None:
             wanted = backend.dynamo_settings = (
                 ("automatic_dynamic_shapes", backend.dynamic_shapes_on()), ("assume_static_by_default", True),
-                (_LIMIT, backend.static_budget + DYNAMIC_RECOMPILES))
+                (_LIMIT, backend.static_budget + DYNAMIC_RECOMPILES)) + _rnn_setting(backend.options.trace_rnn)
         cfg = torch._dynamo.config
         for name, value in wanted:
             old = getattr(cfg, name)
