@@ -190,10 +190,11 @@ class Options:
                                     "multi-tensor copies (torch._foreach_copy_) at the first one's place instead of "
                                     "a kernel each (schedule/batched_casts.py); off: a kernel each",
                               "EMBER_BATCH_CASTS")
-    trace_rnn: bool = _item(True, "Dynamo traces nn.LSTM / GRU / RNN (its allow_rnn setting, on during the model's "
-                                  "calls): the recurrence joins the model's graph as per-step matmuls and fused "
-                                  "gate kernels, inside its CUDA graph; off: Dynamo breaks the graph at the "
-                                  "module and ATen's (cuDNN's) RNN runs eagerly between graphs", "EMBER_TRACE_RNN")
+    trace_rnn: bool = _item(True, "inference (gradients off): Dynamo traces nn.LSTM / GRU / RNN (its allow_rnn "
+                                  "setting, on during such calls), so the recurrence joins the model's graph as "
+                                  "per-step matmuls and fused gate kernels inside its CUDA graph; training keeps "
+                                  "Dynamo's graph break and cuDNN's RNN, whose backward is faster than the per-step "
+                                  "one (off: the break in inference too)", "EMBER_TRACE_RNN")
     progress: bool | None = _item(None, "one updating line on stderr while a compile runs longer than about 2 s "
                                         "(report/progress.py); unset: on when stderr is a terminal",
                                   "EMBER_PROGRESS", "bool")

@@ -106,11 +106,12 @@ class LSTMLanguageModel(nn.Module):
         return self.decoder(self.drop(hidden))
 
     def recurrence(self, emb: torch.Tensor) -> torch.Tensor:
-        # Dynamo does not trace nn.LSTM (``allow_rnn`` is off by default, for every torch.compile
+        # Dynamo does not trace nn.LSTM by default (``allow_rnn`` off, for every torch.compile
         # backend): it breaks the graph. Called inline in ``forward`` the break falls on loading
         # ``self.lstm``, where Dynamo cannot resume, and it compiles the embedding only; from this
         # method the break falls on the call in ``forward`` and Dynamo compiles the decoder too.
-        # The recurrence itself runs as cuDNN's (or ATen's) LSTM in every backend.
+        # There the recurrence runs as cuDNN's (or ATen's) LSTM. Ember's inference calls turn
+        # ``allow_rnn`` on (``trace_rnn``): one graph, the recurrence unrolled over the sequence.
         hidden, _state = self.lstm(emb)
         return hidden
 
@@ -184,7 +185,7 @@ ZOO_CASES: list[BenchCase] = [
     ),
     BenchCase(
         "lstm_lm", "word-level LSTM language model (Zaremba et al. large: 2 x 1500, vocab 10k), seq 35; "
-        "Dynamo breaks the graph at nn.LSTM",
+        "Dynamo breaks the graph at nn.LSTM (Ember's inference traces it)",
         _build_lstm, _lm_batch(10000, 500, 35, 16), _token_loss, batch_train=20, batch_infer=1,
     ),
 ]

@@ -55,11 +55,9 @@ DYNAMIC_RECOMPILES = 4
 _LIMIT = compat.recompile_limit_name()
 
 
-
-def _rnn_setting(trace: bool) -> tuple[tuple[str, object], ...]:
-    """Dynamo's switch for tracing RNN modules (``allow_rnn``), where this torch has it."""
-    return (("allow_rnn", trace),) if hasattr(torch._dynamo.config, "allow_rnn") else ()
-
+# Dynamo's switch for tracing RNN modules, set per call by ShapePolicy where this torch has it.
+# None: decided per call (ShapePolicy).
+_RNN_SWITCH: tuple[tuple[str, None], ...] = (("allow_rnn", None),) if hasattr(torch._dynamo.config, "allow_rnn") else ()
 
 _DECOMPOSITIONS: dict[tuple[bool, bool], dict] = {}
 
@@ -149,9 +147,13 @@ class ShapePolicy:
         if wanted is None:
             wanted = backend.dynamo_settings = (
                 ("automatic_dynamic_shapes", backend.dynamic_shapes_on()), ("assume_static_by_default", True),
-                (_LIMIT, backend.static_budget + DYNAMIC_RECOMPILES)) + _rnn_setting(backend.options.trace_rnn)
+                (_LIMIT, backend.static_budget + DYNAMIC_RECOMPILES)) + _RNN_SWITCH
         cfg = torch._dynamo.config
         for name, value in wanted:
+            if value is None:  # allow_rnn: on for inference calls (Options.trace_rnn); else the user's
+                if not backend.options.trace_rnn or torch.is_grad_enabled():
+                    continue
+                value = True
             old = getattr(cfg, name)
             if old != value:
                 setattr(cfg, name, value)

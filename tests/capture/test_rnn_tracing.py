@@ -1,0 +1,121 @@
+"""RNN modules in inference calls are traced into the model's graph (Dynamo's ``allow_rnn``, on
+during Ember's calls with gradients off): one graph, the recurrence as per-step matmuls and
+generated gate kernels, equal to eager. Training keeps Dynamo's graph break (cuDNN's or ATen's
+RNN runs eagerly between graphs), and ``trace_rnn=False`` keeps it in inference too. The user's
+own Dynamo setting is left as it was.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from core_helpers import assert_close, assert_compiled_cleanly, log_of
+
+import ember
+
+nn = torch.nn
+
+
+class RecurrentNet(nn.Module):
+    """A projection, a stacked recurrence, a head: the shape of a language or sequence model."""
+
+    def __init__(self, cell: type[nn.RNNBase]) -> None:
+        super().__init__()
+        self.proj = nn.Linear(5, 8)
+        self.rnn = cell(8, 8, num_layers=2, batch_first=True)
+        self.head = nn.Linear(8, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.recurrence(self.proj(x).tanh())).softmax(-1)
+
+    def recurrence(self, h: torch.Tensor) -> torch.Tensor:
+        # A method of its own, as the zoo's language model has it: where Dynamo breaks the graph
+        # at the RNN, it compiles the code before and after it.
+        hidden, _state = self.rnn(h)
+        return hidden
+
+
+def _net(cell: type[nn.RNNBase]) -> tuple[nn.Module, nn.Module]:
+    torch.manual_seed(0)
+    model = RecurrentNet(cell)
+    eager = RecurrentNet(cell)
+    eager.load_state_dict(model.state_dict())
+    return model, eager
+
+
+def _check_training(compiled: nn.Module, model: nn.Module, eager: nn.Module, x: torch.Tensor) -> None:
+    """Output, input gradient and every parameter gradient equal to eager's."""
+    results = []
+    for fn, params in ((compiled, model), (eager, eager)):
+        params.zero_grad(set_to_none=True)
+        leaf = x.clone().requires_grad_()
+        out = fn(leaf)
+        out.backward(torch.randn(out.shape, generator=torch.Generator().manual_seed(3)))
+        results.append([out.detach(), leaf.grad] + [p.grad for p in params.parameters()])
+    for i, (got, want) in enumerate(zip(*results)):
+        assert got is not None and want is not None, f"gradient {i} missing"
+        assert_close(got, want, f"value {i}")
+
+
+def _fallback_ops(compiled: object) -> set[str]:
+    return {reason.split(":")[0] for g in log_of(compiled).graphs for reason in g.fallback_reasons}
+
+
+@pytest.mark.parametrize("target", ["cpu", "triton-interpret"])
+@pytest.mark.parametrize("cell", [nn.LSTM, nn.GRU])
+def test_inference_traces_the_recurrence_into_one_graph(target: str, cell: type[nn.RNNBase]) -> None:
+    model, eager = _net(cell)
+    model.eval(), eager.eval()
+    compiled = ember.compile(model, target=target)
+    for seed in (1, 2):
+        x = torch.randn(2, 6, 5, generator=torch.Generator().manual_seed(seed))
+        with torch.no_grad():
+            got, want = compiled(x), eager(x)
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
+    log = log_of(compiled)
+    assert_compiled_cleanly(log)
+    assert len(log.frames) == 1 and len(log.graphs) == 1, log.frames  # no graph break at the RNN
+    assert log.graphs[0].kernels > 0 and log.graphs[0].target == target  # the gates in generated kernels
+    assert not any("lstm" in op or "gru" in op for op in _fallback_ops(compiled))
+    assert torch._dynamo.config.allow_rnn is False  # Dynamo's own default, back after the call
+
+
+def test_training_keeps_the_graph_break_and_matches_eager() -> None:
+    model, eager = _net(nn.LSTM)
+    compiled = ember.compile(model, target="cpu")
+    x = torch.randn(2, 6, 5)
+    _check_training(compiled, model, eager, x)
+    log = log_of(compiled)
+    assert len(log.frames) >= 2  # the LSTM ran between graphs, as Dynamo's default has it
+    assert_compiled_cleanly(log)
+
+
+def test_training_then_inference_on_one_model() -> None:
+    model, eager = _net(nn.LSTM)
+    compiled = ember.compile(model, target="cpu")
+    x = torch.randn(3, 4, 5)
+    _check_training(compiled, model, eager, x)
+    frames_training = len(log_of(compiled).frames)
+    with torch.no_grad():
+        torch.testing.assert_close(compiled(x), eager(x), rtol=1e-4, atol=1e-5)
+    # Gradients off: a recompile of the model's frame, the recurrence traced this time.
+    assert len(log_of(compiled).frames) == frames_training + 1
+
+
+def test_trace_rnn_off_keeps_the_break_in_inference() -> None:
+    model, eager = _net(nn.LSTM)
+    compiled = ember.compile(model.eval(), target="cpu", trace_rnn=False)
+    x = torch.randn(2, 6, 5)
+    with torch.no_grad():
+        torch.testing.assert_close(compiled(x), eager.eval()(x), rtol=1e-4, atol=1e-5)
+    assert len(log_of(compiled).frames) >= 2
+
+
+def test_the_users_allow_rnn_is_kept_in_training() -> None:
+    model, eager = _net(nn.GRU)
+    compiled = ember.compile(model, target="cpu")
+    x = torch.randn(2, 6, 5)
+    with torch._dynamo.config.patch(allow_rnn=True):
+        _check_training(compiled, model, eager, x)
+        assert torch._dynamo.config.allow_rnn is True
+    assert len(log_of(compiled).frames) == 1  # the user asked Dynamo to trace RNNs: one graph
