@@ -190,6 +190,11 @@ class Options:
                                     "multi-tensor copies (torch._foreach_copy_) at the first one's place instead of "
                                     "a kernel each (schedule/batched_casts.py); off: a kernel each",
                               "EMBER_BATCH_CASTS")
+    merge_matmuls: bool = _item(True, "GPU inference: matmuls that read one activation with parameter-only "
+                                      "weights (attention's query, key and value projections; a gated MLP's gate "
+                                      "and up) run as one matmul over the weights side by side, concatenated once "
+                                      "per parameter version (passes/sibling_matmuls.py); off: one matmul each",
+                                "EMBER_MERGE_MATMULS")
     trace_rnn: bool = _item(True, "inference (gradients off): Dynamo traces nn.LSTM / GRU / RNN (its allow_rnn "
                                   "setting, on during such calls), so the recurrence joins the model's graph as "
                                   "per-step matmuls and fused gate kernels inside its CUDA graph; training keeps "

@@ -38,6 +38,7 @@ from ember.passes.freeze import static_input_indices
 from ember.passes.layout import layout_summary, report_output_strides
 from ember.passes.matmul_padding_rule import tf32_matmuls
 from ember.passes.pad_matmul import padding_line, padding_summary
+from ember.passes.sibling_matmuls import MERGED_META
 from ember.report import progress
 from ember.report.records import GraphRecord
 from ember.runtime.artifacts import ProgramStore, StoredProgram, graph_key, restore_record, stored_program
@@ -197,12 +198,13 @@ def _passes_stage(job: GraphJob) -> fx.GraphModule:
     context = PassContext(record.kind, job.target.name, static_input_indices(), job.options.freeze,
                           job.options.channels_last, list(job.example_inputs),
                           library_choice=library_chooser(job.target, job.options.cache_root(), record),
-                          pad_matmul=job.options.pad_matmul)
+                          pad_matmul=job.options.pad_matmul, merge_matmuls=job.options.merge_matmuls)
     run_passes(job.gm, passes_for(context), on_result=on_pass,
                keep_text=job.level >= 3 or bool(job.options.debug_dir))
     record.layout = layout_summary(job.gm)
     report_output_strides(record.kind, record.layout)
     record.matmul_padding = padding_summary(job.gm)
+    record.merged_matmuls = list(job.gm.meta.get(MERGED_META, []))
     if job.level >= 1 and record.matmul_padding.get("padded"):
         print(f"# ember: {record.title}: {padding_line(record.matmul_padding)}")
     return job.gm
@@ -328,6 +330,7 @@ def _cache_key(job: GraphJob) -> tuple[ProgramStore | None, str | None]:
     key_target += "" if job.options.batch_casts else "+nobatchcasts"
     if job.target.gpu_code_path:
         key_target += "" if job.options.fuse_cat else "+nocat"
+        key_target += "" if job.options.merge_matmuls else "+nomergemm"
         key_target += f"+pad:{job.options.pad_matmul}{'+tf32' if tf32_matmuls() else ''}"
     if store is not None:  # tuned kernels change the program: a database change is a new key
         from ember.tune.apply import tuning_stamp

@@ -28,7 +28,7 @@ needs_browser = pytest.mark.skipif(
                             "install Debian's package: apt-get install -y chromium")
 
 SECTIONS = ["Summary", "Host time per step, and what ran outside the graphs", "Compile time", "Ops by category", "Placement", "Fusion decisions", "Memory layout",
-            "Matmul padding", "Fallback ops", "Coverage", "Tuning", "Graphs"]
+            "Matmul padding", "Merged matmuls", "Fallback ops", "Coverage", "Tuning", "Graphs"]
 WIDTH, HEIGHT = 1200, 2000
 MS = re.compile(r"^\d+\.\d ms$")
 PCT = re.compile(r"^\d+\.\d%$")

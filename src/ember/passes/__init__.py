@@ -30,6 +30,7 @@ from ember.passes.freeze import extend_frozen, mark_frozen
 from ember.passes.layout import to_channels_last
 from ember.passes.library_sites import Choose
 from ember.passes.pad_matmul import pad_unaligned_matmuls
+from ember.passes.sibling_matmuls import merge_sibling_matmuls
 from ember.targets import BY_NAME
 
 GraphPass = Callable[[fx.GraphModule], int]
@@ -50,6 +51,7 @@ class PassContext:
     example_inputs: list | None = None  # what AOTAutograd passed (the backward's carry saved strides)
     library_choice: Choose | None = None  # tuned library implementations per site (tune/apply.py)
     pad_matmul: str = "auto"  # Options.pad_matmul: auto | always | off
+    merge_matmuls: bool = True  # Options.merge_matmuls
 
     @property
     def freezing(self) -> bool:
@@ -77,7 +79,8 @@ def passes_for(context: PassContext) -> list[GraphPass]:
     padded to cuBLAS's alignment where the rule says it pays, channels_last for convolutional
     graphs and (when switched on) depthwise convolutions as Ember's kernels, then clones that keep
     their source's layout removed; freezing, convolution folding and oneDNN library calls for CPU
-    inference graphs whose parameters are known; freezing alone for GPU inference graphs."""
+    inference graphs whose parameters are known; freezing for GPU inference graphs, then matmuls
+    of one activation with frozen weights merged into one (attention's query, key and value)."""
     passes = list(DEFAULT_PASSES)
     if BY_NAME[context.target].runs_on_cuda and context.kind == "backward":
         passes.append(route_attention_seeds)  # memory-efficient attention's dropout seeds, captured or not
@@ -112,6 +115,8 @@ def passes_for(context: PassContext) -> list[GraphPass]:
         def mark_frozen_parameters(gm: fx.GraphModule) -> int:
             return mark_frozen(gm, context.static_inputs)
         passes.append(mark_frozen_parameters)
+        if context.merge_matmuls:  # after the marks: it merges products of frozen weights only
+            passes.append(merge_sibling_matmuls)
     return passes
 
 

@@ -35,6 +35,7 @@ from ember.passes.cleanup import eliminate_dead_code, reaches_output
 from ember.passes.graph_edit import add_node, fake_mode_of
 from ember.passes.layout import dense_strides
 from ember.passes.matmul_padding_rule import MatmulDims, PaddingDecision, decide, tf32_matmuls
+from ember.passes.strided_results import refresh_downstream, restore_output_strides, same_layout
 
 aten = torch.ops.aten
 PADDING_META = "ember_matmul_padding"
@@ -44,7 +45,6 @@ MATMULS = {aten.mm.default: (None, 0, 1), aten.addmm.default: (0, 1, 2),
            aten.bmm.default: (None, 0, 1), aten.baddbmm.default: (0, 1, 2)}
 _BATCHED = {aten.bmm.default, aten.baddbmm.default}
 _PERMUTES = {aten.permute.default, aten.t.default, aten.transpose.int}
-_VIEWS = {aten.view.default, aten._unsafe_view.default}
 
 
 def _val(node: object) -> object:
@@ -201,8 +201,8 @@ def pad_unaligned_matmuls(gm: fx.GraphModule, mode: str = "auto", min_flops_per_
     record["declined"] = dict(declined)
     record["align"] = sorted(aligns)
     if replaced:
-        _refresh_downstream(gm, fake, replaced, captured)
-        record["restored_outputs"] = _restore_outputs(gm, fake, output, original_outs)
+        refresh_downstream(gm, fake, replaced, captured, "matmul padding")
+        record["restored_outputs"] = restore_output_strides(gm, fake, output, original_outs)
         eliminate_dead_code(gm)  # the views of the unpadded arguments no matmul reads any more
     return len(record["padded"])
 
@@ -215,7 +215,7 @@ def _copy_cost(padder: _Padder, node: fx.Node, dims: MatmulDims, plan: Callable,
     if (m != dims.m or n != dims.n) and reaches_output(node):
         # The slice of the padded (contiguous) result: only rows cut off a single matrix keep its strides.
         sliced = dense_strides((*out.shape[:-2], m, n))
-        if not _same_layout(out, sliced):
+        if not same_layout(out, sliced):
             total += 2 * _nbytes(out)
     return total
 
@@ -277,92 +277,6 @@ def _rewrite(padder: _Padder, node: fx.Node, dims: MatmulDims, decision: Padding
     node.replace_all_uses_with(result)
     graph.erase_node(node)
     return result
-
-
-def _same_layout(val: torch.Tensor, stride: tuple[int, ...]) -> bool:
-    return all(size == 1 or a == b for size, a, b in zip(val.shape, val.stride(), stride))
-
-
-def _refresh_downstream(gm: fx.GraphModule, fake: object, changed: set[fx.Node],
-                        captured: dict[fx.Node, object]) -> None:
-    """Recompute ``meta['val']`` of the nodes that read a sliced result, directly or through others
-    whose strides changed. A view the new strides do not allow becomes ``reshape`` (a copy only where
-    it must); an op the fake mode cannot run reads copies in the strides it was captured with."""
-    changed = set(changed)
-    for node in list(gm.graph.nodes):
-        if node.op != "call_function" or node in changed or not any(a in changed for a in node.all_input_nodes):
-            continue
-        old = _val(node)
-        new = _rerun(node, fake)
-        if new is None:
-            _feed_captured_strides(gm, fake, node, changed, captured)
-            continue
-        if isinstance(old, torch.Tensor) and isinstance(new, torch.Tensor):
-            if old.shape != new.shape or old.dtype != new.dtype:
-                raise RuntimeError(f"matmul padding changed {node.name}'s shape or dtype: {old.shape}/{old.dtype} "
-                                   f"-> {new.shape}/{new.dtype}")
-            if not _same_layout(new, old.stride()):
-                changed.add(node)
-        elif old is not None and not isinstance(old, torch.Tensor):
-            changed.add(node)  # tuples (split, unbind ...): whatever they hold may have changed
-        node.meta["val"] = new
-
-
-def _args_vals(node: fx.Node) -> tuple[tuple, dict]:
-    return fx.node.map_arg(node.args, _val), fx.node.map_arg(node.kwargs, _val)
-
-
-def _rerun(node: fx.Node, fake: object) -> object:
-    args, kwargs = _args_vals(node)
-    try:
-        with fake:
-            return node.target(*args, **kwargs)
-    except Exception:  # noqa: BLE001 - a view the strides no longer allow, or an op without a fake kernel
-        if node.target not in _VIEWS:
-            return None
-    node.target = aten.reshape.default
-    with fake:
-        return node.target(*args, **kwargs)
-
-
-def _feed_captured_strides(gm: fx.GraphModule, fake: object, node: fx.Node, changed: set[fx.Node],
-                           captured: dict[fx.Node, object]) -> None:
-    """Give ``node`` copies of its changed inputs in the strides their captured values had."""
-    for arg in [a for a in node.all_input_nodes if a in changed]:
-        before = captured.get(arg)
-        if not isinstance(before, torch.Tensor) or not isinstance(_val(arg), torch.Tensor):
-            raise RuntimeError(f"matmul padding: {node.name} cannot be recomputed and reads {arg.name}")
-        node.replace_input_with(arg, _copy_to(gm, fake, arg, node, tuple(before.stride())))
-
-
-def _copy_to(gm: fx.GraphModule, fake: object, src: fx.Node, before: fx.Node, stride: tuple[int, ...]) -> fx.Node:
-    val = _val(src)
-    with fake:
-        want = torch.empty_strided(tuple(val.shape), tuple(stride), dtype=val.dtype, device=val.device)
-    with gm.graph.inserting_before(before):
-        if want.is_contiguous():
-            return add_node(gm.graph, fake, aten.clone.default, (src,), {"memory_format": torch.contiguous_format},
-                            val=want)
-        return add_node(gm.graph, fake, aten.clone.default, (src,), val=want)
-
-
-def _restore_outputs(gm: fx.GraphModule, fake: object, output: fx.Node, original: list[object]) -> int:
-    """Copy graph outputs whose strides changed back to the captured strides; returns how many."""
-    outs = list(output.args[0]) if isinstance(output.args[0], (list, tuple)) else [output.args[0]]
-    copies: dict[tuple[fx.Node, tuple], fx.Node] = {}
-    for i, (o, before) in enumerate(zip(outs, original)):
-        val = _val(o)
-        if not (isinstance(val, torch.Tensor) and isinstance(before, torch.Tensor)) or val.numel() <= 1:
-            continue
-        if _same_layout(val, before.stride()):
-            continue
-        key = (o, tuple(before.stride()))
-        if key not in copies:
-            copies[key] = _copy_to(gm, fake, o, output, tuple(before.stride()))
-        outs[i] = copies[key]
-    if copies:
-        output.args = (type(output.args[0])(outs) if isinstance(output.args[0], (list, tuple)) else outs[0],)
-    return len(copies)
 
 
 def padding_summary(gm: fx.GraphModule) -> dict:

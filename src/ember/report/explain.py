@@ -194,7 +194,8 @@ class ExplainReport:
         if self.problems():
             out.append(Section("Problems", self.problems(), alert=True))
         out += [self._summary(), self._host_section(), self._times(), self._categories(), self._placement(),
-                self._fusion_section(), self._layout_section(), self._padding_section(), self._fallbacks(),
+                self._fusion_section(), self._layout_section(), self._padding_section(),
+                self._merged_matmuls_section(), self._fallbacks(),
                 self._coverage_section(),
                 tuning_section(self.graphs)]
         return out
@@ -242,6 +243,19 @@ class ExplainReport:
                 lines.append(f"  {g.matmul_padding['restored_outputs']} graph output(s) copied back to eager's strides")
             lines += [f"  not padded ({n}x): {why}" for why, n in g.matmul_padding.get("declined", {}).items()]
         return Section("Matmul padding", lines)
+
+    def _merged_matmuls_section(self) -> Section:
+        ran = [g for g in self.graphs if g.merged_matmuls]
+        if not ran:
+            return Section("Merged matmuls", ["none merged (GPU inference graphs only: matmuls of one activation "
+                                              "with parameter-only weights; EMBER_MERGE_MATMULS=0 turns it off)."])
+        lines = ["Matmuls of one activation with parameter-only weights run as one matmul over the weights side",
+                 "by side, concatenated once per parameter version (passes/sibling_matmuls.py):"]
+        for g in ran:
+            lines += [f"{g.title}: {len(g.merged_matmuls)} merge(s)"]
+            for line, n in Counter(g.merged_matmuls).items():
+                lines.append(f"  {line}" + (f" ({n}x)" if n > 1 else ""))
+        return Section("Merged matmuls", lines)
 
     def _summary(self) -> Section:
         kinds = Counter(g.kind for g in self.graphs)

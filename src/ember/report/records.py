@@ -38,6 +38,7 @@ class GraphRecord:
     whole_step_blocker: str | None = None
     layout: dict = field(default_factory=dict)  # passes/layout.py: conversions, saved-output strides
     matmul_padding: dict = field(default_factory=dict)  # passes/pad_matmul.py: what was padded, what declined
+    merged_matmuls: list[str] = field(default_factory=list)  # passes/sibling_matmuls.py: one line per merge
     cache: str = ""  # compiled-program cache: hit | stored | miss | off | not cacheable (...)
     compile_note: str = ""  # where the kernel_compile stage went (runtime/precompile.py)
     # CPU: the program ran its fused groups through ATen while its kernels compiled (runtime/aten_first.py).
