@@ -332,6 +332,9 @@ class Settings:
     pad_matmul_min_flops_per_byte: float = _item(128.0, "matmul padding (auto): FLOPs of the matmul per byte the "
                                                         "padding copies, at least (passes/matmul_padding_rule.py)")
     pad_matmul_min_gflop: float = _item(1.0, "matmul padding (auto): the smallest matmul padded, in GFLOP")
+    merge_matmuls_max_copy_mb: float = _item(256.0, "merged sibling matmuls: at most this many MB of parameters "
+                                                    "copied into concatenated weights per graph (weights a frozen "
+                                                    "cast already copies, autocast's, cost nothing extra)")
     # Triton block sizes (codegen/triton_kernel.py); part of the compiled-program cache key.
     input_writes_as_stores: bool = _item(True, "a kept write into a graph input whose value a generated kernel "
                                                "computes is that kernel's store into the input, not a copy_ after "

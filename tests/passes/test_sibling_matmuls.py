@@ -120,3 +120,18 @@ def test_a_second_operand_that_is_not_a_parameter_is_not_merged() -> None:
     with torch.no_grad():
         assert_close(compiled(x, y), eager(x, y))
     assert _merges(compiled) == []
+
+
+def test_parameters_copied_beyond_the_cap_are_not_merged() -> None:
+    # float32 without autocast: the weights are the parameters themselves, so the concatenation
+    # is a second copy of them, which the cap bounds.
+    model, eager = _pair(Attention, True)
+    x = torch.randn(2, 6, 32)
+    with ember.config.patch(merge_matmuls_max_copy_mb=0.01), torch.no_grad():
+        compiled = ember.compile(model, target="triton-interpret")
+        assert_close(compiled(x), eager(x))
+    lines = _merges(compiled)
+    # q, k, v with biases: (32 + 16 + 16) x 32 weights and 64 biases, float32: 8,448 bytes, within
+    # 0.01 MB; gate and up: 2 x 48 x 32 x 4 = 12,288 more would pass the cap.
+    assert "3 addmms of [12] rows, N 32+16+16" in lines, lines
+    assert "not merged: 2 products would copy 0.0 MB of parameters (merge_matmuls_max_copy_mb left: 0.0)" in lines

@@ -116,7 +116,10 @@ def passes_for(context: PassContext) -> list[GraphPass]:
             return mark_frozen(gm, context.static_inputs)
         passes.append(mark_frozen_parameters)
         if context.merge_matmuls:  # after the marks: it merges products of frozen weights only
-            passes.append(merge_sibling_matmuls)
+            def merge_matmuls(gm: fx.GraphModule) -> int:
+                return merge_sibling_matmuls(gm, settings().merge_matmuls_max_copy_mb)
+            merge_matmuls.__name__ = merge_sibling_matmuls.__name__  # the pass keeps its name in reports
+            passes.append(merge_matmuls)
     return passes
 
 

@@ -10,7 +10,11 @@ the merged result; what reads it gets its metadata recomputed (``strided_results
 
 Only inference graphs with frozen parameters (training updates the weights every step, where
 the copy would be paid per step), only 2-D ``mm`` / ``addmm`` whose second operand (and bias) is
-frozen, and only groups of the same op, dtype and inner dimension. A weight defined after the
+frozen, and only groups of the same op, dtype and inner dimension. The concatenated weight is
+memory the frozen values keep; where a weight is a parameter itself (not a frozen cast that
+already copies it, as autocast's is) that is a second copy of it, capped per graph by the
+``merge_matmuls_max_copy_mb`` setting (a float32 language model's projections would double).
+A weight defined after the
 first product of its group is moved up: frozen nodes read parameters only, so any place before
 their first reader is valid. What was merged is in ``gm.meta["ember_sibling_matmuls"]``.
 """
@@ -76,7 +80,23 @@ def _hoist(node: fx.Node, before: fx.Node, order: dict[fx.Node, int]) -> None:
     order[node] = order[before] - 0.5  # before ``before``, after what was hoisted already
 
 
-def merge_sibling_matmuls(gm: fx.GraphModule) -> int:
+_VIEW_OPS = {aten.t.default, aten.permute.default, aten.transpose.int, aten.view.default, aten.slice.Tensor,
+             aten.expand.default, aten.unsqueeze.default, aten.squeeze.dim}
+
+
+def _copied_bytes(value: fx.Node) -> int:
+    """Bytes the concatenation copies beyond what the frozen values hold already: the value's
+    size where it is a parameter seen through views (no frozen op made a copy of it)."""
+    node = value
+    while node.op == "call_function" and node.target in _VIEW_OPS:
+        node = node.args[0]
+    if node.op != "placeholder":
+        return 0
+    val = _val(value)
+    return val.numel() * val.element_size() if isinstance(val, torch.Tensor) else 0
+
+
+def merge_sibling_matmuls(gm: fx.GraphModule, max_copy_mb: float = 256.0) -> int:
     """The pass (module docstring). Returns how many products it merged away."""
     graph = gm.graph
     record: list[str] = []
@@ -95,9 +115,17 @@ def merge_sibling_matmuls(gm: fx.GraphModule) -> int:
     captured = {n: _val(n) for n in graph.nodes}
     slices: set[fx.Node] = set()
     merged = 0
+    budget = max_copy_mb * 1e6
     for members in groups.values():
         if len(members) < 2:
             continue
+        copied = sum(_copied_bytes(m.args[-1]) + (_copied_bytes(m.args[0]) if len(m.args) == 3 else 0)
+                     for m in members)
+        if copied > budget:
+            record.append(f"not merged: {len(members)} products would copy {copied / 1e6:.1f} MB of parameters "
+                          f"(merge_matmuls_max_copy_mb left: {budget / 1e6:.1f})")
+            continue
+        budget -= copied
         slices |= _merge(graph, fake, members, captured)
         merged += len(members) - 1
         widths = "+".join(str(_val(m).shape[1]) for m in members)

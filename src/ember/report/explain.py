@@ -252,7 +252,7 @@ class ExplainReport:
         lines = ["Matmuls of one activation with parameter-only weights run as one matmul over the weights side",
                  "by side, concatenated once per parameter version (passes/sibling_matmuls.py):"]
         for g in ran:
-            lines += [f"{g.title}: {len(g.merged_matmuls)} merge(s)"]
+            lines += [f"{g.title}: {sum(not m.startswith('not merged') for m in g.merged_matmuls)} merge(s)"]
             for line, n in Counter(g.merged_matmuls).items():
                 lines.append(f"  {line}" + (f" ({n}x)" if n > 1 else ""))
         return Section("Merged matmuls", lines)

@@ -44,7 +44,7 @@ SCHEMA = 1
 TABLES = ("programs", "frames")  # the compiled graphs; whole Dynamo frames (capture/frame_cache.py)
 _RECORD_FIELDS = ("op_classes", "placement", "fallback_reasons", "steps", "fusion_decisions", "kernels", "unique_kernels",
                   "plan_text", "program", "kernel_sources", "layout", "tuned",
-                  "matmul_padding")
+                  "matmul_padding", "merged_matmuls")
 _SMALL_CONSTANT = 1 << 16  # constant tensors up to this many elements are hashed into the key
 
 
@@ -100,7 +100,8 @@ def _versions() -> str:
     # var_mean's form is chosen while decomposing: another setting gives another program.
     return (f"torch {torch.__version__} triton {triton.__version__} ember {__version__} "
             f"source {_source_digest()} tuning {tuning} input-writes {writes} {kernels} "
-            f"var-mean {now.one_pass_var_mean}/{now.one_pass_var_mean_min} schema {SCHEMA}")
+            f"var-mean {now.one_pass_var_mean}/{now.one_pass_var_mean_min} "
+            f"merge-copy {now.merge_matmuls_max_copy_mb} schema {SCHEMA}")
 
 
 def _device_name(inputs: list) -> str:
