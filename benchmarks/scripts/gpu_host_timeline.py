@@ -1,15 +1,17 @@
-"""Where a batch-1 call's host time goes, by segment, without a profiler's overhead.
+"""Where an inference call's host time goes, by segment, without a profiler's overhead.
 
 Run on the device (from the repo root):
     PYTHONPATH=src python benchmarks/scripts/gpu_host_timeline.py bert llama --out $OUT/timeline.json
 
-For each model (bf16 inference at batch 1 under ``ember.compile``), ``--steps`` steps after a
+For each model (bf16 inference at ``--batch``, default 1, under ``ember.compile``), ``--steps`` steps after a
 warm-up, each synchronised; ``time.perf_counter`` stamps at a few points of every call:
 
 - ``enter``: the compiled model's per-call context (Ember's ``ShapePolicy``) is entered: the
   model's own Python and torch's ``OptimizedModule`` call before it;
 - ``program``: Ember's program is called: Dynamo's guard check and AOTAutograd's wrappers before it;
-- ``replay``: the CUDA-graph runner's replay begins: its checks (addresses, frozen values) before it;
+- ``runner``: the CUDA-graph runner is called: the program's own wrappers before it;
+- ``checked``: the runner's check returned (addresses, held outputs, the pool's hazards);
+- ``replay``: the replay begins: the frozen values' check before it;
 - ``launched``: the graph has been launched;
 - ``returned``: Ember's program returned (outputs handed out);
 - ``done``: the step call returned (AOTAutograd's and Dynamo's way back, the model's output object);
@@ -35,12 +37,12 @@ from ember.capture import backend as capture_backend
 from ember.runtime import program
 from ember.runtime.cudagraphs import runner as runner_module
 
-POINTS = ("start", "enter", "program", "replay", "launched", "returned", "done", "synced")
+POINTS = ("start", "enter", "program", "runner", "checked", "replay", "launched", "returned", "done", "synced")
 _stamps: dict[str, float] = {}
 
 
 def _instrument() -> None:
-    """Wrap the four places a call passes through to stamp the time (first pass only)."""
+    """Wrap the places a call passes through to stamp the time (first pass only)."""
     policy_enter = capture_backend.ShapePolicy.__enter__
 
     def enter(self: object) -> None:
@@ -77,14 +79,31 @@ def _instrument() -> None:
 
     runner_module.CudaGraphRunner._replay = timed_replay
 
+    runner_call = runner_module.CudaGraphRunner.__call__
 
-def timeline(name: str, steps: int, warmup: int) -> dict:
+    def timed_call(self: runner_module.CudaGraphRunner, args: list) -> object:
+        _stamps.setdefault("runner", time.perf_counter())
+        return runner_call(self, args)
+
+    runner_module.CudaGraphRunner.__call__ = timed_call
+
+    check = runner_module.CudaGraphRunner._check
+
+    def timed_check(self: runner_module.CudaGraphRunner, args: list) -> object:
+        why = check(self, args)
+        _stamps.setdefault("checked", time.perf_counter())
+        return why
+
+    runner_module.CudaGraphRunner._check = timed_check
+
+
+def timeline(name: str, steps: int, warmup: int, batch: int = 1) -> dict:
     device = torch.device("cuda")
     case = models.get_case(name)
     torch.manual_seed(0)
     model = case.build(False).to(device).eval()
     step, _ = harness._backend_step(case, "ember", model, "infer", "bf16", device, None)
-    batches = models.make_batches(case, 1, device, count=2)
+    batches = models.make_batches(case, batch, device, count=2)
     rows = []
     for i in range(warmup + steps):
         _stamps.clear()
@@ -102,7 +121,7 @@ def timeline(name: str, steps: int, warmup: int) -> dict:
             segments[f"{a}->{b}"] = statistics.median(spans)
     whole = [(r["synced"] - r["start"]) * 1e6 for r in rows]
     launched = [(r["launched"] - r["start"]) * 1e6 for r in rows if "launched" in r]
-    return {"model": name, "steps": steps, "median_us": segments, "step_us": statistics.median(whole),
+    return {"model": name, "batch": batch, "steps": steps, "median_us": segments, "step_us": statistics.median(whole),
             "start_to_launch_us": statistics.median(launched) if launched else None,
             "replays": len(launched), "stamps": rows}
 
@@ -112,12 +131,13 @@ def main() -> int:
     parser.add_argument("models", nargs="+")
     parser.add_argument("--steps", type=int, default=300)
     parser.add_argument("--warmup", type=int, default=20)
+    parser.add_argument("--batch", type=int, default=1)
     parser.add_argument("--out", default="timeline.json")
     args = parser.parse_args()
     _instrument()
     results = []
     for name in args.models:
-        r = timeline(name, args.steps, args.warmup)
+        r = timeline(name, args.steps, args.warmup, args.batch)
         results.append(r)
         segs = "  ".join(f"{k} {v:.1f}" for k, v in r["median_us"].items())
         print(f"{name}: step {r['step_us']:.1f} us, start->launch {r['start_to_launch_us']}, "
