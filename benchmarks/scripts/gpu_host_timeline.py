@@ -17,6 +17,7 @@ warm-up, each synchronised; ``time.perf_counter`` stamps at a few points of ever
 - ``done``: the step call returned (AOTAutograd's and Dynamo's way back, the model's output object);
 - ``synced``: the device finished.
 
+``--peer BACKEND`` times that backend's calls too (its ``start -> done -> synced`` only).
 Prints the median of each segment in microseconds and writes every step's stamps to ``--out``.
 The launch ends the host work the GPU waits for: ``start -> launched`` is what a synchronised
 step adds to the graph's own GPU time.
@@ -97,12 +98,12 @@ def _instrument() -> None:
     runner_module.CudaGraphRunner._check = timed_check
 
 
-def timeline(name: str, steps: int, warmup: int, batch: int = 1) -> dict:
+def timeline(name: str, steps: int, warmup: int, batch: int = 1, backend: str = "ember") -> dict:
     device = torch.device("cuda")
     case = models.get_case(name)
     torch.manual_seed(0)
     model = case.build(False).to(device).eval()
-    step, _ = harness._backend_step(case, "ember", model, "infer", "bf16", device, None)
+    step, _ = harness._backend_step(case, backend, model, "infer", "bf16", device, None)
     batches = models.make_batches(case, batch, device, count=2)
     rows = []
     for i in range(warmup + steps):
@@ -120,8 +121,9 @@ def timeline(name: str, steps: int, warmup: int, batch: int = 1) -> dict:
         if spans:
             segments[f"{a}->{b}"] = statistics.median(spans)
     whole = [(r["synced"] - r["start"]) * 1e6 for r in rows]
+    host = [(r["done"] - r["start"]) * 1e6 for r in rows]
     launched = [(r["launched"] - r["start"]) * 1e6 for r in rows if "launched" in r]
-    return {"model": name, "batch": batch, "steps": steps, "median_us": segments, "step_us": statistics.median(whole),
+    return {"model": name, "backend": backend, "batch": batch, "steps": steps, "median_us": segments, "step_us": statistics.median(whole), "host_us": statistics.median(host),
             "start_to_launch_us": statistics.median(launched) if launched else None,
             "replays": len(launched), "stamps": rows}
 
@@ -132,16 +134,18 @@ def main() -> int:
     parser.add_argument("--steps", type=int, default=300)
     parser.add_argument("--warmup", type=int, default=20)
     parser.add_argument("--batch", type=int, default=1)
+    parser.add_argument("--peer", default=None, help="also time this backend's calls (start, done, synced only)")
     parser.add_argument("--out", default="timeline.json")
     args = parser.parse_args()
     _instrument()
     results = []
     for name in args.models:
-        r = timeline(name, args.steps, args.warmup, args.batch)
-        results.append(r)
-        segs = "  ".join(f"{k} {v:.1f}" for k, v in r["median_us"].items())
-        print(f"{name}: step {r['step_us']:.1f} us, start->launch {r['start_to_launch_us']}, "
-              f"replayed {r['replays']}/{args.steps} | {segs}", flush=True)
+        for backend in ["ember"] + ([args.peer] if args.peer else []):
+            r = timeline(name, args.steps, args.warmup, args.batch, backend)
+            results.append(r)
+            segs = "  ".join(f"{k} {v:.1f}" for k, v in r["median_us"].items())
+            print(f"{name} {backend}: step {r['step_us']:.1f} us, host {r['host_us']:.1f}, start->launch {r['start_to_launch_us']}, "
+                  f"replayed {r['replays']}/{args.steps} | {segs}", flush=True)
     meta = {"device": torch.cuda.get_device_name(), "torch": torch.__version__}
     Path(args.out).write_text(json.dumps({"meta": meta, "results": results}))
     return 0
