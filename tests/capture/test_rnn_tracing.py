@@ -119,3 +119,49 @@ def test_the_users_allow_rnn_is_kept_in_training() -> None:
         _check_training(compiled, model, eager, x)
         assert torch._dynamo.config.allow_rnn is True
     assert len(log_of(compiled).frames) == 1  # the user asked Dynamo to trace RNNs: one graph
+
+
+class PackedNet(nn.Module):
+    """Variable-length sequences through a bidirectional LSTM (pack / pad around it)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.rnn = nn.LSTM(6, 8, 2, batch_first=True, bidirectional=True)
+
+    def forward(self, x: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
+        packed = nn.utils.rnn.pack_padded_sequence(x, lengths, batch_first=True, enforce_sorted=False)
+        out, _state = self.rnn(packed)
+        padded, _lengths = nn.utils.rnn.pad_packed_sequence(out, batch_first=True, total_length=x.shape[1])
+        return padded.sum(-1)
+
+
+class VariantNet(nn.Module):
+    def __init__(self, rnn: nn.Module, with_state: bool = False) -> None:
+        super().__init__()
+        self.rnn, self.with_state = rnn, with_state
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.with_state:  # an initial state made in the graph
+            h = torch.full((self.rnn.num_layers, x.shape[1], self.rnn.hidden_size), 0.1)
+            out, (hn, _cn) = self.rnn(x, (h, h.clone()))
+            return out * 2 + hn.sum()
+        out, _state = self.rnn(x)
+        return out.tanh()
+
+
+@pytest.mark.parametrize("case", ["packed", "projections", "bidirectional_gru", "relu_rnn", "initial_state"])
+def test_rnn_variants_in_inference_match_eager(case: str) -> None:
+    torch.manual_seed(0)
+    model = {"packed": lambda: PackedNet(),
+             "projections": lambda: VariantNet(nn.LSTM(6, 8, 2, proj_size=4)),
+             "bidirectional_gru": lambda: VariantNet(nn.GRU(6, 8, 3, bidirectional=True, dropout=0.3)),
+             "relu_rnn": lambda: VariantNet(nn.RNN(6, 8, 2, nonlinearity="relu", bias=False)),
+             "initial_state": lambda: VariantNet(nn.LSTM(6, 8, 1), with_state=True)}[case]().eval()
+    compiled = ember.compile(model, target="cpu")
+    gen = torch.Generator().manual_seed(5)
+    if case == "packed":
+        args = (torch.randn(3, 5, 6, generator=gen), torch.tensor([5, 2, 4]))
+    else:
+        args = (torch.randn(5, 3, 6, generator=gen),)
+    with torch.no_grad():
+        torch.testing.assert_close(compiled(*args), model(*args), rtol=1e-4, atol=1e-5)
