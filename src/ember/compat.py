@@ -12,7 +12,7 @@ import contextlib
 import functools
 import importlib
 import logging
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import torch
@@ -22,9 +22,10 @@ log = logging.getLogger("ember.compat")
 
 # --- storage and autograd bookkeeping (CUDA-graph runtime, memory plan) --------------------------
 
-def storage_use_count(cdata: int) -> int:
-    """How many references the C++ side holds to the storage with handle ``cdata``."""
-    return torch._C._storage_Use_Count(cdata)
+# How many references the C++ side holds to the storage with handle ``cdata`` (0: an expired weak
+# reference). torch's builtin itself, not a wrapper: the CUDA-graph runner maps it over every
+# output group before each replay, where a Python frame per group cost more than the count.
+storage_use_count: Callable[[int], int] = torch._C._storage_Use_Count
 
 
 @functools.cache

@@ -132,6 +132,27 @@ def test_outputs_held_by_the_caller_are_never_overwritten() -> None:
     assert "copied" in runner.status and "still held" in runner.status
 
 
+def test_held_groups_reads_the_same_counts_as_each_groups_check() -> None:
+    # The runner's one-pass check (cached handles, mapped counts) against is_held group by group:
+    # outputs handed out from the pool and dropped, then one held, then dropped again.
+    from ember.runtime.cudagraphs.memory import held_groups, is_held
+
+    def both(g: object) -> tuple[list[int], list[int]]:
+        return held_groups(g), [k for k, grp in enumerate(g.groups) if is_held(grp)]
+
+    w = torch.randn(8, 4)
+    fw = fake_runner(tanh_forward)
+    for _ in range(4):
+        fw([new_batch(), w])  # dropped at once: handed out from the pool every time
+    g = fw.g
+    assert fw.replays >= 2 and g.groups[0].view is not None and g.counts is not None
+    assert both(g) == ([], [])
+    out = fw([new_batch(), w])
+    assert fw.g is g and both(g)[0] == both(g)[1] != []  # the held outputs show
+    del out
+    assert both(g) == ([], [])
+
+
 def test_outputs_dropped_before_the_next_call_come_from_the_graph_memory() -> None:
     w = torch.randn(8, 4)
     runner = fake_runner(_mm_relu)
@@ -384,7 +405,7 @@ def test_gpu_check_layer_per_graph_rows_pass_on_cpu(cuda_graphs_on_cpu, monkeypa
 
 def test_gpu_check_fails_when_a_replay_overwrites_held_outputs(cuda_graphs_on_cpu, monkeypatch) -> None:
     check = _check_module()
-    monkeypatch.setattr(cudagraph, "is_held", lambda grp: False)  # the runner's guard, switched off
+    monkeypatch.setattr(cudagraph, "held_groups", lambda g: [])  # the runner's guard, switched off
     row = check.check_training("convnet", "fp32", "together", device="cpu", steps=3, graphs_off=False,
                                compile_fn=functools.partial(ember.compile, target="aten"))
     assert not row["ok"] and any("vs eager" in p for p in row["problems"]), row["problems"]

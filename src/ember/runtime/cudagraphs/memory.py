@@ -136,6 +136,10 @@ class CapturedGraph:
     same_calls: list[int] = field(default_factory=list)
     pooled: dict[int, tuple[int, int]] = field(default_factory=dict)  # input -> its buffer's (address, bytes) in the pool
     candidates: tuple[int, list, set[int]] | None = None  # (graphs in the pool, protected, hazard_candidates' answer)
+    # hand_out_fresh's plan: the pool slots, their base tensors, the other slots (fixed with the views).
+    fresh_plan: tuple[list[int], list[torch.Tensor], list[int]] | None = None
+    # held_groups' per-group handles and baselines, fixed once the groups' views exist.
+    counts: tuple[list[int], list[int], list[int], list[int]] | None = None
 
     @property
     def expanded(self) -> bool:
@@ -210,6 +214,69 @@ def is_held(grp: OutputGroup) -> bool:
     # Anybody else holding the storage (a tensor, a view, autograd's saved tensors) raises its
     # reference count.
     return uses(grp) > 0
+
+
+def held_groups(g: CapturedGraph) -> list[int]:
+    """Indices of ``g``'s output groups that somebody holds (``is_held`` of each), in one pass.
+
+    Runs before every replay over every output group (a training forward saves hundreds of
+    tensors for its backward): once the groups' views exist (the first replay makes them, and
+    they stay for the graph's life) their handles and baselines are kept as lists, and the
+    reference counts are read by ``map`` over torch's own function, no Python call per group."""
+    groups = g.groups
+    if not groups or groups[0].view is None:
+        return [k for k, grp in enumerate(groups) if is_held(grp)]
+    if g.counts is None:
+        g.counts = ([grp.own.cdata for grp in groups], [grp.own_base for grp in groups],
+                    [grp.view._cdata for grp in groups], [grp.view_base for grp in groups])  # type: ignore[union-attr]
+    own, own_base, view, view_base = g.counts
+    count = compat.storage_use_count
+    return [k for k, (n, nb, v, vb) in enumerate(zip(map(count, own), own_base, map(count, view), view_base))
+            if (n - nb if n else 0) + v - vb > 0]
+
+
+_DETACH = torch.Tensor.detach
+
+
+def other_leaf(g: CapturedGraph, s: Slot, refs: list, leaves: list) -> object:
+    """The leaf a slot of any kind but ``pool`` hands out after a replay (``leaves``: the earlier ones)."""
+    kind = s.kind
+    if kind in ("value", "const"):
+        return s.value
+    if kind == "input":
+        return refs[s.index]
+    if kind == "alias":
+        return rebase(s.value, refs[s.index], s.delta)  # type: ignore[arg-type]
+    if kind == "same":
+        return leaves[s.index]
+    t = s.value  # empty
+    return torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device=g.device)  # type: ignore[union-attr]
+
+
+def hand_out_fresh(g: CapturedGraph, refs: list) -> list:
+    """The leaves of a replay none of whose output groups is copied: a fresh tensor on the pool's
+    memory per pool output, made by ``map`` over the groups' base tensors (a training forward hands
+    out hundreds), then the other slots in order. Needs the groups' views (``_views``)."""
+    plan = g.fresh_plan
+    if plan is None:
+        pool_at: list[int] = []
+        bases: list[torch.Tensor] = []
+        others: list[int] = []
+        for j, s in enumerate(g.slots):
+            if s.kind == "pool":
+                pool_at.append(j)
+                bases.append(g.groups[s.index].bases[j])
+            else:
+                others.append(j)
+        plan = g.fresh_plan = (pool_at, bases, others)
+    pool_at, bases, others = plan
+    leaves: list = [None] * len(g.slots)
+    for j, t in zip(pool_at, map(_DETACH, bases)):
+        leaves[j] = t
+    slots = g.slots
+    for j in others:
+        leaves[j] = other_leaf(g, slots[j], refs, leaves)
+    return leaves
 
 
 def unclean(state: PoolState, refs: dict[int, int]) -> bool:

@@ -70,6 +70,7 @@ The rules a replay must keep, and how:
 
 from __future__ import annotations
 
+import operator
 from collections.abc import Callable
 
 import torch
@@ -85,11 +86,12 @@ from ember.runtime.cudagraphs.memory import (
     copy_group,
     copy_in,
     few,
-    is_held,
+    hand_out_fresh,
+    held_groups,
+    other_leaf,
     overwrite_hazards,
     pooled_clash,
     ptr_of,
-    rebase,
 )
 from ember.runtime.cudagraphs.pool import GraphPool, presize, share_pool  # noqa: F401 - re-exported
 from ember.runtime.cudagraphs.recording import MAX_CAPTURES, GraphRecorder  # noqa: F401 - re-exported
@@ -103,6 +105,7 @@ from ember.runtime.cudagraphs.rules import (  # noqa: F401 - the decision, re-ex
 
 aten = torch.ops.aten
 _DATA_PTR = torch.Tensor.data_ptr
+_COPIED = operator.attrgetter("copy")
 
 def pooled_inputs_enabled() -> bool:
     return settings().pooled_inputs
@@ -245,7 +248,7 @@ class CudaGraphRunner(GraphRecorder):
                 return f"input {few(spread)} is no longer expanded as when captured"
         # Every group, copied ones too: an output handed out before its group became a copy
         # may still be held, and the replay would overwrite it.
-        held = [k for k, grp in enumerate(g.groups) if is_held(grp)]
+        held = held_groups(g)
         if held:
             for k in held:
                 g.groups[k].copy = True
@@ -349,30 +352,25 @@ class CudaGraphRunner(GraphRecorder):
         if g.groups and g.groups[0].view is None:
             self._views(g)
         g.state.hand_out(g.groups)
+        if not any(map(_COPIED, g.groups)):
+            leaves = hand_out_fresh(g, refs)
+            if g.container is None:
+                return leaves[0]
+            return g.container(leaves)
         leaves: list[object] = []
         copies: dict[int, dict[int, torch.Tensor]] = {}
         for j, s in enumerate(g.slots):
-            kind = s.kind
-            if kind == "pool":
-                grp = g.groups[s.index]
-                if grp.copy:
-                    if s.index not in copies:
-                        assert grp.view is not None
-                        copies[s.index] = copy_group(grp, g.slots, grp.view)
-                    leaves.append(copies[s.index][j])
-                else:
-                    leaves.append(grp.bases[j].detach())
-            elif kind in ("value", "const"):
-                leaves.append(s.value)
-            elif kind == "input":
-                leaves.append(refs[s.index])
-            elif kind == "alias":
-                leaves.append(rebase(s.value, refs[s.index], s.delta))  # type: ignore[arg-type]
-            elif kind == "same":
-                leaves.append(leaves[s.index])
-            else:  # empty
-                t = s.value
-                leaves.append(torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device=g.device))  # type: ignore[union-attr]
+            if s.kind != "pool":
+                leaves.append(other_leaf(g, s, refs, leaves))
+                continue
+            grp = g.groups[s.index]
+            if grp.copy:
+                if s.index not in copies:
+                    assert grp.view is not None
+                    copies[s.index] = copy_group(grp, g.slots, grp.view)
+                leaves.append(copies[s.index][j])
+            else:
+                leaves.append(grp.bases[j].detach())
         if g.container is None:
             return leaves[0]
         return g.container(leaves)
