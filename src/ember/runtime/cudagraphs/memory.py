@@ -38,8 +38,12 @@ class PoolState:
         # check before each replay reads these, not every group of every graph in the pool.
         self.handed: dict[int, OutputGroup] = {}
 
-    def hand_out(self, groups: list[OutputGroup]) -> None:
+    def hand_out(self, groups: list[OutputGroup], none_copied: bool = False) -> None:
+        """``groups`` were just handed out (``none_copied``: the caller knows no group is copied)."""
         if not self.shared:  # the overwrite check reads these only in a shared pool
+            return
+        if none_copied:
+            self.handed.update(zip(map(id, groups), groups))
             return
         for grp in groups:
             if not grp.copy:  # a copy group hands out fresh tensors, not this pool's memory
@@ -136,8 +140,9 @@ class CapturedGraph:
     same_calls: list[int] = field(default_factory=list)
     pooled: dict[int, tuple[int, int]] = field(default_factory=dict)  # input -> its buffer's (address, bytes) in the pool
     candidates: tuple[int, list, set[int]] | None = None  # (graphs in the pool, protected, hazard_candidates' answer)
-    # hand_out_fresh's plan: the pool slots, their base tensors, the other slots (fixed with the views).
-    fresh_plan: tuple[list[int], list[torch.Tensor], list[int]] | None = None
+    # hand_out_fresh's plan: the pool slots and their base tensors, the input slots and their
+    # inputs, the other slots (fixed with the views).
+    fresh_plan: tuple[list[int], list[torch.Tensor], list[tuple[int, int]], list[int]] | None = None
     # held_groups' per-group handles and baselines, fixed once the groups' views exist.
     counts: tuple[list[int], list[int], list[int], list[int]] | None = None
 
@@ -261,18 +266,23 @@ def hand_out_fresh(g: CapturedGraph, refs: list) -> list:
     if plan is None:
         pool_at: list[int] = []
         bases: list[torch.Tensor] = []
+        inputs: list[tuple[int, int]] = []  # a forward hands parameters to its backward as they are
         others: list[int] = []
         for j, s in enumerate(g.slots):
             if s.kind == "pool":
                 pool_at.append(j)
                 bases.append(g.groups[s.index].bases[j])
+            elif s.kind == "input":
+                inputs.append((j, s.index))
             else:
                 others.append(j)
-        plan = g.fresh_plan = (pool_at, bases, others)
-    pool_at, bases, others = plan
+        plan = g.fresh_plan = (pool_at, bases, inputs, others)
+    pool_at, bases, inputs, others = plan
     leaves: list = [None] * len(g.slots)
     for j, t in zip(pool_at, map(_DETACH, bases)):
         leaves[j] = t
+    for j, i in inputs:
+        leaves[j] = refs[i]
     slots = g.slots
     for j in others:
         leaves[j] = other_leaf(g, slots[j], refs, leaves)
@@ -330,12 +340,12 @@ def overwrite_hazards(g: CapturedGraph, args: list) -> list[OutputGroup]:
     handed = g.state.handed
     if not handed:
         return []
-    candidates = hazard_candidates(g)
+    # Groups held throughout g's capture are no candidates: its replay never writes there. The
+    # intersection runs in C: a backward's check sees every activation its forward handed out.
     refs: dict[int, int] | None = None
     out = []
-    for key, grp in list(handed.items()):
-        if key not in candidates:  # held throughout g's capture: its replay never writes there
-            continue
+    for key in handed.keys() & hazard_candidates(g):
+        grp = handed[key]
         n = uses(grp)
         if n <= 0:
             del handed[key]  # free: held again only once its graph hands it out anew

@@ -351,8 +351,9 @@ class CudaGraphRunner(GraphRecorder):
             compat.set_version_counters([refs[i] for i in g.bump], [refs[i]._version + 1 for i in g.bump])
         if g.groups and g.groups[0].view is None:
             self._views(g)
-        g.state.hand_out(g.groups)
-        if not any(map(_COPIED, g.groups)):
+        none_copied = not any(map(_COPIED, g.groups))
+        g.state.hand_out(g.groups, none_copied)
+        if none_copied:
             leaves = hand_out_fresh(g, refs)
             if g.container is None:
                 return leaves[0]
