@@ -19,6 +19,7 @@ from collections.abc import Callable
 
 import torch
 import torchvision
+from gpu_rnn_graphs import captured_replay  # the script's sibling: one CUDA graph of fn, replayed
 
 
 def cast_inputs(name: str) -> list[torch.Tensor]:
@@ -33,21 +34,13 @@ def cast_inputs(name: str) -> list[torch.Tensor]:
 
 
 def graph_us(fn: Callable[[], object], reps: int = 200) -> float:
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        for _ in range(3):
-            fn()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        fn()
+    replay = captured_replay(fn)
     for _ in range(10):
-        graph.replay()
+        replay()
     torch.cuda.synchronize()
     start = time.perf_counter()
     for _ in range(reps):
-        graph.replay()
+        replay()
     torch.cuda.synchronize()
     return (time.perf_counter() - start) / reps * 1e6
 
