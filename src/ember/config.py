@@ -332,6 +332,9 @@ class Settings:
     pad_matmul_min_flops_per_byte: float = _item(128.0, "matmul padding (auto): FLOPs of the matmul per byte the "
                                                         "padding copies, at least (passes/matmul_padding_rule.py)")
     pad_matmul_min_gflop: float = _item(1.0, "matmul padding (auto): the smallest matmul padded, in GFLOP")
+    rnn_unroll_max_steps: int = _item(256, "inference: an RNN traced into the graph (trace_rnn) of more steps x layers "
+                                           "x directions runs as one ATen RNN call (ops/rnn.py) instead of unrolled "
+                                           "per step: the unrolled capture grows with the sequence")
     merge_matmuls_max_copy_mb: float = _item(256.0, "merged sibling matmuls: at most this many MB of parameters "
                                                     "copied into concatenated weights per graph (weights a frozen "
                                                     "cast already copies, autocast's, cost nothing extra)")

@@ -165,3 +165,34 @@ def test_rnn_variants_in_inference_match_eager(case: str) -> None:
         args = (torch.randn(5, 3, 6, generator=gen),)
     with torch.no_grad():
         torch.testing.assert_close(compiled(*args), model(*args), rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("target", ["cpu", "triton-interpret"])
+@pytest.mark.parametrize("cell", [nn.LSTM, nn.GRU])
+def test_a_long_recurrence_runs_as_one_rnn_call(target: str, cell: type[nn.RNNBase]) -> None:
+    # 6 steps x 2 layers x 2 directions = 24 step-layers, above the limit set here: one ATen RNN
+    # call (ops/rnn.py) instead of the unrolled steps; oneDNN off, so short ones would unroll.
+    torch.manual_seed(0)
+    model = VariantNet(cell(6, 8, 2, bidirectional=True)).eval()
+    x = torch.randn(6, 3, 6, generator=torch.Generator().manual_seed(2))
+    with ember.config.patch(rnn_unroll_max_steps=16), torch.backends.mkldnn.flags(enabled=False), torch.no_grad():
+        compiled = ember.compile(model, target=target)
+        torch.testing.assert_close(compiled(x), model(x), rtol=1e-4, atol=1e-5)
+        x2 = torch.randn(6, 3, 6, generator=torch.Generator().manual_seed(3))
+        torch.testing.assert_close(compiled(x2), model(x2), rtol=1e-4, atol=1e-5)
+    log = log_of(compiled)
+    assert_compiled_cleanly(log)
+    assert sum(n for why, n in log.rewrites.items() if "ops/rnn.py" in why) == 1
+    assert "ember.rnn" in log.graphs[0].program
+
+
+def test_a_long_recurrence_under_autocast_runs_in_autocasts_dtype() -> None:
+    torch.manual_seed(0)
+    model = VariantNet(nn.LSTM(6, 8, 1)).eval()
+    x = torch.randn(12, 2, 6)
+    with ember.config.patch(rnn_unroll_max_steps=4), torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+        compiled = ember.compile(model, target="cpu")
+        got, want = compiled(x), model(x)
+    assert got.dtype == want.dtype
+    torch.testing.assert_close(got.float(), want.float(), rtol=2e-2, atol=2e-2)
+    assert "ember.rnn" in log_of(compiled).graphs[0].program

@@ -39,6 +39,7 @@ from ember.capture.frame_cache import compile_frame as compile_cached_frame
 from ember.capture.instance_norm import rewrite_instance_norm
 from ember.config import Options, settings
 from ember.graph_utils import is_symbolic
+from ember.ops.rnn import rewrite_long_rnns
 from ember.ops.upsample import rewrite_nearest_interpolate
 from ember.pipeline import compile_graph
 from ember.report import progress
@@ -290,6 +291,10 @@ class EmberBackend:
         if gpu:
             self.log.rewrites["F.instance_norm -> spatial reductions in the input's layout "
                               "(capture/instance_norm.py)"] += rewrite_instance_norm(gm)
+        if not torch.is_grad_enabled():  # an inference trace (ops/rnn.py: the op has no backward)
+            limit = settings().rnn_unroll_max_steps
+            self.log.rewrites[f"an RNN of more than {limit} steps x layers -> one ATen RNN call "
+                              "(ops/rnn.py)"] += rewrite_long_rnns(gm, limit)
         backend = aot_autograd(fw_compiler=make("forward"), bw_compiler=make("backward"),
                                inference_compiler=make("inference"),
                                decompositions=_decompositions(_cpu_inference(example_inputs, self.options, target), gpu),

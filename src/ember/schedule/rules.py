@@ -179,6 +179,8 @@ EMBER_OPS = {
     "reflection_pad2d": "Ember's Triton gather kernel for reflection padding (ops/reflection_pad.py)",
     "pad_zeros": "a copy into a zero-padded buffer in the source's layout, for an aligned matmul "
                  "(ops/pad_zeros.py, passes/pad_matmul.py)",
+    "rnn": "ATen's RNN (cuDNN's LSTM / GRU on the GPU, oneDNN's on the CPU) as one call, for a long recurrence "
+           "in an inference graph (ops/rnn.py)",
     "reflection_pad2d_backward": "Ember's Triton gather kernel for the reflection-padding gradient, no atomics "
                                  "(ops/reflection_pad.py)",
 }
