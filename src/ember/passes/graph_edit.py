@@ -14,8 +14,13 @@ def fake_mode_of(gm: fx.GraphModule) -> object:
     return compat.detect_fake_mode([v for v in vals if isinstance(v, torch.Tensor)])
 
 
+def node_val(node: object) -> object:
+    """A node's recorded value (``meta['val']``: a fake tensor, a tuple, a symbol); None for anything else."""
+    return node.meta.get("val") if isinstance(node, fx.Node) else None
+
+
 def _fake_args(args: object) -> object:
-    return fx.node.map_arg(args, lambda n: n.meta.get("val"))
+    return fx.node.map_arg(args, node_val)
 
 
 def fake_result(mode: object, target: object, args: tuple, kwargs: dict | None = None) -> object:

@@ -32,7 +32,7 @@ import torch.fx as fx
 
 from ember.ops.pad_zeros import pad_zeros  # noqa: F401 - registers torch.ops.ember.pad_zeros
 from ember.passes.cleanup import eliminate_dead_code, reaches_output
-from ember.passes.graph_edit import add_node, fake_mode_of
+from ember.passes.graph_edit import add_node, fake_mode_of, node_val
 from ember.passes.layout import dense_strides
 from ember.passes.matmul_padding_rule import MatmulDims, PaddingDecision, decide, tf32_matmuls
 from ember.passes.strided_results import refresh_downstream, restore_output_strides, same_layout
@@ -47,17 +47,13 @@ _BATCHED = {aten.bmm.default, aten.baddbmm.default}
 _PERMUTES = {aten.permute.default, aten.t.default, aten.transpose.int}
 
 
-def _val(node: object) -> object:
-    return node.meta.get("val") if isinstance(node, fx.Node) else None
-
-
 def _nbytes(val: torch.Tensor) -> int:
     return val.numel() * val.element_size()
 
 
 def _source_dims(view: fx.Node) -> list[int]:
     """For a permuting view: the source dim of each of its output dims."""
-    rank = _val(view).dim()
+    rank = node_val(view).dim()
     if view.target == aten.permute.default:
         return [d % rank for d in view.args[1]]
     dims = list(range(rank))
@@ -100,7 +96,7 @@ class _Padder:
 
     def cost(self, x: fx.Node, want: dict[int, int]) -> int:
         """Bytes copied to pad ``x`` to ``want`` ({dim: size}): 0 if nothing grows or it is padded already."""
-        val = _val(x)
+        val = node_val(x)
         want = {d: s for d, s in want.items() if s != val.shape[d]}
         if not want:
             return 0
@@ -108,15 +104,15 @@ class _Padder:
         shape = self._shape(src, want)
         if (src, shape) in self.pads:
             return 0
-        sval = _val(src)
+        sval = node_val(src)
         return _nbytes(sval) + sval.element_size() * _numel(shape)
 
     def _shape(self, src: fx.Node, want: dict[int, int]) -> tuple[int, ...]:
-        return tuple(want.get(d, s) for d, s in enumerate(_val(src).shape))
+        return tuple(want.get(d, s) for d, s in enumerate(node_val(src).shape))
 
     def pad(self, x: fx.Node, want: dict[int, int], before: fx.Node) -> fx.Node:
         """``x`` with the dims in ``want`` enlarged by zeros (``x`` itself when nothing grows)."""
-        val = _val(x)
+        val = node_val(x)
         want = {d: s for d, s in want.items() if s != val.shape[d]}
         if not want:
             return x
@@ -147,13 +143,13 @@ def _numel(shape: tuple[int, ...]) -> int:
 
 def _dims_of(node: fx.Node) -> MatmulDims | None:
     bias_at, a_at, b_at = MATMULS[node.target]
-    a, b = _val(node.args[a_at]), _val(node.args[b_at])
-    out = _val(node)
+    a, b = node_val(node.args[a_at]), node_val(node.args[b_at])
+    out = node_val(node)
     if not all(isinstance(t, torch.Tensor) for t in (a, b, out)) or a.dtype != b.dtype:
         return None
     if any(not isinstance(s, int) for t in (a, b) for s in (*t.shape, *t.stride())):
         return None  # symbolic shapes: Ember compiles those through ATen anyway
-    if bias_at is not None and not isinstance(_val(node.args[bias_at]), torch.Tensor):
+    if bias_at is not None and not isinstance(node_val(node.args[bias_at]), torch.Tensor):
         return None
     if node.target in _BATCHED:
         return MatmulDims(a.shape[0], a.shape[1], a.shape[2], b.shape[2], a.dtype)
@@ -171,8 +167,8 @@ def pad_unaligned_matmuls(gm: fx.GraphModule, mode: str = "auto", min_flops_per_
         return 0
     output = next(n for n in graph.nodes if n.op == "output")
     outs = list(output.args[0]) if isinstance(output.args[0], (list, tuple)) else [output.args[0]]
-    original_outs = [_val(o) for o in outs]
-    captured = {n: _val(n) for n in graph.nodes}  # each node's value before the pass
+    original_outs = [node_val(o) for o in outs]
+    captured = {n: node_val(n) for n in graph.nodes}  # each node's value before the pass
     padder = _Padder(gm, fake)
     tf32 = tf32_matmuls()
     declined: Counter = Counter()
@@ -192,7 +188,7 @@ def pad_unaligned_matmuls(gm: fx.GraphModule, mode: str = "auto", min_flops_per_
                 declined[f"{_where(node)}: {_op_name(node)} {_describe(dims, decision)}: {decision.declined}"] += 1
             continue
         record["copy_bytes"] += copy_cost(decision.m, decision.k, decision.n)
-        before = _val(node)
+        before = node_val(node)
         replacement = _rewrite(padder, node, dims, decision, plan)
         captured[replacement] = before
         replaced.add(replacement)
@@ -211,7 +207,7 @@ def _copy_cost(padder: _Padder, node: fx.Node, dims: MatmulDims, plan: Callable,
     """Bytes that padding ``node`` to (m, k, n) copies: its arguments into padded buffers, and its
     sliced result back to eager's strides where the caller sees it."""
     total = sum(padder.cost(x, want) for x, want in plan(m, k, n))
-    out = _val(node)
+    out = node_val(node)
     if (m != dims.m or n != dims.n) and reaches_output(node):
         # The slice of the padded (contiguous) result: only rows cut off a single matrix keep its strides.
         sliced = dense_strides((*out.shape[:-2], m, n))
@@ -241,7 +237,7 @@ def _plan(node: fx.Node, dims: MatmulDims) -> Callable[[int, int, int], list[tup
         out = [(node.args[a_at], {lead: m, lead + 1: k}), (node.args[b_at], {lead: k, lead + 1: n})]
         if bias_at is not None:
             bias = node.args[bias_at]
-            shape = _val(bias).shape
+            shape = node_val(bias).shape
             result = (dims.m, dims.n)
             padded = (m, n)
             want = {}

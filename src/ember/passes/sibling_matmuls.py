@@ -26,15 +26,11 @@ import torch.fx as fx
 
 from ember.passes.cleanup import eliminate_dead_code
 from ember.passes.freeze import is_frozen
-from ember.passes.graph_edit import add_node, fake_mode_of
+from ember.passes.graph_edit import add_node, fake_mode_of, node_val
 from ember.passes.strided_results import refresh_downstream, restore_output_strides
 
 aten = torch.ops.aten
 MERGED_META = "ember_sibling_matmuls"
-
-
-def _val(node: object) -> object:
-    return node.meta.get("val") if isinstance(node, fx.Node) else None
 
 
 def _member(node: fx.Node) -> tuple | None:
@@ -42,13 +38,13 @@ def _member(node: fx.Node) -> tuple | None:
     if node.op != "call_function" or node.target not in (aten.mm.default, aten.addmm.default) or node.kwargs:
         return None
     bias, x, w = (None, *node.args) if node.target is aten.mm.default else node.args
-    xv, wv, out = _val(x), _val(w), _val(node)
+    xv, wv, out = node_val(x), node_val(w), node_val(node)
     if not all(isinstance(t, torch.Tensor) for t in (xv, wv, out)) or wv.dim() != 2 or xv.dim() != 2:
         return None
     if any(not isinstance(s, int) for s in (*xv.shape, *wv.shape)) or not is_frozen(w):
         return None
     if bias is not None:
-        bv = _val(bias)
+        bv = node_val(bias)
         if not (is_frozen(bias) and isinstance(bv, torch.Tensor) and bv.dim() == 1 and bv.shape[0] == wv.shape[1]
                 and bv.dtype == out.dtype):
             return None
@@ -92,7 +88,7 @@ def _copied_bytes(value: fx.Node) -> int:
         node = node.args[0]
     if node.op != "placeholder":
         return 0
-    val = _val(value)
+    val = node_val(value)
     return val.numel() * val.element_size() if isinstance(val, torch.Tensor) else 0
 
 
@@ -111,8 +107,8 @@ def merge_sibling_matmuls(gm: fx.GraphModule, max_copy_mb: float = 256.0) -> int
             groups.setdefault(key, []).append(node)
     output = next(n for n in graph.nodes if n.op == "output")
     outs = list(output.args[0]) if isinstance(output.args[0], (list, tuple)) else [output.args[0]]
-    original_outs = [_val(o) for o in outs]
-    captured = {n: _val(n) for n in graph.nodes}
+    original_outs = [node_val(o) for o in outs]
+    captured = {n: node_val(n) for n in graph.nodes}
     slices: set[fx.Node] = set()
     merged = 0
     budget = max_copy_mb * 1e6
@@ -128,9 +124,9 @@ def merge_sibling_matmuls(gm: fx.GraphModule, max_copy_mb: float = 256.0) -> int
         budget -= copied
         slices |= _merge(graph, fake, members, captured)
         merged += len(members) - 1
-        widths = "+".join(str(_val(m).shape[1]) for m in members)
+        widths = "+".join(str(node_val(m).shape[1]) for m in members)
         record.append(f"{len(members)} {members[0].target._overloadpacket.__name__}s of "
-                      f"{list(_val(members[0]).shape[:1])} rows, N {widths}")
+                      f"{list(node_val(members[0]).shape[:1])} rows, N {widths}")
     if slices:
         refresh_downstream(gm, fake, slices, captured, "merging sibling matmuls")
         restore_output_strides(gm, fake, output, original_outs)
@@ -163,7 +159,7 @@ def _merge(graph: fx.Graph, fake: object, members: list[fx.Node], captured: dict
         slices = set()
         start = 0
         for m in members:
-            width = _val(m).shape[1]
+            width = node_val(m).shape[1]
             piece = add_node(graph, fake, aten.slice.Tensor, (product, 1, start, start + width))
             start += width
             captured[piece] = captured.get(m)

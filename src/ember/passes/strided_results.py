@@ -9,14 +9,10 @@ from __future__ import annotations
 import torch
 import torch.fx as fx
 
-from ember.passes.graph_edit import add_node
+from ember.passes.graph_edit import add_node, node_val
 
 aten = torch.ops.aten
 _VIEWS = {aten.view.default, aten._unsafe_view.default}
-
-
-def _val(node: object) -> object:
-    return node.meta.get("val") if isinstance(node, fx.Node) else None
 
 
 def same_layout(val: torch.Tensor, stride: tuple[int, ...]) -> bool:
@@ -32,7 +28,7 @@ def refresh_downstream(gm: fx.GraphModule, fake: object, changed: set[fx.Node],
     for node in list(gm.graph.nodes):
         if node.op != "call_function" or node in changed or not any(a in changed for a in node.all_input_nodes):
             continue
-        old = _val(node)
+        old = node_val(node)
         new = _rerun(node, fake)
         if new is None:
             _feed_captured_strides(gm, fake, node, changed, captured, what)
@@ -49,7 +45,7 @@ def refresh_downstream(gm: fx.GraphModule, fake: object, changed: set[fx.Node],
 
 
 def _args_vals(node: fx.Node) -> tuple[tuple, dict]:
-    return fx.node.map_arg(node.args, _val), fx.node.map_arg(node.kwargs, _val)
+    return fx.node.map_arg(node.args, node_val), fx.node.map_arg(node.kwargs, node_val)
 
 
 def _rerun(node: fx.Node, fake: object) -> object:
@@ -70,13 +66,13 @@ def _feed_captured_strides(gm: fx.GraphModule, fake: object, node: fx.Node, chan
     """Give ``node`` copies of its changed inputs in the strides their captured values had."""
     for arg in [a for a in node.all_input_nodes if a in changed]:
         before = captured.get(arg)
-        if not isinstance(before, torch.Tensor) or not isinstance(_val(arg), torch.Tensor):
+        if not isinstance(before, torch.Tensor) or not isinstance(node_val(arg), torch.Tensor):
             raise RuntimeError(f"{what}: {node.name} cannot be recomputed and reads {arg.name}")
         node.replace_input_with(arg, _copy_to(gm, fake, arg, node, tuple(before.stride())))
 
 
 def _copy_to(gm: fx.GraphModule, fake: object, src: fx.Node, before: fx.Node, stride: tuple[int, ...]) -> fx.Node:
-    val = _val(src)
+    val = node_val(src)
     with fake:
         want = torch.empty_strided(tuple(val.shape), tuple(stride), dtype=val.dtype, device=val.device)
     with gm.graph.inserting_before(before):
@@ -91,7 +87,7 @@ def restore_output_strides(gm: fx.GraphModule, fake: object, output: fx.Node, or
     outs = list(output.args[0]) if isinstance(output.args[0], (list, tuple)) else [output.args[0]]
     copies: dict[tuple[fx.Node, tuple], fx.Node] = {}
     for i, (o, before) in enumerate(zip(outs, original)):
-        val = _val(o)
+        val = node_val(o)
         if not (isinstance(val, torch.Tensor) and isinstance(before, torch.Tensor)) or val.numel() <= 1:
             continue
         if same_layout(val, before.stride()):
