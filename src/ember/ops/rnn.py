@@ -3,8 +3,8 @@
 Ember's inference calls let Dynamo trace RNN modules (``trace_rnn``), and AOTAutograd then unrolls
 the recurrence on the GPU path into a matmul and gate ops per step and layer: the fastest form for
 the short sequences of a language model (lstm_lm, 35 steps x 2 layers), but its capture and compile
-time grow with the sequence (a 2-layer LSTM's first call on the CI CPU's interpreter target: 1.60 s
-at 35 steps, 5.37 s at 128; 1.91 s at 512 through this op). Past
+time grow with the sequence (a 2-layer LSTM's first call on the CI CPU's interpreter target: 1.87 s
+at 35 steps, 6.71 s at 128; 1.97 s at 512 through this op). Past
 ``rnn_unroll_max_steps`` step-layers, ``rewrite_long_rnns`` (on the Dynamo graph, before
 AOTAutograd) calls this op instead: ATen's own RNN (cuDNN's on the GPU, oneDNN's on the CPU) as
 one call inside Ember's program and its CUDA graph, compiled in constant time.
