@@ -1,0 +1,102 @@
+"""Dynamo's tag-checked module guards (``module_guard_tags``): during Ember's calls Dynamo builds a
+frame's guards so that a module whose ``__dict__`` was not written since the last call skips its
+subtree of guards. Every change a guard exists for is still seen: a reassigned attribute, a
+swapped submodule or parameter, the training flag. The user's own setting is left as it was.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from core_helpers import assert_close, log_of
+
+import ember
+from ember.capture import backend as capture_backend
+
+nn = torch.nn
+pytestmark = pytest.mark.skipif(capture_backend._GUARD_TAGS is None,
+                                reason="this torch has no tag-checked module guards")
+
+
+class Block(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(8, 8)
+        self.norm = nn.LayerNorm(8)
+        self.drop = nn.Dropout(0.5)
+        self.scale = 2.0
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.drop(self.norm(self.fc(x).relu())) * self.scale
+
+
+class Net(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = nn.Sequential(Block(), Block())
+        self.head = nn.Linear(8, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.blocks(x))
+
+
+def _frame_guards(model: nn.Module) -> list[str]:
+    """The text of each guard tree Dynamo keeps for the model's forward."""
+    from torch._dynamo.eval_frame import _debug_get_cache_entry_list
+    return [str(e.guard_manager) for e in _debug_get_cache_entry_list(type(model).forward.__code__)]
+
+
+@pytest.mark.parametrize("on", [True, False])
+def test_tagged_module_guards_are_built_only_when_on_and_the_users_setting_is_kept(on: bool) -> None:
+    torch.manual_seed(0)
+    model = Net().eval()
+    torch._dynamo.reset()
+    name = capture_backend._GUARD_TAGS
+    before = getattr(torch._dynamo.config, name)
+    compiled = ember.compile(model, target="aten", module_guard_tags=on, cache=False)
+    x = torch.randn(4, 8)
+    with torch.no_grad():
+        for _ in range(2):
+            assert_close(compiled(x), model(x), "inference")
+    assert getattr(torch._dynamo.config, name) == before  # restored after each call
+    guards = _frame_guards(model)
+    assert len(guards) == 1
+    # A tag-safe root (a module checked by its dict tag) exists only when the option is on.
+    assert ("tag_safe=(True, True)" in guards[0]) == on
+
+
+def test_every_change_a_guard_exists_for_is_still_seen() -> None:
+    torch.manual_seed(0)
+    model = Net().eval()
+    torch._dynamo.reset()
+    compiled = ember.compile(model, target="aten", cache=False)
+    x = torch.randn(4, 8)
+
+    def check(what: str) -> None:
+        with torch.no_grad():
+            for _ in range(2):
+                assert_close(compiled(x), model(x), what)
+
+    check("first calls")
+    model.blocks[0].scale = 3.0  # a Python attribute the graph baked in
+    check("a float attribute reassigned")
+    model.blocks[1].norm.eps = 0.5  # an attribute of a library module
+    check("LayerNorm's eps reassigned")
+    model.blocks[1].fc = nn.Linear(8, 8)  # a submodule swapped for another of the same shape
+    check("a submodule swapped")
+    model.head.weight = nn.Parameter(torch.randn(3, 8))  # a parameter replaced
+    check("a parameter replaced")
+    with torch.no_grad():
+        model.head.bias.add_(1.0)  # changed in place: no guard, the frozen values' check
+    check("a parameter changed in place")
+    recompiles = len(log_of(compiled).recompiles)
+    assert recompiles >= 2, log_of(compiled).recompiles  # the baked-in floats made new graphs
+
+    # The training flag of one block: dropout turns on in that block only.
+    model.blocks[0].train()
+    torch.manual_seed(1)
+    got = compiled(x)
+    torch.manual_seed(1)
+    want = model(x)
+    assert_close(got, want, "one block in training mode")
+    assert len(log_of(compiled).recompiles) > recompiles
