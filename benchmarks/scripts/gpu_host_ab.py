@@ -8,7 +8,9 @@ runs of one setting), so two processes compare badly when the difference sought 
 microseconds. Here two compiled copies of each model (bf16 inference at ``--batch``) are made,
 the environment variable set to the first value while the first copy is compiled (Ember reads its
 options at ``ember.compile``) and to the second for the other; then ``--steps`` synchronised calls
-alternate between them, so both see the same host. Prints, per copy, the median host time (call
+alternate between them, so both see the same host. Each copy gets a class of its own whose
+``forward`` is a new code object: Dynamo keeps its compiled frames per code object and checks them
+in turn, so copies sharing one would each pay for failing the others' guards first. Prints, per copy, the median host time (call
 start to return) and step time (to the device's end), and ``--peer``'s the same way if given.
 ``--profile DIR``: then ``cProfile`` over 200 more calls of each variant, the top functions by own
 time written to ``DIR/<model>_<variant>.txt``.
@@ -25,6 +27,7 @@ import os
 import pstats
 import statistics
 import time
+import types
 from pathlib import Path
 
 import torch
@@ -32,6 +35,17 @@ import torch
 import ember
 from ember.bench import harness, models
 from ember.bench.backends import BACKENDS
+
+
+def _own_code(model: torch.nn.Module) -> torch.nn.Module:
+    """``model`` as an instance of a subclass whose ``forward`` runs a code object of its own."""
+    cls = type(model)
+    f = cls.forward
+    own = types.FunctionType(f.__code__.replace(), f.__globals__, f.__name__, f.__defaults__, f.__closure__)
+    own.__kwdefaults__ = f.__kwdefaults__
+    own.__dict__.update(f.__dict__)
+    model.__class__ = type(cls.__name__, (cls,), {"forward": own})
+    return model
 
 
 def _steps(name: str, env: str, values: list[str], peer: str | None) -> dict:
@@ -42,10 +56,10 @@ def _steps(name: str, env: str, values: list[str], peer: str | None) -> dict:
     steps = {}
     for value in values:
         os.environ[env] = value
-        steps[f"ember {env}={value}"] = harness._make_step(case, ember.compile(copy.deepcopy(base)), "infer", "bf16",
+        steps[f"ember {env}={value}"] = harness._make_step(case, ember.compile(_own_code(copy.deepcopy(base))), "infer", "bf16",
                                                           device, None)
     if peer:
-        steps[peer] = harness._make_step(case, BACKENDS[peer](copy.deepcopy(base)), "infer", "bf16", device, None)
+        steps[peer] = harness._make_step(case, BACKENDS[peer](_own_code(copy.deepcopy(base))), "infer", "bf16", device, None)
     return steps
 
 

@@ -200,11 +200,6 @@ class Options:
                                   "per-step matmuls and fused gate kernels inside its CUDA graph; training keeps "
                                   "Dynamo's graph break and cuDNN's RNN, whose backward is faster than the per-step "
                                   "one (off: the break in inference too)", "EMBER_TRACE_RNN")
-    module_guard_tags: bool = _item(True, "Dynamo checks a module's guards by its __dict__'s version tag: a module "
-                                          "whose attributes, parameters and submodules were not reassigned since the "
-                                          "last call skips its subtree of guards (Dynamo's "
-                                          "use_recursive_dict_tags_for_guards, on while Ember compiles); off: every "
-                                          "guard evaluated on every call", "EMBER_MODULE_GUARD_TAGS")
     progress: bool | None = _item(None, "one updating line on stderr while a compile runs longer than about 2 s "
                                         "(report/progress.py); unset: on when stderr is a terminal",
                                   "EMBER_PROGRESS", "bool")

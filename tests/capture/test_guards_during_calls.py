@@ -1,7 +1,7 @@
-"""Dynamo's tag-checked module guards (``module_guard_tags``): during Ember's calls Dynamo builds a
-frame's guards so that a module whose ``__dict__`` was not written since the last call skips its
-subtree of guards. Every change a guard exists for is still seen: a reassigned attribute, a
-swapped submodule or parameter, the training flag. The user's own setting is left as it was.
+"""Dynamo's guards of frames Ember compiles: every change a guard exists for is seen (a reassigned
+attribute, a swapped submodule or parameter, the training flag), and Dynamo's recursive dict-tag
+guards (whose fast path torch turned off after segfaults) are off while Ember's calls build them,
+whatever the process's setting, which is left as it was.
 """
 
 from __future__ import annotations
@@ -14,8 +14,7 @@ import ember
 from ember.capture import backend as capture_backend
 
 nn = torch.nn
-pytestmark = pytest.mark.skipif(capture_backend._GUARD_TAGS is None,
-                                reason="this torch has no tag-checked module guards")
+_TAGS = "use_recursive_dict_tags_for_guards"
 
 
 class Block(nn.Module):
@@ -46,23 +45,33 @@ def _frame_guards(model: nn.Module) -> list[str]:
     return [str(e.guard_manager) for e in _debug_get_cache_entry_list(type(model).forward.__code__)]
 
 
-@pytest.mark.parametrize("on", [True, False])
-def test_tagged_module_guards_are_built_only_when_on_and_the_users_setting_is_kept(on: bool) -> None:
+@pytest.mark.skipif(not capture_backend._GUARD_TAGS_OFF, reason="this torch has no recursive dict-tag guards")
+@pytest.mark.parametrize("users", [True, False])
+def test_dict_tag_guards_are_off_in_embers_calls_and_the_users_setting_is_kept(users: bool) -> None:
     torch.manual_seed(0)
     model = Net().eval()
     torch._dynamo.reset()
-    name = capture_backend._GUARD_TAGS
-    before = getattr(torch._dynamo.config, name)
-    compiled = ember.compile(model, target="aten", module_guard_tags=on, cache=False)
-    x = torch.randn(4, 8)
-    with torch.no_grad():
-        for _ in range(2):
-            assert_close(compiled(x), model(x), "inference")
-    assert getattr(torch._dynamo.config, name) == before  # restored after each call
-    guards = _frame_guards(model)
-    assert len(guards) == 1
-    # A tag-safe root (a module checked by its dict tag) exists only when the option is on.
-    assert ("tag_safe=(True, True)" in guards[0]) == on
+    before = getattr(torch._dynamo.config, _TAGS)
+    try:
+        setattr(torch._dynamo.config, _TAGS, users)
+        compiled = ember.compile(model, target="aten", cache=False)
+        x = torch.randn(4, 8)
+        with torch.no_grad():
+            for _ in range(2):
+                assert_close(compiled(x), model(x), "inference")
+        assert getattr(torch._dynamo.config, _TAGS) is users  # restored after each call
+        guards = _frame_guards(model)
+        assert len(guards) == 1
+        # A module checked by its dict tag alone would be a tag-safe root.
+        assert "tag_safe=(True, True)" not in guards[0]
+        torch._dynamo.reset()
+        if users:  # the same model under Dynamo alone has them: the test can see them
+            opt = torch.compile(model, backend="eager")
+            with torch.no_grad():
+                opt(x)
+            assert "tag_safe=(True, True)" in _frame_guards(model)[0]
+    finally:
+        setattr(torch._dynamo.config, _TAGS, before)
 
 
 def test_every_change_a_guard_exists_for_is_still_seen() -> None:
