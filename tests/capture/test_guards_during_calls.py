@@ -1,7 +1,7 @@
 """Dynamo's guards of frames Ember compiles: every change a guard exists for is seen (a reassigned
-attribute, a swapped submodule or parameter, the training flag), and Dynamo's recursive dict-tag
-guards (whose fast path torch turned off after segfaults) are off while Ember's calls build them,
-whatever the process's setting, which is left as it was.
+attribute, a swapped submodule or parameter, the training flag); Dynamo's recursive dict-tag guards
+(whose fast path torch turned off after segfaults) follow ``dict_tag_guards`` (off by default)
+while Ember's calls build them, whatever the process's setting, which is left as it was.
 """
 
 from __future__ import annotations
@@ -45,16 +45,17 @@ def _frame_guards(model: nn.Module) -> list[str]:
     return [str(e.guard_manager) for e in _debug_get_cache_entry_list(type(model).forward.__code__)]
 
 
-@pytest.mark.skipif(not capture_backend._GUARD_TAGS_OFF, reason="this torch has no recursive dict-tag guards")
+@pytest.mark.skipif(capture_backend._DICT_TAGS is None, reason="this torch has no recursive dict-tag guards")
 @pytest.mark.parametrize("users", [True, False])
-def test_dict_tag_guards_are_off_in_embers_calls_and_the_users_setting_is_kept(users: bool) -> None:
+@pytest.mark.parametrize("option", [False, True])
+def test_dict_tag_guards_follow_the_option_and_the_users_setting_is_kept(users: bool, option: bool) -> None:
     torch.manual_seed(0)
     model = Net().eval()
     torch._dynamo.reset()
     before = getattr(torch._dynamo.config, _TAGS)
     try:
         setattr(torch._dynamo.config, _TAGS, users)
-        compiled = ember.compile(model, target="aten", cache=False)
+        compiled = ember.compile(model, target="aten", cache=False, dict_tag_guards=option)
         x = torch.randn(4, 8)
         with torch.no_grad():
             for _ in range(2):
@@ -62,8 +63,8 @@ def test_dict_tag_guards_are_off_in_embers_calls_and_the_users_setting_is_kept(u
         assert getattr(torch._dynamo.config, _TAGS) is users  # restored after each call
         guards = _frame_guards(model)
         assert len(guards) == 1
-        # A module checked by its dict tag alone would be a tag-safe root.
-        assert "tag_safe=(True, True)" not in guards[0]
+        # A module checked by its dict tag alone is a tag-safe root.
+        assert ("tag_safe=(True, True)" in guards[0]) == option
         torch._dynamo.reset()
         if users:  # the same model under Dynamo alone has them: the test can see them
             opt = torch.compile(model, backend="eager")
@@ -74,11 +75,12 @@ def test_dict_tag_guards_are_off_in_embers_calls_and_the_users_setting_is_kept(u
         setattr(torch._dynamo.config, _TAGS, before)
 
 
-def test_every_change_a_guard_exists_for_is_still_seen() -> None:
+@pytest.mark.parametrize("tags", [False, True])
+def test_every_change_a_guard_exists_for_is_still_seen(tags: bool) -> None:
     torch.manual_seed(0)
     model = Net().eval()
     torch._dynamo.reset()
-    compiled = ember.compile(model, target="aten", cache=False)
+    compiled = ember.compile(model, target="aten", cache=False, dict_tag_guards=tags)
     x = torch.randn(4, 8)
 
     def check(what: str) -> None:

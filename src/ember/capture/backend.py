@@ -59,12 +59,11 @@ _LIMIT = compat.recompile_limit_name()
 # Dynamo's switch for tracing RNN modules, set per call by ShapePolicy where this torch has it.
 # None: decided per call (ShapePolicy).
 _RNN_SWITCH: tuple[tuple[str, None], ...] = (("allow_rnn", None),) if hasattr(torch._dynamo.config, "allow_rnn") else ()
-# Dynamo's recursive dict-tag guards: off during Ember's calls (read when a frame's guards are
-# built). torch turned them off by default after use-after-free segfaults in their fast path
-# (pytorch/pytorch#181873); earlier versions have them on, and a user may turn them on.
-_GUARD_TAGS_OFF: tuple[tuple[str, bool], ...] = (
-    (("use_recursive_dict_tags_for_guards", False),)
-    if hasattr(torch._dynamo.config, "use_recursive_dict_tags_for_guards") else ())
+# Dynamo's recursive dict-tag guards (read when a frame's guards are built), where this torch has
+# them: set during Ember's calls to Options.dict_tag_guards (False by default: torch turned them
+# off after segfaults in their fast path, pytorch/pytorch#181873; earlier versions have them on).
+_DICT_TAGS = "use_recursive_dict_tags_for_guards" if hasattr(torch._dynamo.config,
+                                                             "use_recursive_dict_tags_for_guards") else None
 
 _DECOMPOSITIONS: dict[tuple[bool, bool], dict] = {}
 
@@ -154,7 +153,9 @@ class ShapePolicy:
         if wanted is None:
             wanted = backend.dynamo_settings = (
                 ("automatic_dynamic_shapes", backend.dynamic_shapes_on()), ("assume_static_by_default", True),
-                (_LIMIT, backend.static_budget + DYNAMIC_RECOMPILES)) + _RNN_SWITCH + _GUARD_TAGS_OFF
+                (_LIMIT, backend.static_budget + DYNAMIC_RECOMPILES)) + _RNN_SWITCH
+            if _DICT_TAGS:
+                wanted = backend.dynamo_settings = wanted + ((_DICT_TAGS, backend.options.dict_tag_guards),)
         cfg = torch._dynamo.config
         for name, value in wanted:
             if value is None:  # allow_rnn: on for inference calls (Options.trace_rnn); else the user's
