@@ -200,11 +200,12 @@ class Options:
                                   "per-step matmuls and fused gate kernels inside its CUDA graph; training keeps "
                                   "Dynamo's graph break and cuDNN's RNN, whose backward is faster than the per-step "
                                   "one (off: the break in inference too)", "EMBER_TRACE_RNN")
-    dict_tag_guards: bool = _item(False, "Dynamo's recursive dict-tag guards while Ember's calls build a frame's "
-                                         "guards (a module whose __dict__ is unchanged skips its subtree of guards). "
-                                         "Off by default whatever torch's own setting: torch turned them off after "
-                                         "use-after-free segfaults in their fast path (pytorch/pytorch#181873); on: "
-                                         "that fast path, at that risk", "EMBER_DICT_TAG_GUARDS")
+    dict_tag_guards: bool | None = _item(None, "Dynamo's recursive dict-tag guards while Ember's calls build a frame's "
+                                                "guards (a module whose __dict__ is unchanged since the last call skips "
+                                                "its subtree of guards). Unset: torch's own setting (on in torch 2.11, "
+                                                "off in later versions after use-after-free segfaults in the fast path, "
+                                                "pytorch/pytorch#181873); on: that fast path, at that risk; off: every "
+                                                "guard checked", "EMBER_DICT_TAG_GUARDS", "bool")
     progress: bool | None = _item(None, "one updating line on stderr while a compile runs longer than about 2 s "
                                         "(report/progress.py); unset: on when stderr is a terminal",
                                   "EMBER_PROGRESS", "bool")

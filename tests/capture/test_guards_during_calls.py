@@ -1,7 +1,7 @@
 """Dynamo's guards of frames Ember compiles: every change a guard exists for is seen (a reassigned
 attribute, a swapped submodule or parameter, the training flag); Dynamo's recursive dict-tag guards
-(whose fast path torch turned off after segfaults) follow ``dict_tag_guards`` (off by default)
-while Ember's calls build them, whatever the process's setting, which is left as it was.
+(whose fast path torch turned off after segfaults) follow ``dict_tag_guards`` where it is given,
+else the process's setting, which is left as it was.
 """
 
 from __future__ import annotations
@@ -47,8 +47,8 @@ def _frame_guards(model: nn.Module) -> list[str]:
 
 @pytest.mark.skipif(capture_backend._DICT_TAGS is None, reason="this torch has no recursive dict-tag guards")
 @pytest.mark.parametrize("users", [True, False])
-@pytest.mark.parametrize("option", [False, True])
-def test_dict_tag_guards_follow_the_option_and_the_users_setting_is_kept(users: bool, option: bool) -> None:
+@pytest.mark.parametrize("option", [None, False, True])
+def test_dict_tag_guards_follow_the_option_and_the_users_setting_is_kept(users: bool, option: bool | None) -> None:
     torch.manual_seed(0)
     model = Net().eval()
     torch._dynamo.reset()
@@ -64,7 +64,7 @@ def test_dict_tag_guards_follow_the_option_and_the_users_setting_is_kept(users: 
         guards = _frame_guards(model)
         assert len(guards) == 1
         # A module checked by its dict tag alone is a tag-safe root.
-        assert ("tag_safe=(True, True)" in guards[0]) == option
+        assert ("tag_safe=(True, True)" in guards[0]) == (users if option is None else option)
         torch._dynamo.reset()
         if users:  # the same model under Dynamo alone has them: the test can see them
             opt = torch.compile(model, backend="eager")

@@ -60,8 +60,7 @@ _LIMIT = compat.recompile_limit_name()
 # None: decided per call (ShapePolicy).
 _RNN_SWITCH: tuple[tuple[str, None], ...] = (("allow_rnn", None),) if hasattr(torch._dynamo.config, "allow_rnn") else ()
 # Dynamo's recursive dict-tag guards (read when a frame's guards are built), where this torch has
-# them: set during Ember's calls to Options.dict_tag_guards (False by default: torch turned them
-# off after segfaults in their fast path, pytorch/pytorch#181873; earlier versions have them on).
+# them: set during Ember's calls when Options.dict_tag_guards is given, else torch's own setting.
 _DICT_TAGS = "use_recursive_dict_tags_for_guards" if hasattr(torch._dynamo.config,
                                                              "use_recursive_dict_tags_for_guards") else None
 
@@ -154,7 +153,7 @@ class ShapePolicy:
             wanted = backend.dynamo_settings = (
                 ("automatic_dynamic_shapes", backend.dynamic_shapes_on()), ("assume_static_by_default", True),
                 (_LIMIT, backend.static_budget + DYNAMIC_RECOMPILES)) + _RNN_SWITCH
-            if _DICT_TAGS:
+            if _DICT_TAGS and backend.options.dict_tag_guards is not None:
                 wanted = backend.dynamo_settings = wanted + ((_DICT_TAGS, backend.options.dict_tag_guards),)
         cfg = torch._dynamo.config
         for name, value in wanted:

@@ -58,6 +58,27 @@ def canonical_source(text: str) -> str:
     return _TRAILING_NODE.sub(r"  # \1\2", text)
 
 
+# Ops that move or relabel data (and add, mul: in nearly every kernel); a kernel's name lists the
+# others, so a profile says what each kernel computes.
+_PLAIN_OPS = frozenset({"view", "_unsafe_view", "reshape", "clone", "permute", "expand", "_to_copy", "t",
+                        "transpose", "squeeze", "unsqueeze", "slice", "select", "copy", "copy_", "detach",
+                        "alias", "convert_element_type", "add", "mul", "sub", "div", "where", "full",
+                        "scalar_tensor", "index", "cat", "split", "split_with_sizes", "unbind", "embedding"})
+_NAME_OPS, _NAME_CHARS = 3, 40
+
+
+def op_summary(nodes: list[fx.Node]) -> str:
+    """The source ops a kernel computes, for its name: ``native_layer_norm_backward_gelu``. Each node's
+    op before decomposition (``original_aten``), in order, data-moving ones left out, at most three."""
+    names: list[str] = []
+    for node in nodes:
+        op = node.meta.get("original_aten", node.target)
+        name = getattr(op, "__name__", str(op)).split(".")[0].strip("_").removeprefix("native_")
+        if name and name not in _PLAIN_OPS and name not in names:
+            names.append(name)
+    return re.sub(r"[^a-z0-9_]", "", "_".join(names[:_NAME_OPS]).lower())[:_NAME_CHARS].strip("_")
+
+
 def node_source(node: fx.Node) -> str:
     """``name = op(args)``: how a kernel line names the graph node it computes."""
     target = getattr(node.target, "__name__", str(node.target))

@@ -22,7 +22,13 @@ import re
 import torch
 import torch.fx as fx
 
-from ember.codegen.kernel_source import KernelSource, canonical_source, launch_kernels, node_source
+from ember.codegen.kernel_source import (
+    KernelSource,
+    canonical_source,
+    launch_kernels,
+    node_source,
+    op_summary,
+)
 from ember.codegen.kernel_writer import Scope
 from ember.codegen.lowering import KernelValue, compute_dtype, value_dtype
 from ember.codegen.triton_dialect import TL_DTYPE, TRITON, TritonValue, literal
@@ -364,10 +370,13 @@ class TritonWriter(TritonReductions):
         # Node names differ between graphs (and between blocks of one model); the kernel's identity
         # must not, so hash and compile the text with each line's node annotation reduced to its op.
         canonical = canonical_source(text)
-        digest = hashlib.sha256((canonical + repr(meta) + str(self.interpret)).encode()).hexdigest()[:16]
+        # The name says what the kernel computes (its source ops); they are hashed too, so one
+        # digest never goes with two names.
+        summary = op_summary(self.group.nodes)
+        digest = hashlib.sha256((canonical + repr(meta) + str(self.interpret) + summary).encode()).hexdigest()[:16]
         kind = ("pw" if not self.is_reduction else "tpw" if self.tile_dims
                 else "red" if self.phase is None else f"{self.phase[0]}{self.phase[1]}")
-        name = f"ember_{kind}_{digest}"
+        name = f"ember_{kind}_{summary}_{digest}" if summary else f"ember_{kind}_{digest}"
         source = f"# source ops:\n{ops}\n" + text.replace("KERNEL_NAME", name)
         header = module_header(canonical, self.interpret)
         return KernelSource(name, source, digest, args, len(self.group.inputs), grid, meta, header,
