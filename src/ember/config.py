@@ -295,6 +295,16 @@ class Settings:
                                              "(capture/var_mean.py)")
     explain_steps: int = _item(3, "steps ember.explain times after the first call and two warm-up steps, for "
                                   "the host time per step (0: none)", "EMBER_EXPLAIN_STEPS")
+    fuse_merged_row_sums: bool = _item(False, "a sum over rows that a reshape merged (a Linear's bias gradient over "
+                                              "batch x tokens) joins the group computing the summed value even where "
+                                              "that group also stores the full-size value (the matmuls read it): one "
+                                              "pass instead of the stored value read again (schedule/plan.py)",
+                                       "EMBER_FUSE_MERGED_ROW_SUMS")
+    store_before_reductions: bool = _item(True, "a looped Triton reduction stores its full-size outputs that no "
+                                                 "reduction of the group feeds in the first reduction loop (a split "
+                                                 "reduction: in its partial-result kernel), instead of computing "
+                                                 "them again in a last loop (codegen/triton_reductions.py)",
+                                          "EMBER_STORE_BEFORE_REDUCTIONS")
     whole_step_cudagraph: bool = _item(True, "whole-step programs on CUDA replay one CUDA graph per step; off: "
                                              "uncaptured (compiled model, eager optimizer)",
                                        "EMBER_WHOLE_STEP_CUDAGRAPH")

@@ -215,7 +215,8 @@ def _schedule_stage(job: GraphJob) -> KernelPlan:
     # cat / slice_scatter fuse where the generator writes range selects (Triton, not numba).
     plan = plan_graph(job.gm.graph, fuse_range_select=job.options.fuse_cat and job.target.language == "triton",
                       refine_views=job.options.fuse_reshapes, merge_groups=job.options.merge_groups,
-                      recompute=job.options.recompute_values)
+                      recompute=job.options.recompute_values,
+                      fuse_merged_row_sums=settings().fuse_merged_row_sums and job.target.language == "triton")
     if job.options.batch_casts and job.target.language == "triton":
         batch_input_casts(plan)  # weights cast under autocast: a few multi-tensor kernels, not one each
     job.record.plan_text = plan.describe()

@@ -141,7 +141,14 @@ class TritonWriter(TritonReductions):
         # None: the kernel that stores the outputs; ("part", L): level-L partials of each chunk;
         # ("comb", L): level-L results from the partials, once per x (the workspace's result rows).
         self.phase = phase
-        final_loops = any(self._walks_reduced(group.dims[n]) for n in group.outputs)
+        # Full-size outputs that no reduction of the group feeds are stored by the first reduction
+        # loop, which computes them anyway (a Linear's input gradient beside its bias gradient):
+        # a last loop would compute them again and a split reduction's storing kernel read the
+        # inputs a second time.
+        self.early_stores = [n for n in group.outputs if self.blocks.store_before_reductions and self.reductions
+                             and not self.persistent and self.level[n] == 0
+                             and self._walks_reduced(group.dims[n])]
+        final_loops = any(self._walks_reduced(group.dims[n]) for n in group.outputs if n not in self.early_stores)
         # Programs per x block: every chunk for partials and full-domain stores, else one.
         self.grid_split = self.split.split if ((phase is not None and phase[0] == "part") or final_loops) else 1
         # Without full-domain stores the storing kernel runs one program per x block, so it combines

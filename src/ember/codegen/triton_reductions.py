@@ -4,7 +4,8 @@ that writes them.
 Persistent reductions reduce a whole ``[XBLOCK, RBLOCK]`` tile of values kept in registers with
 one ``tl.reduce``. Looped ones run one loop over the reduced dims per reduction level, each
 accumulating ``[XBLOCK, RBLOCK]`` partial results that one ``tl.reduce`` combines after the loop;
-a last loop computes and stores the outputs that walk the reduced dims. Split reductions (see
+a last loop computes and stores the outputs that walk the reduced dims and read a reduction's result
+(those that read none are stored by the first loop, which computes them anyway). Split reductions (see
 codegen/triton_tiles.py) run a level's loop over one chunk per program and store the chunk's
 result in a float32 workspace (``("part", level)`` kernels); a small kernel combines each x's
 chunks into one result row (``("comb", level)``), which the later kernels load. The last level's
@@ -47,6 +48,7 @@ class TritonReductions(KernelWriter):
     reduced_order: list[int]
     combines_last_level: bool
     loop_chunk: int  # reduced-dim rows per program (``rstart`` on): the split's chunk, or the storing kernel's
+    early_stores: list[fx.Node]  # full-size outputs the first level's loop stores
 
     def _coord_lines(self, dims: list[int], index: str, numel: int) -> list[str]:
         raise NotImplementedError
@@ -95,12 +97,14 @@ class TritonReductions(KernelWriter):
             for n in self.group.outputs:
                 self._store(n, root)
             return root.lines
-        for lv in self.levels():
+        levels = self.levels()
+        for lv in levels:
             at_level = [r for r in self.reductions if self.level[r] == lv]
+            early = self.early_stores if lv == levels[0] else []
             if self.split.split == 1:
-                self._loop(root, at_level)
+                self._loop(root, at_level, early)
             elif self.phase == ("part", lv):
-                self._loop(root, at_level, partial=True)
+                self._loop(root, at_level, early, partial=True)
                 return root.lines  # a partial kernel stops after its level
             elif self.phase == ("comb", lv):
                 self._combine_partials(root, at_level)
@@ -109,7 +113,8 @@ class TritonReductions(KernelWriter):
                 self._combine_partials(root, at_level, into_cache=True)
             else:
                 self._load_results(root, at_level)
-        full_outputs = [n for n in self.group.outputs if self._walks_reduced(self.group.dims[n])]
+        full_outputs = [n for n in self.group.outputs
+                        if self._walks_reduced(self.group.dims[n]) and n not in self.early_stores]
         for n in self.group.outputs:
             if not self._walks_reduced(self.group.dims[n]):
                 self._store(n, root)

@@ -116,8 +116,9 @@ def _is_tensor(node: object) -> bool:
 
 class _Partitioner:
     def __init__(self, graph: fx.Graph, fuse_range_select: bool = True, refine_views: bool = True,
-                 merge_groups: bool = True, recompute: bool = True) -> None:
+                 merge_groups: bool = True, recompute: bool = True, fuse_merged_row_sums: bool = False) -> None:
         self.graph = graph
+        self.fuse_merged_row_sums = fuse_merged_row_sums
         self.merge_groups = merge_groups
         self.recompute = recompute
         self.fuse_range_select = fuse_range_select
@@ -165,7 +166,8 @@ class _Partitioner:
                 return "reduces only dims the group broadcasts"
             if group.rdims and red != group.rdims:
                 return "reduces other dims than the group's reduction"
-            if not group.rdims and any(isinstance(src_dims[d], tuple) for d in rdims) \
+            if not group.rdims and not self.fuse_merged_row_sums \
+                    and any(isinstance(src_dims[d], tuple) for d in rdims) \
                     and any(u is not node and u not in group.dims for m in group.nodes for u in m.users):
                 # A bias gradient summed over rows a reshape merged, beside the full gradient the
                 # matmuls read: fused, the kernel walks the stored value column-wise and computes
@@ -529,7 +531,7 @@ _ALWAYS_VIEWS = {
 
 
 def plan_graph(graph: fx.Graph, fuse_range_select: bool = True, refine_views: bool = True,
-               merge_groups: bool = True, recompute: bool = True) -> KernelPlan:
+               merge_groups: bool = True, recompute: bool = True, fuse_merged_row_sums: bool = False) -> KernelPlan:
     """Partition ``graph`` into steps (see the module docstring). ``fuse_range_select``: cat and
     slice_scatter become pointwise members of fused groups (schedule/range_select.py); off, they
     run through ATen (targets whose generator has no range select, the fuse_cat option).
@@ -539,5 +541,8 @@ def plan_graph(graph: fx.Graph, fuse_range_select: bool = True, refine_views: bo
     that reads it where the steps between allow (schedule/group_merge.py; the merge_groups option).
     ``recompute``: cheap values a later group reads are computed again there instead of stored
     (schedule/recompute.py; the recompute_values option). Copies of the recomputed ops are added
-    to ``graph``."""
-    return _Partitioner(graph, fuse_range_select, refine_views, merge_groups, recompute).run()
+    to ``graph``. ``fuse_merged_row_sums``: a sum over rows a reshape merged joins the group computing
+    the summed value even where that group also stores it in full (a generator that stores such
+    values in the loop that sums them: Triton's; the fuse_merged_row_sums setting)."""
+    return _Partitioner(graph, fuse_range_select, refine_views, merge_groups, recompute,
+                        fuse_merged_row_sums).run()
