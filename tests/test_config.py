@@ -185,9 +185,11 @@ def test_patch_checks_names_and_types() -> None:
         assert Options.from_env().cache_dir == str(ROOT) and settings().layout_min_activation_to_weight == 0
 
 
-def test_block_sizes_are_part_of_the_program_cache_key() -> None:
+@pytest.mark.parametrize("change", [{"loop_rblock": 8}, {"store_before_reductions": False},
+                                    {"fuse_merged_row_sums": True}])
+def test_code_shape_settings_are_part_of_the_program_cache_key(change: dict) -> None:
     before = config.block_settings()
-    with config.patch(loop_rblock=8):
+    with config.patch(**change):
         assert config.block_settings() != before
     assert config.block_settings() == before
 

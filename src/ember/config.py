@@ -503,11 +503,13 @@ def quiet_profiler_logs() -> None:
 # to exercise the looped path on small shapes.
 BLOCK_SETTINGS = ("persistent_rblock_max", "loop_rblock", "tile_elements", "pointwise_xblock", "transpose_tile", "transpose_warps",
                   "interpret_tile_elements", "xcontig_xblock", "xcontig_tile", "xcontig_persistent_rmax",
-                  "split_target_programs", "interpret_split_target_programs", "split_store_tiles")
+                  "split_target_programs", "interpret_split_target_programs", "split_store_tiles",
+                  "store_before_reductions", "fuse_merged_row_sums")
 
 
 def block_settings() -> tuple:
-    """Every block-size setting (part of the compiled-program cache key: tests change them). Here
+    """Every block-size and code-shape setting (part of the compiled-program cache key: tests and
+    A/B runs change them, and a program compiled under other values must not load). Here
     rather than in codegen/triton_kernel.py so a warm start's key does not import Triton's codegen."""
     now = settings()
     return tuple(getattr(now, name) for name in BLOCK_SETTINGS)
