@@ -170,8 +170,10 @@ class _Partitioner:
                     and any(isinstance(src_dims[d], tuple) for d in rdims) \
                     and any(u is not node and u not in group.dims for m in group.nodes for u in m.users):
                 # A bias gradient summed over rows a reshape merged, beside the full gradient the
-                # matmuls read: fused, the kernel walks the stored value column-wise and computes
-                # it twice; on an H100 bert and convnext_t training steps were 9% and 12% slower.
+                # matmuls read: fused, the kernel walks the stored value column-wise; on an H100 bert
+                # and convnext_t training steps were 9% and 12% slower when it also computed the
+                # value twice, and with one pass (store_before_reductions) convnext_t's kernels
+                # still took 2% longer and swin_t's no less (fuse_merged_row_sums: off).
                 return "reduces dims a reshape merged while the group also stores a full-size value"
             keep = reduction_keepdim(node)
             dims = tuple(None if d in rdims else s for d, s in enumerate(src_dims) if keep or d not in rdims)
