@@ -18,10 +18,14 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 from pathlib import Path
 
 import torch
 from torch.profiler import ProfilerActivity, profile
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from gpu_rnn_graphs import captured_replay  # noqa: E402 - the script's sibling: one CUDA graph of fn, replayed
 
 SHAPES = {  # name -> (batch x heads, tokens, head dim)
     "swin_t stage 1 bs64": (64 * 64 * 3, 49, 32),
@@ -39,23 +43,14 @@ def padded(batch: int, rows: int, cols: int, align: int = 8) -> torch.Tensor:
 
 def graph_time(fn, reps: int) -> float:
     """Microseconds per call of ``fn`` replayed ``reps`` times inside one CUDA graph."""
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        for _ in range(3):
-            fn()
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(reps):
-            fn()
-    graph.replay()
+    replay = captured_replay(lambda: [fn() for _ in range(reps)])
+    replay()
     torch.cuda.synchronize()
     times = []
     for _ in range(5):
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
-        graph.replay()
+        replay()
         end.record()
         end.synchronize()
         times.append(start.elapsed_time(end) * 1e3 / reps)
