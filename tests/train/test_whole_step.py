@@ -23,6 +23,7 @@ import torch
 import torch.nn.functional as F
 
 import ember
+from ember import config
 from ember.train.capture import CudaWholeStep, _hyper, _hyper_change, _signature
 
 STEPS = 20
@@ -376,9 +377,51 @@ def test_capture_preparation_and_state_guard_on_cpu_objects() -> None:
     # Unknown optimizers and GradScaler with a non-fused optimizer are refused with a reason.
     rms = torch.optim.RMSprop(model.parameters())
     assert "RMSprop" in ember.compile_step(loss_of(model), rms, target=TARGET).blocker
-    scaled = ember.compile_step(loss_of(model), torch.optim.SGD(model.parameters(), lr=0.1),
+    scaled = ember.compile_step(loss_of(model), torch.optim.SGD(model.parameters(), lr=0.1, foreach=False),
                                 scaler=torch.amp.GradScaler("cpu"), target=TARGET)
     assert "non-fused" in CudaWholeStep(scaled, torch.device("cpu"))._prepare()
+
+
+@pytest.mark.parametrize("kind", ["default", "foreach", "for-loop", "subclass", "setting off"])
+def test_foreach_sgd_runs_fused_in_a_captured_step(kind: str) -> None:
+    """A foreach (or default) SGD becomes torch's fused SGD when a whole step is captured: the same
+    update up to rounding over several steps, the change reported, GradScaler then capturable; an
+    explicit for-loop SGD, a subclass and ``fused_sgd=False`` are left as constructed."""
+
+    class MySGD(torch.optim.SGD):
+        pass
+
+    model, ref = twins(mlp)
+    make = {"default": lambda ps: torch.optim.SGD(ps, lr=0.05, momentum=0.9, nesterov=True, weight_decay=1e-2),
+            "foreach": lambda ps: torch.optim.SGD(ps, lr=0.05, momentum=0.9, foreach=True),
+            "for-loop": lambda ps: torch.optim.SGD(ps, lr=0.05, momentum=0.9, foreach=False),
+            "subclass": lambda ps: MySGD(ps, lr=0.05, momentum=0.9),
+            "setting off": lambda ps: torch.optim.SGD(ps, lr=0.05, momentum=0.9)}[kind]
+    opt, ref_opt = make(model.parameters()), make(ref.parameters())
+    step = ember.compile_step(loss_of(model), opt, target=TARGET)
+    fused = kind in ("default", "foreach")
+    with config.patch(fused_sgd=kind != "setting off"):
+        assert CudaWholeStep(step, torch.device("cpu"))._prepare() is None
+        # With a GradScaler: refused as non-fused, or (fused) only because this scaler is the CPU's.
+        other = make(copy.deepcopy(model).parameters())
+        scaled = ember.compile_step(loss_of(model), other, scaler=torch.amp.GradScaler("cpu"), target=TARGET)
+        why = CudaWholeStep(scaled, torch.device("cpu"))._prepare()
+    assert ("non-fused" not in why) is fused, why
+    group = opt.param_groups[0]
+    assert bool(group["fused"]) is fused, group
+    if fused:
+        assert group["foreach"] is False and isinstance(group["lr"], torch.Tensor)
+        assert opt._step_supports_amp_scaling
+    for i in range(5):  # the optimizer's own step, fused or not, against the one as constructed
+        x, y = batch_for(model)
+        for m, o in ((model, opt), (ref, ref_opt)):
+            o.zero_grad()
+            F.cross_entropy(m(x), y).backward()
+            o.step()
+        assert_same_params(model, ref, f"step {i}")
+        for p, q in zip(model.parameters(), ref.parameters()):
+            torch.testing.assert_close(opt.state[p]["momentum_buffer"], ref_opt.state[q]["momentum_buffer"],
+                                       rtol=1e-5, atol=1e-6)
 
 
 def test_compacting_optimizer_state_keeps_tensors_values_and_training() -> None:

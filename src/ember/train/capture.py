@@ -29,6 +29,11 @@
     replay      copy the batch into the static buffers, replay, hand out a copy of the loss.
 
 What capture changes in the user's optimizer, and why (each makes the replay do what eager does):
+- SGD with the foreach (or default) implementation: ``fused=True``, ``foreach=False`` (setting
+  ``fused_sgd``): torch's fused kernel reads each parameter, gradient and momentum buffer once and
+  writes the parameter and buffer once, where the foreach step makes three passes (bert-base's
+  110M parameters: 3.5 GB of traffic per step against 2.2); the same update up to rounding. Not
+  where the user chose ``foreach=False`` or ``differentiable=True``, nor for an SGD subclass.
 - Adam/AdamW (not fused): ``capturable=True`` (their step then keeps ``step`` on the device and
   computes bias corrections there instead of reading them on the host); ``state["step"]`` moves
   to the parameters' device as ``load_state_dict`` does for capturable optimizers.
@@ -59,7 +64,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from ember.config import compact_optimizer_state_enabled
+from ember.config import compact_optimizer_state_enabled, fused_sgd_enabled
 from ember.runtime.cudagraphs.device import CudaBackend, capture_stream
 from ember.runtime.cudagraphs.pool import presize_enabled
 from ember.runtime.frozen import addresses
@@ -237,6 +242,7 @@ class CudaWholeStep:
             return f"parameters on {sorted(str(d) for d in devices)}, the batch on {self.device}: one device only"
         if any(p.is_sparse for p in params):
             return "sparse parameters are not captured"
+        self._fuse_sgd(opt, params)
         fused = any(g.get("fused") for g in opt.param_groups)
         if step.scaler is not None:
             if not getattr(opt, "_step_supports_amp_scaling", False):
@@ -264,6 +270,24 @@ class CudaWholeStep:
             self._changed("lr read as a number: a change captures again (or runs uncaptured if it changes "
                           "every step; SGD(fused=True) takes a tensor lr)")
         return None
+
+    def _fuse_sgd(self, opt: torch.optim.Optimizer, params: Sequence[torch.Tensor]) -> None:
+        """A foreach SGD runs as torch's fused SGD (see the module docstring), every group or none."""
+        from torch.optim.optimizer import _get_fused_kernels_supported_devices
+
+        groups = opt.param_groups
+        if (not fused_sgd_enabled() or type(opt) is not torch.optim.SGD
+                or self.device.type not in _get_fused_kernels_supported_devices()
+                or not all(torch.is_floating_point(p) for p in params)
+                or any("fused" not in g or g["fused"] or g.get("differentiable") or g.get("foreach") is False
+                       for g in groups)):
+            return
+        for group in groups:
+            group["fused"], group["foreach"] = True, False
+        # What SGD(fused=True) sets: GradScaler hands it the scale and inf flag on the device.
+        opt._step_supports_amp_scaling = True
+        opt._need_device_dtype_check_for_fused = True
+        self._changed("fused=True (SGD's update in one pass: torch's fused kernel instead of three foreach passes)")
 
     def _changed(self, what: str) -> None:
         if what not in self.changes:
