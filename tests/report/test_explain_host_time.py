@@ -68,12 +68,15 @@ def test_replayed_graphs_report_nothing_outside_the_graphs(monkeypatch) -> None:
     assert [g["title"].split()[0] for g in host["graphs"]] == ["forward", "backward"]
     for g in host["graphs"]:
         assert g["cudagraph"].startswith("captured"), g["cudagraph"]
-        # A capture during the timed steps only where an input read in place moved: on the CPU
+        # At most one capture during the timed steps, for a reason the runner names: on the CPU
         # stand-in malloc may hand a fresh tensor (the loss's cotangent) the address of the one
-        # before, so the first capture read it in place; the runner then captures once more with
-        # it copied in (a real pool behaves alike). Every call still replays.
+        # before, so the first capture read it in place and it later moves; or garbage the
+        # collector had not yet freed held a replay's outputs at a capture, and the pool was
+        # renewed (when it runs depends on what the process allocated before). Every call
+        # still replays.
         assert g["calls"] == 3 and g["replays"] == 3 and g["uncaptured"] == 0, g
-        assert g["captures"] == 0 or (g["captures"] == 1 and "moved" in g["cudagraph"]), g["cudagraph"]
+        status = g["cudagraph"]
+        assert g["captures"] == 0 or (g["captures"] == 1 and ("moved" in status or "renewed" in status)), status
         assert g["replay_ms"] > 0 and g["program_ms"] == 0
     assert host["outside_graphs"] == []
     text = str(report)
