@@ -12,7 +12,8 @@ Plans: ``main`` (default): seed suite training in bf16, bert and resnet50 infere
 the zoo in training and inference; backends eager, inductor, inductor-cudagraphs, ember.
 ``compiled-optimizer``: training rows with Inductor's CUDA graphs plus the compiled optimizer
 step. ``max-autotune``: every row with ``inductor-max-autotune`` alone (compiles for minutes:
-groups of one or two jobs). Rows of several plans merge in ``readme_table.py``, which takes the
+groups of one or two jobs). ``adamw``: transformers trained with AdamW (``--optimizer adamw``)
+against every peer and the compiled optimizer. Rows of several plans merge in ``readme_table.py``, which takes the
 best Inductor mode per row.
 
 Jobs are packed into groups by an estimate of their seconds (compile of each backend plus the
@@ -49,10 +50,12 @@ class Job:
     mode: str
     est_s: int  # all backends of the main plan, compile included
     batch: int | None = None
+    optimizer: str | None = None  # ember bench's default (SGD) when None
 
     def args(self) -> list[str]:
         batch = ["--batch", str(self.batch)] if self.batch else []
-        return [self.model, "--mode", self.mode, *batch, "--precision", "bf16"]
+        optimizer = ["--optimizer", self.optimizer] if self.optimizer else []
+        return [self.model, "--mode", self.mode, *batch, "--precision", "bf16", *optimizer]
 
 
 # Estimates from the H100 runs so far (Inductor default-mode compile times in docs/benchmarks.md;
@@ -74,12 +77,17 @@ ZOO_EST = {"vit_b16": 140, "swin_t": 220, "convnext_t": 150, "efficientnet_b0": 
 ZOO_JOBS = [Job(f"{m}_{mode}", m, mode, est if mode == "train" else est // 2)
             for m, est in ZOO_EST.items() for mode in ("train", "infer")]
 
+# Transformers as they are usually trained: AdamW, against Inductor's compiled optimizer too.
+ADAMW_JOBS = [Job(f"{m}_train_adamw", m, "train", est, optimizer="adamw")
+              for m, est in (("bert", 150), ("gpt2", 180), ("vit_b16", 170), ("swin_t", 260))]
+
 PLANS: dict[str, tuple[list[Job], str, float]] = {
     # plan -> (jobs, backends, estimate factor against the main plan's four backends)
     "main": (SEED_JOBS + ZOO_JOBS, PEERS, 1.0),
     "compiled-optimizer": ([j for j in SEED_JOBS + ZOO_JOBS if j.mode == "train"],
                            "inductor-cudagraphs-compiled-optimizer", 0.5),
     "max-autotune": (SEED_JOBS + ZOO_JOBS, "inductor-max-autotune", 2.5),
+    "adamw": (ADAMW_JOBS, f"{PEERS},inductor-cudagraphs-compiled-optimizer", 1.5),
 }
 
 

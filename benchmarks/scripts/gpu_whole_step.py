@@ -8,8 +8,8 @@
 checks: 20 steps (fp32, TF32 off) of a small conv net / MLP with ember.compile_step against the
 eager loop from identical weights on the same batches: SGD (momentum, nesterov, weight decay),
 Adam, AdamW, AdamW + StepLR (tensor lr), SGD + StepLR (float lr: recaptured), fused SGD +
-OneCycleLR, fused Adam + GradScaler fp16 with inf batches (skipped steps), default SGD + GradScaler, accumulate=3 with
-clipping. Prints max |param difference|, the step's status line and how many calls replayed.
+OneCycleLR, fused Adam + GradScaler fp16 with inf batches (skipped steps), default SGD and default
+AdamW + GradScaler, accumulate=3 with clipping. Prints max |param difference|, the step's status line and how many calls replayed.
 
 timing: resnet50 bs128 and BERT-base bs64 seq128 (input_ids and labels only), bf16 autocast, SGD
 momentum: eager; Ember per-graph (ember.compile(model), per-graph CUDA graphs); Ember whole-step
@@ -140,10 +140,13 @@ def checks() -> None:
         "adam_fused_gradscaler_fp16_inf": dict(make_opt=lambda ps: torch.optim.Adam(ps, lr=1e-3, fused=True),
                                                scaler_fp16=True, clip=1.0, inf_steps=(6, 7, 15),
                                                tol=5e-3),
-        # A default (foreach) SGD with GradScaler: captured as torch's fused SGD (setting fused_sgd),
-        # uncaptured with EMBER_FUSED_SGD=0 (its scaler.step checks for inf on the host).
+        # A default (foreach) SGD or AdamW with GradScaler: captured as torch's fused optimizer
+        # (setting fused_optimizers), uncaptured with EMBER_FUSED_OPTIMIZERS=0 (scaler.step checks
+        # for inf on the host).
         "sgd_gradscaler": dict(make_opt=lambda ps: torch.optim.SGD(ps, lr=0.05, momentum=0.9),
                                scaler_fp16=True, inf_steps=(6,), tol=5e-3),
+        "adamw_gradscaler": dict(make_opt=lambda ps: torch.optim.AdamW(ps, lr=1e-3, weight_decay=0.1),
+                                 scaler_fp16=True, inf_steps=(6, 11), tol=5e-3),
         "adamw_accumulate3_clip": dict(make_opt=lambda ps: torch.optim.AdamW(ps, lr=1e-3), accumulate=3, clip=0.5),
     }
     for name, kw in cases.items():

@@ -78,7 +78,10 @@ def headline(rows: Sequence[dict[str, Any]], ember: str = "ember") -> str:
     embers = [e for e in ember.split(",") if e]
     table: dict[tuple[Any, ...], dict[str, dict[str, Any]]] = {}
     for row in rows:
-        key = (row["model"], row["mode"], row["batch"], row.get("precision"))
+        # A training row with another optimizer than the suite's SGD is a row of its own.
+        optimizer = row.get("optimizer")
+        model = row["model"] + (f" ({optimizer})" if optimizer not in (None, "sgd") else "")
+        key = (model, row["mode"], row["batch"], row.get("precision"))
         table.setdefault(key, {})[row["backend"]] = row
     names = ([f"{e} ms" for e in embers] + [f"{e} vs best Inductor" for e in embers]
              + [f"{e} vs eager" for e in embers])

@@ -88,6 +88,9 @@ def _parser() -> argparse.ArgumentParser:
                    "inductor-cudagraphs-compiled-optimizer")
     b.add_argument("--precision", default="auto", choices=["auto", "bf16", "fp32"],
                    help="bf16 autocast or fp32 (auto: bf16 on GPU, fp32 on CPU)")
+    b.add_argument("--optimizer", default="sgd", choices=["sgd", "adam", "adamw"],  # bench.harness.OPTIMIZERS
+                   help="training rows' optimizer, as a user constructs it (sgd: momentum 0.9, lr 0.01; "
+                   "adam: lr 1e-4; adamw: lr 1e-4, weight decay 0.01)")
     b.add_argument("--device", default="auto", type=_device, help="auto|cuda|cpu (auto: cuda if available)")
     b.add_argument("--batch", action="append", metavar="N", type=_batch_sizes,
                    help="batch size(s), repeatable or comma list (default: the model's batch for the mode)")
@@ -213,6 +216,7 @@ def _cmd_bench(args: argparse.Namespace) -> int:
         "argv": sys.argv[1:] if args.argv is None else list(args.argv),
         "models": names, "modes": modes, "backends": backend_names, "precision": precision,
         "device": str(device), "batch": batches, "warmup": args.warmup, "iters": iters, "small": args.small,
+        "optimizer": args.optimizer,
     }
     env = report.env_info()
     print(f"ember bench on {env['device']} | torch {env['torch']} | {precision} | "
@@ -228,6 +232,7 @@ def _cmd_bench(args: argparse.Namespace) -> int:
     results = harness.run_benchmark(
         names, modes=modes, backends=backend_names, precision=precision, device=device, batch=batches,
         warmup=args.warmup, iters=iters, progress=not args.no_progress, small=args.small, on_result=save,
+        optimizer=args.optimizer,
     )
     report.print_table(results)
     if args.json:

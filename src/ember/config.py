@@ -309,10 +309,11 @@ class Settings:
     whole_step_cudagraph: bool = _item(True, "whole-step programs on CUDA replay one CUDA graph per step; off: "
                                              "uncaptured (compiled model, eager optimizer)",
                                        "EMBER_WHOLE_STEP_CUDAGRAPH")
-    fused_sgd: bool = _item(True, "whole-step programs on CUDA: a foreach SGD (torch's default) runs as torch's fused "
-                                  "SGD kernel (fused=True: the momentum and parameter update in one pass over "
-                                  "them instead of three foreach passes; lr a 0-d tensor; GradScaler capturable); "
-                                  "off: the optimizer as constructed", "EMBER_FUSED_SGD")
+    fused_optimizers: bool = _item(True, "whole-step programs on CUDA: a foreach (or default) SGD, Adam or AdamW "
+                                         "runs as torch's fused kernel (fused=True: the update in one pass over "
+                                         "parameters, gradients and state instead of several foreach passes; lr a "
+                                         "0-d tensor; GradScaler capturable); off: the optimizer as constructed",
+                                   "EMBER_FUSED_OPTIMIZERS")
     whole_step_warmup: int = _item(3, "optimizer steps a whole-step program runs uncaptured on CUDA before it "
                                       "captures (PyTorch's whole-network capture recipe warms up)",
                                    "EMBER_WHOLE_STEP_WARMUP")
@@ -486,9 +487,9 @@ def whole_step_cudagraph_enabled() -> bool:
     return settings().whole_step_cudagraph
 
 
-def fused_sgd_enabled() -> bool:
-    """``EMBER_FUSED_SGD=0``: a whole-step program keeps a foreach SGD as constructed."""
-    return settings().fused_sgd
+def fused_optimizers_enabled() -> bool:
+    """``EMBER_FUSED_OPTIMIZERS=0``: a whole-step program keeps a foreach SGD/Adam/AdamW as constructed."""
+    return settings().fused_optimizers
 
 
 def whole_step_warmup() -> int:

@@ -219,3 +219,26 @@ def test_each_backend_gets_batches_no_earlier_backend_touched(monkeypatch: pytes
     half = len(seen["values"]) // 2  # the two observer rows saw the same batches, value for value
     for before, after in zip(seen["values"][:half], seen["values"][half:], strict=True):
         assert all(torch.equal(a, b) for a, b in zip(before, after, strict=True))
+
+
+def test_training_rows_use_the_optimizer_asked_for(monkeypatch: pytest.MonkeyPatch) -> None:
+    seen: list[torch.optim.Optimizer] = []
+
+    def own_step(model, optimizer, loss_fn, autocast):
+        seen.append(optimizer)
+        return backends.default_train_step(model, optimizer, loss_fn, autocast)
+
+    monkeypatch.setitem(backends.BACKENDS, "recording", backends.Backend(lambda m: m, "eager", train_step=own_step))
+    for name, cls in (("adamw", torch.optim.AdamW), ("adam", torch.optim.Adam), ("sgd", torch.optim.SGD)):
+        rows = harness.run_benchmark(["tiny_transformer"], backends=["recording"], device="cpu", batch=2, warmup=0,
+                                     iters=1, progress=False, small=True, optimizer=name)
+        assert rows[0]["error"] is None and rows[0]["optimizer"] == name
+        assert type(seen[-1]) is cls
+    infer = harness.run_benchmark(["tiny_transformer"], modes=["infer"], backends=["eager"], device="cpu", batch=1,
+                                  warmup=0, iters=1, progress=False, small=True, optimizer="adamw")
+    assert "optimizer" not in infer[0]
+    with pytest.raises(ValueError, match="optimizer must be one of sgd, adam, adamw"):
+        harness.run_benchmark(["tiny_transformer"], backends=["eager"], device="cpu", optimizer="lamb")
+    with pytest.raises(SystemExit):
+        main(["bench", "tiny_transformer", "--optimizer", "lamb"])
+    assert set(harness.OPTIMIZERS) == {"sgd", "adam", "adamw"}  # the CLI's choices

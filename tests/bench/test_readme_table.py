@@ -65,3 +65,14 @@ def test_a_later_file_wins_and_the_readme_block_is_replaced(readme_table, tmp_pa
     assert "| resnet50 | train | 128 | bf16 | 60.00 | 25.00 | inductor-cudagraphs | 10.00 | 2.500x | 6.000x |" in text
     with pytest.raises(ValueError, match="markers"):
         readme_table.replace_between_markers("no markers here", "x")
+
+
+def test_rows_of_another_optimizer_are_rows_of_their_own(readme_table) -> None:
+    # The suite's training rows use SGD (no optimizer field in older files); an AdamW row of the
+    # same model must not replace them.
+    rows = [r for r in readme_table.load_rows([FIXTURE]) if r["model"] == "resnet50" and r["mode"] == "train"]
+    adamw = [dict(r, optimizer="adamw", ms_median=r["ms_median"] * 2) for r in rows]
+    sgd = [dict(r, optimizer="sgd") for r in rows]
+    lines = readme_table.headline(rows + adamw + sgd).splitlines()
+    models = [_cells(x)[0] for x in lines[2:] if x.startswith("| ")]
+    assert models == ["resnet50", "resnet50 (adamw)"]

@@ -382,26 +382,37 @@ def test_capture_preparation_and_state_guard_on_cpu_objects() -> None:
     assert "non-fused" in CudaWholeStep(scaled, torch.device("cpu"))._prepare()
 
 
-@pytest.mark.parametrize("kind", ["default", "foreach", "for-loop", "subclass", "setting off"])
-def test_foreach_sgd_runs_fused_in_a_captured_step(kind: str) -> None:
-    """A foreach (or default) SGD becomes torch's fused SGD when a whole step is captured: the same
-    update up to rounding over several steps, the change reported, GradScaler then capturable; an
-    explicit for-loop SGD, a subclass and ``fused_sgd=False`` are left as constructed."""
+FUSABLE = {  # optimizer family -> (its class, its hyperparameters)
+    "sgd": (torch.optim.SGD, {"lr": 0.05, "momentum": 0.9, "nesterov": True, "weight_decay": 1e-2}),
+    "adam": (torch.optim.Adam, {"lr": 1e-2, "amsgrad": True, "weight_decay": 1e-2}),
+    "adamw": (torch.optim.AdamW, {"lr": 1e-2, "weight_decay": 0.1}),
+}
+FUSE_CASES = ([(family, kind) for family in FUSABLE
+               for kind in ("default", "foreach", "for-loop", "subclass", "setting off")]
+              + [("adam", "tensor betas"), ("adamw", "differentiable")])
 
-    class MySGD(torch.optim.SGD):
-        pass
+
+@pytest.mark.parametrize(("family", "kind"), FUSE_CASES, ids=[f"{f}-{k}" for f, k in FUSE_CASES])
+def test_foreach_optimizers_run_fused_in_a_captured_step(family: str, kind: str) -> None:
+    """A foreach (or default) SGD, Adam or AdamW becomes torch's fused optimizer when a whole step
+    is captured: the same update up to rounding over several steps, the change reported, GradScaler
+    then capturable; an explicit for-loop optimizer, a subclass, ``differentiable``, Adam's tensor
+    betas and ``fused_optimizers=False`` are left as constructed."""
+    cls, hyper = FUSABLE[family]
+    sub = type(f"My{cls.__name__}", (cls,), {})
+    extra = {"foreach": {"foreach": True}, "for-loop": {"foreach": False}, "differentiable": {"differentiable": True},
+             "tensor betas": {"betas": (torch.tensor(0.9), torch.tensor(0.999))}}.get(kind, {})
+
+    def make(ps):
+        return (sub if kind == "subclass" else cls)(ps, **hyper, **extra)
 
     model, ref = twins(mlp)
-    make = {"default": lambda ps: torch.optim.SGD(ps, lr=0.05, momentum=0.9, nesterov=True, weight_decay=1e-2),
-            "foreach": lambda ps: torch.optim.SGD(ps, lr=0.05, momentum=0.9, foreach=True),
-            "for-loop": lambda ps: torch.optim.SGD(ps, lr=0.05, momentum=0.9, foreach=False),
-            "subclass": lambda ps: MySGD(ps, lr=0.05, momentum=0.9),
-            "setting off": lambda ps: torch.optim.SGD(ps, lr=0.05, momentum=0.9)}[kind]
     opt, ref_opt = make(model.parameters()), make(ref.parameters())
     step = ember.compile_step(loss_of(model), opt, target=TARGET)
     fused = kind in ("default", "foreach")
-    with config.patch(fused_sgd=kind != "setting off"):
-        assert CudaWholeStep(step, torch.device("cpu"))._prepare() is None
+    with config.patch(fused_optimizers=kind != "setting off"):
+        cuda = CudaWholeStep(step, torch.device("cpu"))
+        assert cuda._prepare() is None
         # With a GradScaler: refused as non-fused, or (fused) only because this scaler is the CPU's.
         other = make(copy.deepcopy(model).parameters())
         scaled = ember.compile_step(loss_of(model), other, scaler=torch.amp.GradScaler("cpu"), target=TARGET)
@@ -412,6 +423,12 @@ def test_foreach_sgd_runs_fused_in_a_captured_step(kind: str) -> None:
     if fused:
         assert group["foreach"] is False and isinstance(group["lr"], torch.Tensor)
         assert opt._step_supports_amp_scaling
+        assert any(c.startswith(f"fused=True ({cls.__name__}'s") for c in cuda.changes), cuda.changes
+    if kind == "differentiable":  # (its step needs parameters that are not leaves: not run here)
+        return
+    if not fused and family != "sgd":  # capturable=True is CUDA's; torch's CPU for-loop/foreach Adam refuses it
+        for g in opt.param_groups:
+            g["capturable"] = False
     for i in range(5):  # the optimizer's own step, fused or not, against the one as constructed
         x, y = batch_for(model)
         for m, o in ((model, opt), (ref, ref_opt)):
@@ -420,8 +437,11 @@ def test_foreach_sgd_runs_fused_in_a_captured_step(kind: str) -> None:
             o.step()
         assert_same_params(model, ref, f"step {i}")
         for p, q in zip(model.parameters(), ref.parameters()):
-            torch.testing.assert_close(opt.state[p]["momentum_buffer"], ref_opt.state[q]["momentum_buffer"],
-                                       rtol=1e-5, atol=1e-6)
+            got, want = opt.state[p], ref_opt.state[q]
+            assert set(got) == set(want)
+            for key in want:
+                torch.testing.assert_close(torch.as_tensor(got[key]).float(), torch.as_tensor(want[key]).float(),
+                                           rtol=1e-5, atol=1e-6, msg=f"state {key!r} after step {i}")
 
 
 def test_compacting_optimizer_state_keeps_tensors_values_and_training() -> None:

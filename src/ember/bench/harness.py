@@ -20,7 +20,7 @@ import statistics
 import sys
 import time
 import traceback
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any
 
 import torch
@@ -158,6 +158,18 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
+# The training rows' optimizers, as a user constructs them (torch picks foreach on CUDA).
+OPTIMIZERS: dict[str, Callable[[Iterable[nn.Parameter]], torch.optim.Optimizer]] = {
+    "sgd": lambda ps: torch.optim.SGD(ps, lr=0.01, momentum=0.9),
+    "adam": lambda ps: torch.optim.Adam(ps, lr=1e-4),
+    "adamw": lambda ps: torch.optim.AdamW(ps, lr=1e-4, weight_decay=0.01),
+}
+
+
+def make_optimizer(name: str, params: Iterable[nn.Parameter]) -> torch.optim.Optimizer:
+    return OPTIMIZERS[name](params)
+
+
 def _free(device: torch.device) -> None:
     gc.collect()
     if device.type == "cuda":
@@ -237,6 +249,7 @@ def _compile_split(fn: Callable[..., Any], total_s: float) -> dict[str, Any] | N
 def _measure(
     case: BenchCase, base: nn.Module, name: str, batches: list, mode: str, precision: str,
     device: torch.device, warmup: int, iters: int, row: dict[str, Any], progress: _Progress, label: str,
+    optimizer_name: str = "sgd",
 ) -> torch.Tensor | None:
     """Fill ``row`` with the measurements; returns the first output (CPU float) for checks."""
     torch._dynamo.reset()  # each backend compiles from a clean Dynamo state
@@ -246,7 +259,7 @@ def _measure(
         torch.cuda.empty_cache()
     model = copy.deepcopy(base).to(device)
     model.train(mode == "train")
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9) if mode == "train" else None
+    optimizer = make_optimizer(optimizer_name, model.parameters()) if mode == "train" else None
     progress.phase(label, "compiling")
     step, fn = _backend_step(case, name, model, mode, precision, device, optimizer)
 
@@ -392,17 +405,21 @@ def run_benchmark(
     small: bool = False,
     n_batches: int = 3,
     on_result: Callable[[list[dict[str, Any]]], None] | None = None,
+    optimizer: str = "sgd",
 ) -> list[dict[str, Any]]:
     """Measure every case x mode x batch x backend; returns one dict per measurement.
 
     ``backends`` None means ``default_backends(device)``; ``batch`` None uses each case's
     default for the mode; ``warmup`` None means 10 steps on GPU and 3 on CPU. ``on_result`` is called with all rows so far after each row (the CLI
-    uses it to keep the JSON file current during long runs).
+    uses it to keep the JSON file current during long runs). ``optimizer``: the training rows'
+    optimizer (``OPTIMIZERS``), recorded in each training row.
     """
     dev = device if isinstance(device, torch.device) else resolve_device(device)
     prec = resolve_precision(precision, dev)
     if warmup is None:
         warmup = 10 if dev.type == "cuda" else 3
+    if optimizer not in OPTIMIZERS:
+        raise ValueError(f"optimizer must be one of {', '.join(OPTIMIZERS)}; got {optimizer!r}")
     if iters < 1 or warmup < 0:
         raise ValueError(f"need iters >= 1 and warmup >= 0, got iters={iters} warmup={warmup}")
     for mode in modes:
@@ -437,6 +454,8 @@ def run_benchmark(
                         if mode != "train" and train_only(name):
                             continue
                         row = _new_row(case.name, mode, name, prec, bs, dev, small, warmup, iters, provenance)
+                        if mode == "train":
+                            row["optimizer"] = optimizer
                         label = f"{case.name} {mode} bs{bs} [{name}]"
                         if build_error is not None:
                             _record_error(row, build_error)
@@ -444,7 +463,7 @@ def run_benchmark(
                             assert base is not None
                             try:
                                 out = _measure(case, base, name, _fresh_copies(batches), mode, prec, dev, warmup,
-                                               iters, row, prog, label)
+                                               iters, row, prog, label, optimizer)
                                 if out is not None:
                                     outputs[name] = out
                             except Exception as err:

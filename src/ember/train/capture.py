@@ -29,14 +29,16 @@
     replay      copy the batch into the static buffers, replay, hand out a copy of the loss.
 
 What capture changes in the user's optimizer, and why (each makes the replay do what eager does):
-- SGD with the foreach (or default) implementation: ``fused=True``, ``foreach=False`` (setting
-  ``fused_sgd``): torch's fused kernel reads each parameter, gradient and momentum buffer once and
-  writes the parameter and buffer once, where the foreach step makes three passes (bert-base's
-  110M parameters: 3.5 GB of traffic per step against 2.2); the same update up to rounding. Not
-  where the user chose ``foreach=False`` or ``differentiable=True``, nor for an SGD subclass.
-- Adam/AdamW (not fused): ``capturable=True`` (their step then keeps ``step`` on the device and
-  computes bias corrections there instead of reading them on the host); ``state["step"]`` moves
-  to the parameters' device as ``load_state_dict`` does for capturable optimizers.
+- SGD, Adam and AdamW with the foreach (or default) implementation: ``fused=True``,
+  ``foreach=False`` (setting ``fused_optimizers``): torch's fused kernel reads each parameter,
+  gradient and state tensor once and writes the parameter and state once, where the foreach step
+  makes several passes (SGD with momentum three, capturable Adam eight or more); the same update up
+  to rounding. Not where the user chose ``foreach=False`` or ``differentiable=True``, nor for a
+  subclass, nor for an Adam with tensor betas (the fused step reads them on the host).
+- Adam/AdamW: ``capturable=True`` (torch refuses to capture the step of any Adam without it; the
+  foreach step then keeps ``step`` on the device and computes bias corrections there instead of
+  reading them on the host); ``state["step"]`` moves to the parameters' device as
+  ``load_state_dict`` does for capturable optimizers.
 - Adam/AdamW and fused SGD: ``lr`` becomes a 0-d float32 tensor on the device, so an LR scheduler's
   new rate (PyTorch's schedulers ``fill_`` a tensor lr in place) reaches the replays.
 - foreach SGD reads ``lr`` as a Python number (``alpha=-lr``): the graph holds the value it was
@@ -64,7 +66,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from ember.config import compact_optimizer_state_enabled, fused_sgd_enabled
+from ember.config import compact_optimizer_state_enabled, fused_optimizers_enabled
 from ember.runtime.cudagraphs.device import CudaBackend, capture_stream
 from ember.runtime.cudagraphs.pool import presize_enabled
 from ember.runtime.frozen import addresses
@@ -75,6 +77,23 @@ if TYPE_CHECKING:
 HYPER_INTERVAL = 10  # optimizer steps between hyperparameter changes that still recapture
 MAX_CAPTURES = 32  # then the step runs uncaptured: something changes every few steps
 MAX_COMPACT_BYTES = 4 << 30  # optimizer state compacted through the host before a first capture, at most
+
+
+# Optimizers whose foreach step a capture switches to torch's fused kernel (setting
+# fused_optimizers), with the foreach passes over parameter-sized tensors it replaces (capturable
+# Adam: weight decay, lerp, mul, addcmul, sqrt, two divisions, add, addcdiv). Exact types only:
+# a subclass may override step() or rely on the foreach path.
+FUSED_KINDS: dict[type, str] = {torch.optim.SGD: "three", torch.optim.Adam: "eight or more",
+                                torch.optim.AdamW: "eight or more"}
+
+
+def _keeps_its_implementation(group: dict) -> bool:
+    """A param group the fused switch must leave alone: already fused, an explicit for-loop
+    (``foreach=False``), ``differentiable``, a torch without ``fused``, or tensor betas (the fused
+    Adam reads them on the host, which a CUDA graph cannot hold)."""
+    return ("fused" not in group or bool(group["fused"]) or bool(group.get("differentiable"))
+            or group.get("foreach") is False
+            or any(isinstance(b, torch.Tensor) for b in group.get("betas", ())))
 
 
 class CaptureRefused(Exception):
@@ -242,7 +261,7 @@ class CudaWholeStep:
             return f"parameters on {sorted(str(d) for d in devices)}, the batch on {self.device}: one device only"
         if any(p.is_sparse for p in params):
             return "sparse parameters are not captured"
-        self._fuse_sgd(opt, params)
+        self._fuse_optimizer(opt, params)
         fused = any(g.get("fused") for g in opt.param_groups)
         if step.scaler is not None:
             if not getattr(opt, "_step_supports_amp_scaling", False):
@@ -271,23 +290,26 @@ class CudaWholeStep:
                           "every step; SGD(fused=True) takes a tensor lr)")
         return None
 
-    def _fuse_sgd(self, opt: torch.optim.Optimizer, params: Sequence[torch.Tensor]) -> None:
-        """A foreach SGD runs as torch's fused SGD (see the module docstring), every group or none."""
+    def _fuse_optimizer(self, opt: torch.optim.Optimizer, params: Sequence[torch.Tensor]) -> None:
+        """A foreach SGD, Adam or AdamW runs as torch's fused kernel (see the module docstring),
+        every group or none."""
         from torch.optim.optimizer import _get_fused_kernels_supported_devices
 
+        kind = type(opt)
         groups = opt.param_groups
-        if (not fused_sgd_enabled() or type(opt) is not torch.optim.SGD
+        if (not fused_optimizers_enabled() or kind not in FUSED_KINDS
                 or self.device.type not in _get_fused_kernels_supported_devices()
                 or not all(torch.is_floating_point(p) for p in params)
-                or any("fused" not in g or g["fused"] or g.get("differentiable") or g.get("foreach") is False
-                       for g in groups)):
+                or any(_keeps_its_implementation(g) for g in groups)):
             return
         for group in groups:
             group["fused"], group["foreach"] = True, False
-        # What SGD(fused=True) sets: GradScaler hands it the scale and inf flag on the device.
+        # What the constructor sets with fused=True: GradScaler hands the step its scale and inf
+        # flag on the device; the first step checks every parameter's device and dtype.
         opt._step_supports_amp_scaling = True
         opt._need_device_dtype_check_for_fused = True
-        self._changed("fused=True (SGD's update in one pass: torch's fused kernel instead of three foreach passes)")
+        self._changed(f"fused=True ({kind.__name__}'s update in one pass: torch's fused kernel instead of "
+                      f"{FUSED_KINDS[kind]} foreach passes)")
 
     def _changed(self, what: str) -> None:
         if what not in self.changes:
