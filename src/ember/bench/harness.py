@@ -254,9 +254,11 @@ def _measure(
     """Fill ``row`` with the measurements; returns the first output (CPU float) for checks."""
     torch._dynamo.reset()  # each backend compiles from a clean Dynamo state
     if device.type == "cuda":
-        # Hand back what earlier cases left cached, so each backend's reserved peak is its own.
+        # Hand back what earlier cases left cached, so each backend's reserved peak is its own;
+        # what stays reserved (pools an earlier backend still holds) is recorded with the row.
         gc.collect()
         torch.cuda.empty_cache()
+        row["reserved_at_start_bytes"] = torch.cuda.memory_reserved(device)
     model = copy.deepcopy(base).to(device)
     model.train(mode == "train")
     optimizer = make_optimizer(optimizer_name, model.parameters()) if mode == "train" else None
