@@ -38,10 +38,10 @@ def _run(name: str, backend: str, mode: str, steps: int) -> None:
     torch.cuda.synchronize()
 
 
-def _holders(obj: object, depth: int = 5) -> list[str]:
-    """Types along one chain of referrers of ``obj`` (frames and this module's lists skipped)."""
+def _holders(obj: object, skip: set[int], depth: int = 6) -> list[str]:
+    """Types along one chain of referrers of ``obj`` (frames, huge lists and ``skip`` left out)."""
     chain = []
-    seen = {id(obj)}
+    seen = {id(obj), *skip}
     for _ in range(depth):
         found = None
         for r in gc.get_referrers(obj):
@@ -83,7 +83,7 @@ def _live() -> dict:
     wanted = [k for k in first if "CUDAGraph" in k or "Runner" in k or "Pool" in k or "Captured" in k
               or k == "cuda tensor" or "WholeStep" in k]
     return {"kinds": dict(kinds.most_common(25)), "cuda_tensor_bytes": cuda_bytes,
-            "holders": {k: _holders(first[k]) for k in wanted}}
+            "holders": {k: _holders(first[k], {id(first), id(kinds)}) for k in wanted}}
 
 
 def check(name: str, backend: str, mode: str, steps: int) -> dict:

@@ -33,7 +33,8 @@ def clear_library_workspaces() -> None:
 
 class _PoolMemory:
     """``__cuda_array_interface__`` of pool memory. A tensor made from it holds this object (its
-    deleter drops the reference), and this object holds ``keeper``: the pool's state."""
+    deleter drops the reference), and this object holds ``keeper``: what keeps the pool valid (its
+    graphs; ``memory.PoolState.anchors``)."""
 
     def __init__(self, ptr: int, nbytes: int, keeper: object) -> None:
         self.keeper = keeper

@@ -171,7 +171,7 @@ class GraphRecorder:
         for i in pooled:  # copy targets on the pool's memory, which the allocator may hand out again
             ptr, nbytes = places[i]
             buffers[i] = torch.empty(0, dtype=refs[i].dtype, device=device).set_(
-                self.backend.view(ptr, nbytes, device, state), 0, refs[i].shape, refs[i].stride())
+                self.backend.view(ptr, nbytes, device, state.anchors), 0, refs[i].shape, refs[i].stride())
         if pooled:  # the first replay follows at once (_first_outputs)
             copy_in([buffers[i] for i in pooled], [refs[i] for i in pooled])
         g = CapturedGraph(graph, state, static, static_ptrs, dynamic, [buffers[i] for i in dynamic],
@@ -300,7 +300,7 @@ class GraphRecorder:
     def _views(self, g: CapturedGraph) -> None:
         """Storages on the pool memory of ``g``'s outputs, and one tensor per output on them."""
         for grp in g.groups:
-            grp.view = self.backend.view(grp.ptr, grp.nbytes, g.device, g.state)
+            grp.view = self.backend.view(grp.ptr, grp.nbytes, g.device, g.state.anchors)
             for j in grp.members:
                 meta = g.slots[j].value
                 assert isinstance(meta, torch.Tensor)
