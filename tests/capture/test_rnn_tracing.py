@@ -190,9 +190,14 @@ def test_a_long_recurrence_under_autocast_runs_in_autocasts_dtype() -> None:
     torch.manual_seed(0)
     model = VariantNet(nn.LSTM(6, 8, 1)).eval()
     x = torch.randn(12, 2, 6)
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+        try:
+            want = model(x)
+        except RuntimeError as err:  # oneDNN's bf16 LSTM needs AVX-512 (an AVX2-only CPU fails in eager)
+            pytest.skip(f"eager's bf16 LSTM fails on this CPU: {str(err).splitlines()[0][:120]}")
     with ember.config.patch(rnn_unroll_max_steps=4), torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
         compiled = ember.compile(model, target="cpu")
-        got, want = compiled(x), model(x)
+        got = compiled(x)
     assert got.dtype == want.dtype
     torch.testing.assert_close(got.float(), want.float(), rtol=2e-2, atol=2e-2)
     assert "ember.rnn" in log_of(compiled).graphs[0].program
