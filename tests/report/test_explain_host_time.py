@@ -77,7 +77,8 @@ def test_replayed_graphs_report_nothing_outside_the_graphs(monkeypatch) -> None:
         assert g["calls"] == 3 and g["replays"] == 3 and g["uncaptured"] == 0, g
         status = g["cudagraph"]
         assert g["captures"] == 0 or (g["captures"] == 1 and ("moved" in status or "renewed" in status)), status
-        assert g["replay_ms"] > 0 and g["program_ms"] == 0
+        # A capture runs the program once (recording it): its host time is program time.
+        assert g["replay_ms"] > 0 and (g["program_ms"] == 0 or g["captures"] == 1), g
     assert host["outside_graphs"] == []
     text = str(report)
     assert "nothing: every call of every graph replayed a CUDA graph" in text

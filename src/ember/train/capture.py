@@ -275,7 +275,8 @@ class CudaWholeStep:
             # Fused Adam too: torch refuses to capture step() of any Adam whose capturable is False.
             if adam and not group.get("capturable"):
                 group["capturable"] = True
-                self._changed("capturable=True (Adam/AdamW keep step counts and bias corrections on the device)")
+                self._changed("capturable=True (torch captures an Adam/AdamW step only with it: step counts and "
+                              "bias corrections stay on the device)")
             if (adam or group.get("fused")) and not (isinstance(group["lr"], torch.Tensor)
                                                      and group["lr"].device == self.device):
                 group["lr"] = torch.tensor(float(group["lr"]), dtype=torch.float32, device=self.device)
