@@ -3,7 +3,7 @@
     PYTHONPATH=src python benchmarks/scripts/gpu_memory_release.py resnet50 --backend ember,ember-whole-step
 
 For each model and backend: a few training (or inference) steps of the bench's step inside a
-function, then the model, optimizer and step dropped, ``torch._dynamo.reset()``, ``gc.collect()``
+function (``gpu_host_profile.bench_step``: bf16, SGD with momentum), then the model, optimizer and step dropped, ``torch._dynamo.reset()``, ``gc.collect()``
 and ``torch.cuda.empty_cache()``; prints the memory still reserved and allocated, the allocator's
 segments still held by pool, and the live objects that can hold device memory (CUDA graphs,
 Ember's runners and pools, CUDA tensors) with a chain of what refers to the first of each kind.
@@ -17,22 +17,18 @@ import json
 import sys
 import types
 from collections import Counter
+from pathlib import Path
 
 import torch
 
-from ember.bench import harness, models
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from gpu_host_profile import bench_step  # noqa: E402 - the sibling script's step of a bench model
 
 MiB = 2**20
 
 
 def _run(name: str, backend: str, mode: str, steps: int) -> None:
-    device = torch.device("cuda")
-    case = models.get_case(name)
-    torch.manual_seed(0)
-    model = case.build(False).to(device).train(mode == "train")
-    opt = harness.make_optimizer("sgd", model.parameters()) if mode == "train" else None
-    step, _ = harness._backend_step(case, backend, model, mode, "bf16", device, opt)
-    batches = models.make_batches(case, case.default_batch(mode), device, count=2)
+    step, batches = bench_step(name, backend, mode)
     for i in range(steps):
         step(*batches[i % 2])
     torch.cuda.synchronize()
