@@ -35,17 +35,17 @@ from fresh_process import child_result, fresh_caches, write_rows
 CHILD = r"""
 import json, sys, torch
 from ember.bench import harness, models
-name, backend, mode = sys.argv[1], sys.argv[2], sys.argv[3]
+name, backend, mode, batch = sys.argv[1], sys.argv[2], sys.argv[3], int(sys.argv[4])
 device = torch.device("cuda")
 case = models.get_case(name)
 torch.manual_seed(0)
 model = case.build(False).to(device).train(mode == "train")
-batches = models.make_batches(case, case.default_batch(mode), device, count=2)
+batches = models.make_batches(case, batch or case.default_batch(mode), device, count=2)
 optimizer = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9) if mode == "train" else None
 step, fn = harness._backend_step(case, backend, model, mode, "bf16", device, optimizer)
 if fn is None:  # a backend with a step of its own (ember-whole-step)
     fn = step
-trace = len(sys.argv) > 4
+trace = len(sys.argv) > 5
 if trace:
     torch.cuda.memory._record_memory_history(context="alloc", stacks="python", max_entries=400000)
 torch.cuda.reset_peak_memory_stats()
@@ -136,6 +136,7 @@ def main() -> int:
     parser.add_argument("models", nargs="*", default=["resnet50", "vgg16", "bert"])
     parser.add_argument("--backends", default="eager,ember")
     parser.add_argument("--mode", default="train", choices=["train", "infer"])
+    parser.add_argument("--batch", type=int, default=0, help="batch size (default: the model's for the mode)")
     parser.add_argument("--json", default=None)
     parser.add_argument("--trace", default="", help="comma-separated backends whose allocations are traced from the "
                         "first step: the blocks live at the peak, by allocation site")
@@ -150,12 +151,12 @@ def main() -> int:
                 # ember-nographs is Ember with the environment above; every other name is the
                 # bench's backend itself (ember-whole-step ran as plain ember here before).
                 child_backend = "ember" if backend == "ember-nographs" else backend
-                r, stderr = child_result(CHILD, [name, child_backend, args.mode, *traced], env)
+                r, stderr = child_result(CHILD, [name, child_backend, args.mode, str(args.batch), *traced], env)
             if r is None:
                 print(f"{name:<14}{backend:<16}ERROR {stderr[-600:]}", flush=True)
                 rows.append({"model": name, "backend": backend, "error": stderr[-3000:]})
                 continue
-            rows.append({"model": name, "backend": backend, "mode": args.mode, **r})
+            rows.append({"model": name, "backend": backend, "mode": args.mode, "batch": args.batch or None, **r})
             pools = "; ".join(f"{k}: {_mib(p['reserved'])} / {_mib(p['active'])}" for k, p in r["pools"].items())
             print(f"{name:<14}{backend:<16}{_mib(r['peak_allocated']):>15}{_mib(r['peak_reserved']):>13}  {pools}; "
                   f"peak allocated from the first step (captures included) {_mib(r['peak_allocated_from_start'])}",
