@@ -24,7 +24,7 @@ import torch.nn.functional as F
 
 import ember
 from ember import config
-from ember.train.capture import CudaWholeStep, _hyper, _hyper_change, _signature
+from ember.train.capture import CudaWholeStep, PhaseGraph, _hyper, _hyper_change, _signature
 
 STEPS = 20
 TARGET = "aten"  # the step's semantics; the optimizers and a checkpoint also on the Triton interpreter
@@ -531,3 +531,41 @@ def test_reserve_compacts_optimizer_state_up_to_the_limit(monkeypatch: pytest.Mo
     cuda = CudaWholeStep(step, torch.device("cpu"))
     cuda._reserve()
     assert moved == ([len(list(model.parameters()))] if compacted else [])
+
+
+class _RecordingGraph:
+    """Stands in for a CUDA graph: records what each parameter's .grad was when it was replayed."""
+
+    def __init__(self, params: list[torch.Tensor]) -> None:
+        self.params = params
+        self.seen: list[list[torch.Tensor | None]] = []
+
+    def replay(self) -> None:
+        self.seen.append([p.grad for p in self.params])
+
+
+def test_replay_puts_gradients_back_after_a_first_micro_step_and_before_an_accumulating_one() -> None:
+    # A first micro-step overwrites the captured gradients: putting them back can wait until the
+    # launch is out. An accumulating one adds to them: the user's gradients must be in them first.
+    model = mlp()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    step = ember.compile_step(loss_of(model), opt, target=TARGET, accumulate=2)
+    cuda = CudaWholeStep(step, torch.device("cpu"))
+    params = step.params
+    statics = [torch.randn_like(p) for p in params]
+    x, y = batch_for(model)
+    cuda.static_batch = (torch.empty_like(x), torch.empty_like(y))
+    for phase in ("first", "last"):
+        cuda.graphs[phase] = PhaseGraph(_RecordingGraph(params), torch.randn(()), list(statics))
+    opt.zero_grad(set_to_none=True)  # the user's zero_grad between steps
+    cuda._replay(cuda.graphs["first"], (x, y))
+    assert cuda.graphs["first"].graph.seen == [[None] * len(params)]  # launched before the put-back
+    assert all(p.grad is s for p, s in zip(params, statics))
+    torch.testing.assert_close(cuda.static_batch[0], x)
+    mine = [torch.randn_like(p) for p in params]
+    for p, g in zip(params, mine):
+        p.grad = g.clone()  # the user's own gradients mid-accumulation
+    cuda._replay(cuda.graphs["last"], (x, y))
+    assert all(a is s for a, s in zip(cuda.graphs["last"].graph.seen[0], statics))  # in place before the launch
+    for s, g in zip(statics, mine):
+        torch.testing.assert_close(s, g)

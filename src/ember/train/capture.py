@@ -466,8 +466,15 @@ class CudaWholeStep:
         for buf, x in zip(self.static_batch, batch):
             if isinstance(x, torch.Tensor):
                 buf.copy_(x, non_blocking=True)
-        self._restore_grads(graph, graph is self.graphs.get("full") or graph is self.graphs.get("first"))
+        first = graph is self.graphs.get("full") or graph is self.graphs.get("first")
+        if not first:  # the replay adds to what the gradients hold: they must be in place before it
+            self._restore_grads(graph, first)
         graph.graph.replay()
+        if first:
+            # A first micro-step overwrites the captured gradients without reading them, so they are
+            # put back after the launch, while the device runs (the host time before the launch is
+            # time the device waits in a step synchronised each time).
+            self._restore_grads(graph, first)
         self.replays += 1
         return graph.loss.clone()  # the next replay overwrites the static loss
 

@@ -8,10 +8,10 @@ from collections.abc import Iterator
 
 import pytest
 import torch
-from cudagraph_fakes import FakeGraphs, runner_pair, train_step
+from cudagraph_fakes import FakeGraphs, fake_runner, new_batch, runner_pair, train_step
 
 from ember import config
-from ember.runtime.cudagraphs.pool import PoolSizing
+from ember.runtime.cudagraphs.pool import GraphPool, PoolSizing
 
 
 class CountingGraphs(FakeGraphs):
@@ -108,3 +108,35 @@ def test_the_measurement_keeps_the_largest_rise() -> None:
     s.end((40, 100))
     s.end((40, 80))  # a lower peak later changes nothing
     assert s.window == (10, 10) and s.need == 90
+
+
+def test_parameter_only_values_are_made_before_the_measured_first_call() -> None:
+    """An inference program's parameter-only values (bf16 weights under autocast) live as long as
+    the model: made inside the first call, they stayed in its private pool and counted in the
+    graph pool's need. They are made first, outside that pool and before the counters are read."""
+    backend = CountingGraphs([(100, 100), (120, 130)])
+    w = torch.randn(8, 4)
+    made: list[str] = []
+
+    def refresh_frozen(args: list, addresses_known: bool = False) -> bool:
+        made.append(backend.events[-1] if backend.events else "before anything")
+        return False
+
+    def program(args: list) -> tuple:
+        x, weight = args
+        args.clear()
+        return (torch.tanh(x @ weight),)
+
+    program.refresh_frozen = refresh_frozen  # type: ignore[attr-defined]
+    runner = fake_runner(program, backend)
+    runner.pool = GraphPool(training=False)
+    x = new_batch()
+    (out,) = runner([x, w])
+    torch.testing.assert_close(out, torch.tanh(x @ w))
+    assert made == ["before anything"]  # not inside "first call in its own pool"
+    assert backend.counters == [] and runner.pool.sizing.need == 30  # counters read after the values were made
+    for _ in range(3):
+        x = new_batch()
+        (out,) = runner([x, w])
+        torch.testing.assert_close(out, torch.tanh(x @ w))
+    assert runner.replays == 2 and [n for _, n in backend.reserved] == [30]

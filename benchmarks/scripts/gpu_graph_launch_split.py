@@ -1,0 +1,96 @@
+"""What a CUDA graph's launch costs the host, and whether cutting one graph into several lets the
+device start sooner.
+
+Run on the device (from the repo root):
+    PYTHONPATH=src python benchmarks/scripts/gpu_graph_launch_split.py --json $OUT/graph_launch_split.json
+
+A step of ``K`` small kernels (in-place multiply-adds on one buffer) is captured as one graph and
+as the same kernels cut into graphs of the given sizes (``--cuts``: the first graphs' kernel
+counts, the last takes the rest), all in one memory pool. For each: the host time of launching
+the step (the ``replay`` calls until they return), the step synchronised after each launch
+(host time before the device starts + the device's time), and steps launched back to back
+without synchronising (the device's time). A launch that costs the host time per kernel node
+shows in the first; if the device starts only once a graph's launch returns, the synchronised
+step falls when the first graph is small.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+
+import torch
+
+
+def capture(kernels: int, x: torch.Tensor, pool: object) -> torch.cuda.CUDAGraph:
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g, pool=pool):
+        for _ in range(kernels):
+            x.mul_(0.999).add_(0.001)
+    return g
+
+
+def graphs_for(cuts: list[int], total: int, x: torch.Tensor) -> list[torch.cuda.CUDAGraph]:
+    pool = torch.cuda.graph_pool_handle()
+    sizes = [*cuts, total - sum(cuts)]
+    return [capture(n // 2, x, pool) for n in sizes]  # two kernels per loop step
+
+
+def time_step(graphs: list[torch.cuda.CUDAGraph], steps: int) -> dict:
+    host, sync = [], []
+    for _ in range(5):
+        for g in graphs:
+            g.replay()
+    torch.cuda.synchronize()
+    for _ in range(steps):
+        t0 = time.perf_counter()
+        for g in graphs:
+            g.replay()
+        t1 = time.perf_counter()
+        torch.cuda.synchronize()
+        host.append((t1 - t0) * 1e6)
+        sync.append((time.perf_counter() - t0) * 1e6)
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(steps):
+        for g in graphs:
+            g.replay()
+    end.record()
+    end.synchronize()
+    return {"host_us": statistics.median(host), "sync_us": statistics.median(sync),
+            "pipelined_us": start.elapsed_time(end) * 1e3 / steps}
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--kernels", default="200,700,1500", help="kernels per step")
+    parser.add_argument("--numel", type=int, default=1 << 20, help="elements of the buffer each kernel updates")
+    parser.add_argument("--cuts", default="none;16;64;16,200", help="';'-separated: the first graphs' kernel counts")
+    parser.add_argument("--steps", type=int, default=100)
+    parser.add_argument("--json", default=None)
+    args = parser.parse_args()
+    x = torch.randn(args.numel, device="cuda")
+    rows = []
+    print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}, buffer of {args.numel} float32")
+    print(f"{'kernels':>8} {'cuts':>10} {'graphs':>6} {'host us':>9} {'sync us':>9} {'device us':>10}")
+    for total in (int(k) for k in args.kernels.split(",")):
+        for cut_text in args.cuts.split(";"):
+            cuts = [] if cut_text == "none" else [int(c) for c in cut_text.split(",")]
+            if sum(cuts) >= total:
+                continue
+            graphs = graphs_for(cuts, total, x)
+            r = {"kernels": total, "cuts": cuts, "graphs": len(graphs), **time_step(graphs, args.steps)}
+            rows.append(r)
+            print(f"{total:>8} {cut_text:>10} {len(graphs):>6} {r['host_us']:>9.1f} {r['sync_us']:>9.1f} "
+                  f"{r['pipelined_us']:>10.1f}", flush=True)
+            del graphs
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"device": torch.cuda.get_device_name(), "torch": torch.__version__, "rows": rows}, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
