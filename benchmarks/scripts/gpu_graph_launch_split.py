@@ -42,6 +42,7 @@ def capture(kernels: int, x: torch.Tensor, pool: object, kind: str = "pointwise"
         lr = torch.tensor(0.01, device=x.device)
         with torch.no_grad():
             conv(img)
+            a @ a  # the handle and workspace exist before the capture
             torch.ops.aten._fused_sgd_(params, grads, bufs, weight_decay=0.0, momentum=0.9, lr=lr, dampening=0.0,
                                        nesterov=False, maximize=False, is_first_step=False)
             torch.cuda.synchronize()
