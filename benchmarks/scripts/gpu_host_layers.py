@@ -29,6 +29,9 @@ from gpu_host_profile import bench_step, each_case, time_steps  # noqa: E402 - t
 
 LAYERS = {
     "ember": [
+        "torch.nn.modules.module:Module._wrapped_call_impl",  # the compiled model's call, all of it
+        "ember.capture.backend:ShapePolicy.__enter__",
+        "ember.capture.backend:ShapePolicy.__exit__",
         "ember.runtime.program:CompiledGraph.__call__",
         "ember.runtime.cudagraphs.runner:CudaGraphRunner.__call__",
         "ember.runtime.cudagraphs.runner:CudaGraphRunner._check",
@@ -40,6 +43,7 @@ LAYERS = {
         "torch.cuda.graphs:CUDAGraph.replay",
     ],
     "inductor-cudagraphs": [
+        "torch.nn.modules.module:Module._wrapped_call_impl",
         "torch._functorch._aot_autograd.runtime_wrappers:call_func_at_runtime_with_args",
         "torch._inductor.cudagraph_trees:CUDAGraphTreeManager.run",
         "torch._inductor.cudagraph_trees:CUDAGraphNode.run",
