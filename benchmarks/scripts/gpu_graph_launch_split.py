@@ -4,9 +4,7 @@ device start sooner.
 Run on the device (from the repo root):
     PYTHONPATH=src python benchmarks/scripts/gpu_graph_launch_split.py --json $OUT/graph_launch_split.json
 
-A step of ``K`` small kernels (``--kind pointwise``: in-place multiply-adds on one buffer;
-``library``: cuDNN convolutions, cuBLAS matmuls and fused SGD steps, whose kernels take larger
-parameter blocks) is captured as one graph and
+A step of ``K`` small kernels (in-place multiply-adds on one buffer) is captured as one graph and
 as the same kernels cut into graphs of the given sizes (``--cuts``: the first graphs' kernel
 counts, the last takes the rest), all in one memory pool. For each: the host time of launching
 the step (the ``replay`` calls until they return), the step synchronised after each launch
@@ -27,42 +25,19 @@ from pathlib import Path
 
 import torch
 
-KINDS = ("pointwise", "library")  # what each loop step launches
 
-
-def capture(kernels: int, x: torch.Tensor, pool: object, kind: str = "pointwise") -> torch.cuda.CUDAGraph:
+def capture(kernels: int, x: torch.Tensor, pool: object) -> torch.cuda.CUDAGraph:
     g = torch.cuda.CUDAGraph()
-    if kind == "library":  # a convolution (cuDNN), a matmul (cuBLAS) and a fused SGD step per loop step
-        conv = torch.nn.Conv2d(16, 16, 3, padding=1, device=x.device, dtype=torch.bfloat16)
-        a = torch.randn(256, 256, device=x.device, dtype=torch.bfloat16)
-        img = torch.randn(8, 16, 32, 32, device=x.device, dtype=torch.bfloat16)
-        params = [torch.randn(1000, device=x.device) for _ in range(20)]
-        grads = [torch.randn_like(p) for p in params]
-        bufs = [torch.zeros_like(p) for p in params]
-        lr = torch.tensor(0.01, device=x.device)
-        with torch.no_grad():
-            conv(img)
-            a @ a  # the handle and workspace exist before the capture
-            torch.ops.aten._fused_sgd_(params, grads, bufs, weight_decay=0.0, momentum=0.9, lr=lr, dampening=0.0,
-                                       nesterov=False, maximize=False, is_first_step=False)
-            torch.cuda.synchronize()
-            with torch.cuda.graph(g, pool=pool):
-                for _ in range(kernels // 3):
-                    conv(img)
-                    a @ a
-                    torch.ops.aten._fused_sgd_(params, grads, bufs, weight_decay=0.0, momentum=0.9, lr=lr,
-                                               dampening=0.0, nesterov=False, maximize=False, is_first_step=False)
-        return g
     with torch.cuda.graph(g, pool=pool):
         for _ in range(kernels // 2):
             x.mul_(0.999).add_(0.001)
     return g
 
 
-def graphs_for(cuts: list[int], total: int, x: torch.Tensor, kind: str) -> list[torch.cuda.CUDAGraph]:
+def graphs_for(cuts: list[int], total: int, x: torch.Tensor) -> list[torch.cuda.CUDAGraph]:
     pool = torch.cuda.graph_pool_handle()
     sizes = [*cuts, total - sum(cuts)]
-    return [capture(n, x, pool, kind) for n in sizes]
+    return [capture(n, x, pool) for n in sizes]
 
 
 def time_step(graphs: list[torch.cuda.CUDAGraph], steps: int) -> dict:
@@ -125,7 +100,6 @@ def main() -> int:
     parser.add_argument("--numel", type=int, default=1 << 20, help="elements of the buffer each kernel updates")
     parser.add_argument("--cuts", default="none;16;64;16,200", help="';'-separated: the first graphs' kernel counts")
     parser.add_argument("--steps", type=int, default=100)
-    parser.add_argument("--kind", default="pointwise", choices=KINDS)
     parser.add_argument("--models", default="", help="comma-separated bench models: time the launch of their "
                         "captured whole training step too")
     parser.add_argument("--json", default=None)
@@ -140,8 +114,8 @@ def main() -> int:
             cuts = [] if cut_text == "none" else [int(c) for c in cut_text.split(",")]
             if sum(cuts) >= total:
                 continue
-            graphs = graphs_for(cuts, total, x, args.kind)
-            r = {"kind": args.kind, "kernels": total, "cuts": cuts, "graphs": len(graphs), **time_step(graphs, args.steps)}
+            graphs = graphs_for(cuts, total, x)
+            r = {"kernels": total, "cuts": cuts, "graphs": len(graphs), **time_step(graphs, args.steps)}
             rows.append(r)
             print(f"{total:>8} {cut_text:>10} {len(graphs):>6} {r['host_us']:>9.1f} {r['sync_us']:>9.1f} "
                   f"{r['pipelined_us']:>10.1f}", flush=True)

@@ -24,7 +24,8 @@ import torch.nn.functional as F
 
 import ember
 from ember import config
-from ember.train.capture import CudaWholeStep, PhaseGraph, _hyper, _hyper_change, _signature
+from ember.train.capture import CudaWholeStep, PhaseGraph
+from ember.train.replay_guard import hyper_change, hyperparameters, signature
 
 STEPS = 20
 TARGET = "aten"  # the step's semantics; the optimizers and a checkpoint also on the Triton interpreter
@@ -336,25 +337,25 @@ def test_capture_guards_see_scheduler_and_checkpoint_changes() -> None:
     model = mlp()
     x, y = batch_for(model)
     mods = list(model.modules())  # listed once per capture; their flags are read on every call
-    assert _signature((x, y), mods, torch.device("cpu")) == _signature((x.clone(), y), mods, torch.device("cpu"))
-    assert _signature((x, y), mods, torch.device("cpu")) != _signature((x[:3], y[:3]), mods, torch.device("cpu"))
+    assert signature((x, y), mods, torch.device("cpu")) == signature((x.clone(), y), mods, torch.device("cpu"))
+    assert signature((x, y), mods, torch.device("cpu")) != signature((x[:3], y[:3]), mods, torch.device("cpu"))
     mods[-1].eval()  # one submodule switched to eval mode
-    eval_sig = _signature((x, y), mods, torch.device("cpu"))
+    eval_sig = signature((x, y), mods, torch.device("cpu"))
     model.train()
-    assert eval_sig != _signature((x, y), mods, torch.device("cpu"))
+    assert eval_sig != signature((x, y), mods, torch.device("cpu"))
     # A float lr that a scheduler replaces is a change; a tensor lr it fills in place is not.
     sgd = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
     scheduler = torch.optim.lr_scheduler.StepLR(sgd, step_size=1, gamma=0.5)
-    before = _hyper(sgd.param_groups[0])
+    before = hyperparameters(sgd.param_groups[0])
     sgd.step()
     scheduler.step()
-    assert _hyper_change(before, _hyper(sgd.param_groups[0])) == "lr"
+    assert hyper_change(before, hyperparameters(sgd.param_groups[0])) == "lr"
     adam = torch.optim.Adam(model.parameters(), lr=torch.tensor(0.01))
     scheduler = torch.optim.lr_scheduler.StepLR(adam, step_size=1, gamma=0.5)
-    before = _hyper(adam.param_groups[0])
+    before = hyperparameters(adam.param_groups[0])
     adam.step()
     scheduler.step()
-    assert _hyper_change(before, _hyper(adam.param_groups[0])) is None
+    assert hyper_change(before, hyperparameters(adam.param_groups[0])) is None
     assert float(adam.param_groups[0]["lr"]) == pytest.approx(0.005)
 
 
@@ -571,6 +572,12 @@ def test_replay_puts_gradients_back_after_a_first_micro_step_and_before_an_accum
         torch.testing.assert_close(s, g)
 
 
+def _holds(cuda: CudaWholeStep, batch: tuple) -> bool:
+    """Whether the call passes the last replay's guard (no full check)."""
+    assert cuda.fast is not None
+    return cuda.fast.holds(batch, cuda.step.optimizer, cuda.step.scaler, cuda.modules or (), "cpu")
+
+
 def _guarded_step() -> tuple[torch.nn.Module, torch.optim.Optimizer, CudaWholeStep, tuple]:
     """A CudaWholeStep on CPU objects whose last call replayed (a captured graph stands in), so
     that the next call is checked through its replay guard."""
@@ -583,7 +590,7 @@ def _guarded_step() -> tuple[torch.nn.Module, torch.optim.Optimizer, CudaWholeSt
     cuda.graphs["full"] = PhaseGraph(_RecordingGraph(step.params), torch.randn(()), [None] * len(step.params))
     cuda._snapshot()
     assert cuda._check(batch, True) is None and cuda.fast is not None  # replay; the guard is made
-    assert cuda._check(batch, True) is None and cuda._unchanged(batch)
+    assert cuda._check(batch, True) is None and _holds(cuda, batch)
     return model, opt, cuda, batch
 
 
@@ -612,20 +619,20 @@ def test_the_replay_guard_sends_every_change_through_the_full_check(change: str)
     make, says = CHANGES[change]
     if make is None:
         with torch.no_grad():
-            assert not cuda._unchanged(batch)
+            assert not _holds(cuda, batch)
             why = cuda._check(batch, True)
-            assert "grad/autocast mode" in why and not cuda._unchanged(batch)
+            assert "grad/autocast mode" in why and not _holds(cuda, batch)
         return
     batch = make(model, opt, batch)
-    assert not cuda._unchanged(batch)
+    assert not _holds(cuda, batch)
     why = cuda._check(batch, True)
     if says is None:  # a first micro-step captures the step again
         assert why is None and not cuda.graphs and cuda.fast is None
     elif says == "same":
-        assert why is None and cuda.graphs and cuda._unchanged(batch)
+        assert why is None and cuda.graphs and _holds(cuda, batch)
     else:
         assert why is not None and says in why, why
-        assert cuda.fast is not None and not cuda._unchanged(batch)  # checked in full again next time
+        assert cuda.fast is not None and not _holds(cuda, batch)  # checked in full again next time
 
 
 def test_a_value_equal_to_the_captured_one_makes_a_new_guard() -> None:
@@ -633,6 +640,6 @@ def test_a_value_equal_to_the_captured_one_makes_a_new_guard() -> None:
     # and the next calls take the guard again.
     _, opt, cuda, batch = _guarded_step()
     opt.param_groups[0]["lr"] = float(str(opt.param_groups[0]["lr"]))
-    assert not cuda._unchanged(batch)
+    assert not _holds(cuda, batch)
     assert cuda._check(batch, True) is None and cuda.graphs
-    assert cuda._unchanged(batch)
+    assert _holds(cuda, batch)

@@ -26,7 +26,10 @@
                 With ``accumulate=N`` there are up to three graphs in one pool: the first
                 micro-step (fresh gradients), the middle ones (accumulate in place) and the last
                 (accumulate, then update).
-    replay      copy the batch into the static buffers, replay, hand out a copy of the loss.
+    replay      check the call against the last replay's guard (``ReplayGuard``; anything else
+                goes through the full check below), copy the batch into the static buffers,
+                replay, put the captured gradients back (after the launch for a first
+                micro-step, before it when the step accumulates), hand out a copy of the loss.
 
 What capture changes in the user's optimizer, and why (each makes the replay do what eager does):
 - SGD, Adam and AdamW with the foreach (or default) implementation: ``fused=True``,
@@ -59,7 +62,6 @@ replay runs kernels, nothing else (as in PyTorch's recipe).
 
 from __future__ import annotations
 
-import operator
 import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -71,6 +73,7 @@ from ember.config import compact_optimizer_state_enabled, fused_optimizers_enabl
 from ember.runtime.cudagraphs.device import CudaBackend, capture_stream
 from ember.runtime.cudagraphs.pool import presize_enabled
 from ember.runtime.frozen import addresses
+from ember.train.replay_guard import ReplayGuard, hyper_change, hyperparameters, signature
 
 if TYPE_CHECKING:
     from ember.train.step import TrainStep
@@ -110,70 +113,8 @@ class PhaseGraph:
     grads: list[torch.Tensor | None]
 
 
-_TRAINING = operator.attrgetter("training")
-_DATA_PTR = torch.Tensor.data_ptr
-
-
-@dataclass
-class ReplayGuard:
-    """What the last call that replayed found, read back before the next with few Python steps:
-    the same batch layout, modes, train/eval flags, optimizer objects, parameter addresses and
-    hyperparameter objects. Any difference sends the call through the full check (``_check``),
-    which names what changed or finds nothing and makes a new guard. On the H100's host the full
-    check was most of the whole-step call's 0.96-1.56 ms (``replay()`` itself 0.22-0.25 ms), and
-    the device waits for all of it in a step synchronised each time."""
-
-    batch: list  # per argument: (shape, strides, dtype, device, requires_grad), or (type, value)
-    modes: tuple  # grad mode, autocast enabled, autocast dtype
-    training: list[bool]
-    groups: list[dict]  # the param_group objects
-    group_params: list[list]  # each group's "params" list object
-    params: list[torch.Tensor]
-    ptrs: list[int]
-    keys: list[list[str]]  # hyperparameter names per group
-    values: list[list]  # their value objects (compared by identity)
-    state: object
-    scale: object
-
-
-def _batch_layout(batch: Sequence[Any]) -> list:
-    return [(x.shape, x.stride(), x.dtype, x.device, x.requires_grad) if isinstance(x, torch.Tensor)
-            else (type(x), x) for x in batch]
-
-
 def _phase(first: bool, last: bool) -> str:
     return "full" if first and last else "first" if first else "last" if last else "middle"
-
-
-def _signature(batch: Sequence[Any], modules: Sequence[torch.nn.Module], device: torch.device) -> list:
-    sig: list = [torch.is_grad_enabled(), torch.is_autocast_enabled(device.type),
-                 torch.get_autocast_dtype(device.type)]
-    for x in batch:
-        if isinstance(x, torch.Tensor):
-            sig.append((tuple(x.shape), x.stride(), x.dtype, x.device, x.requires_grad))
-        else:
-            sig.append((type(x), x))
-    sig.append(tuple([m.training for m in modules]))
-    return sig
-
-
-
-def _hyper(group: dict) -> dict:
-    return {k: v for k, v in group.items() if k != "params"}
-
-
-def _hyper_change(old: dict, new: dict) -> str | None:
-    """The first hyperparameter of a param_group that changed (tensors: replaced by another object)."""
-    if old.keys() != new.keys():
-        return f"keys {sorted(set(old) ^ set(new))}"
-    for key, was in old.items():
-        now = new[key]
-        if isinstance(was, torch.Tensor) or isinstance(now, torch.Tensor):
-            if was is not now:
-                return key
-        elif was != now:
-            return key
-    return None
 
 
 class CudaWholeStep:
@@ -365,51 +306,15 @@ class CudaWholeStep:
 
     def _check(self, batch: tuple, first: bool) -> str | None:
         """Why this call must not replay (None: replay, capturing first where needed)."""
-        if self.fast is not None and self._unchanged(batch):
+        step = self.step
+        if self.fast is not None and self.fast.holds(batch, step.optimizer, step.scaler, self.modules or (),
+                                                     self.device.type):
             return None
         why = self._full_check(batch, first)
         if why is None and self.graphs:
-            self.fast = self._replay_guard(batch)
+            self.fast = ReplayGuard.of(batch, step.optimizer, step.scaler, self.modules or (), self.device.type,
+                                       step.params)
         return why
-
-    def _unchanged(self, batch: tuple) -> bool:
-        """Whether everything ``ReplayGuard`` holds is as the last replay found it."""
-        f = self.fast
-        assert f is not None
-        device = self.device.type
-        opt = self.step.optimizer
-        groups = opt.param_groups
-        try:
-            if (len(batch) != len(f.batch) or _batch_layout(batch) != f.batch
-                    or (torch.is_grad_enabled(), torch.is_autocast_enabled(device),
-                        torch.get_autocast_dtype(device)) != f.modes):
-                return False
-        except (RuntimeError, TypeError, ValueError):  # a value whose == is no truth value: the full check decides
-            return False
-        if (opt.state is not f.state or len(groups) != len(f.groups) or not all(map(operator.is_, groups, f.groups))
-                or getattr(self.step.scaler, "_scale", None) is not f.scale):
-            return False
-        for group, params, keys, values in zip(groups, f.group_params, f.keys, f.values):
-            if group["params"] is not params or len(group) != len(keys) + 1 \
-                    or not all(map(operator.is_, map(group.get, keys), values)):
-                return False
-        if sum(map(len, f.group_params)) != len(f.params):
-            return False
-        return list(map(_DATA_PTR, f.params)) == f.ptrs and list(map(_TRAINING, self.modules or ())) == f.training
-
-    def _replay_guard(self, batch: tuple) -> ReplayGuard:
-        opt = self.step.optimizer
-        device = self.device.type
-        keys = [[k for k in g if k != "params"] for g in opt.param_groups]
-        params = self.step.params
-        return ReplayGuard(
-            batch=_batch_layout(batch),
-            modes=(torch.is_grad_enabled(), torch.is_autocast_enabled(device), torch.get_autocast_dtype(device)),
-            training=list(map(_TRAINING, self.modules or ())), groups=list(opt.param_groups),
-            group_params=[g["params"] for g in opt.param_groups], params=params,
-            ptrs=list(map(_DATA_PTR, params)), keys=keys,
-            values=[[g[k] for k in ks] for g, ks in zip(opt.param_groups, keys)], state=opt.state,
-            scale=getattr(self.step.scaler, "_scale", None))
 
     def _full_check(self, batch: tuple, first: bool) -> str | None:
         step = self.step
@@ -417,7 +322,7 @@ class CudaWholeStep:
             # The model's modules, listed once: walking model.modules() before every replay cost
             # ~0.5 ms of host time per resnet50 step on the H100's host, ahead of the launch.
             self.modules = list(step.model.modules()) if step.model is not None else []
-        sig = _signature(batch, self.modules, self.device)
+        sig = signature(batch, self.modules, self.device)
         if self.signature is None:
             for i, x in enumerate(batch):
                 if isinstance(x, torch.Tensor) and x.device != self.device:
@@ -452,7 +357,7 @@ class CudaWholeStep:
     def _snapshot(self) -> None:
         opt = self.step.optimizer
         self.guard = {"state": opt.state, "groups": opt.param_groups, "group_objs": list(opt.param_groups),
-                      "hyper": [_hyper(g) for g in opt.param_groups],
+                      "hyper": [hyperparameters(g) for g in opt.param_groups],
                       "ptrs": addresses(self.step.params),
                       "scale": getattr(self.step.scaler, "_scale", None)}
 
@@ -467,7 +372,7 @@ class CudaWholeStep:
         if getattr(self.step.scaler, "_scale", None) is not g["scale"]:
             return "the GradScaler's scale tensor was replaced", False
         for i, (was, group) in enumerate(zip(g["hyper"], opt.param_groups)):
-            key = _hyper_change(was, _hyper(group))
+            key = hyper_change(was, hyperparameters(group))
             if key is not None:
                 return f"param_group {i}'s {key} changed", True
         return None, False
