@@ -2,6 +2,8 @@
 
 Run on the device (from the repo root):
     PYTHONPATH=src python benchmarks/scripts/gpu_host_layers.py bert resnet50 --mode infer --batch 1 --out $OUT
+    PYTHONPATH=src python benchmarks/scripts/gpu_host_layers.py resnet50 --mode train --batch 128 \
+        --backend ember-whole-step --out $OUT
 
 For each model and backend (bf16 autocast, the bench's own step): the median host time of the
 whole step call (until it returns, before the synchronisation) and the synchronised step time over
@@ -40,6 +42,15 @@ LAYERS = {
         "ember.runtime.frozen:FrozenValues.__call__",  # the program's check (before a replay too, until 702082b)
         "ember.runtime.frozen:FrozenValues.get",  # the check since: before a replay through refresh, not __call__
         "torch._functorch._aot_autograd.runtime_wrappers:call_func_at_runtime_with_args",
+        "torch.cuda.graphs:CUDAGraph.replay",
+    ],
+    "ember-whole-step": [
+        "ember.train.step:TrainStep.__call__",
+        "ember.train.capture:CudaWholeStep.run",
+        "ember.train.capture:CudaWholeStep._check",
+        "ember.train.capture:CudaWholeStep._full_check",
+        "ember.train.capture:CudaWholeStep._replay",
+        "ember.train.capture:CudaWholeStep._restore_grads",
         "torch.cuda.graphs:CUDAGraph.replay",
     ],
     "inductor-cudagraphs": [
