@@ -19,7 +19,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ember.bench.models import Batch, BenchCase, _cross_entropy, _image_batch, _require, primary_tensor
+from ember.bench.cases import Batch, BenchCase, _cross_entropy, _image_batch, _require, primary_tensor
 
 __all__ = ["LSTMLanguageModel", "ZOO_CASES", "ZOO_SUITE"]
 

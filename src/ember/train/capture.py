@@ -65,7 +65,7 @@ from __future__ import annotations
 import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import torch
 
@@ -74,9 +74,6 @@ from ember.runtime.cudagraphs.device import CudaBackend, capture_stream
 from ember.runtime.cudagraphs.pool import presize_enabled
 from ember.runtime.frozen import addresses
 from ember.train.replay_guard import ReplayGuard, hyper_change, hyperparameters, signature
-
-if TYPE_CHECKING:
-    from ember.train.step import TrainStep
 
 HYPER_INTERVAL = 10  # optimizer steps between hyperparameter changes that still recapture
 MAX_CAPTURES = 32  # then the step runs uncaptured: something changes every few steps
@@ -100,6 +97,28 @@ def _keeps_its_implementation(group: dict) -> bool:
             or any(isinstance(b, torch.Tensor) for b in group.get("betas", ())))
 
 
+class CapturedStep(Protocol):
+    """What ``CudaWholeStep`` reads and calls of the training step it captures
+    (``train/step.TrainStep``), which makes one on its first call with CUDA tensors."""
+
+    optimizer: torch.optim.Optimizer
+    scaler: Any
+    model: torch.nn.Module | None
+    backend: Any
+    blocker: str | None
+    warmup: int
+    optimizer_steps: int
+
+    @property
+    def params(self) -> list[torch.Tensor]: ...
+
+    def body(self, batch: tuple, first: bool, last: bool, set_to_none: bool) -> torch.Tensor: ...
+
+    def run_eager(self, batch: tuple, first: bool, last: bool, set_to_none: bool = True) -> torch.Tensor: ...
+
+    def _uncaptured(self, reason: str, warn: bool = True) -> None: ...
+
+
 class CaptureRefused(Exception):
     """The step cannot be captured; the message says why."""
 
@@ -120,7 +139,7 @@ def _phase(first: bool, last: bool) -> str:
 class CudaWholeStep:
     """Captures and replays one ``TrainStep``'s micro-steps on ``device``."""
 
-    def __init__(self, step: TrainStep, device: torch.device) -> None:
+    def __init__(self, step: CapturedStep, device: torch.device) -> None:
         self.step = step
         self.device = device
         self.disabled: str | None = step.blocker
