@@ -70,8 +70,22 @@ def option_blocker(backend: Any) -> str | None:
     now = instruments.active()
     if now.before or now.around or now.after or now.capture_rule or now.cudagraph_device is not None:
         return "instruments are active (stage hooks or CUDA-graph seams ask for every stage)"
-    from ember.capture.warm_start import option_blocker as warm_option_blocker
-    return warm_option_blocker(options)  # cache=False, check, debug_dir, DEBUG, a torch without the API
+    return warm_start_blocker(options)  # cache=False, check, debug_dir, DEBUG, a torch without the API
+
+
+def warm_start_blocker(options: Any) -> str | None:
+    """Why these options rule a saved frame out, for the frame cache and the warm start alike (None:
+    they do not)."""
+    from ember import config
+    if not options.cache:
+        return "cache=False"
+    if options.check or options.debug_dir or config.debug_level():
+        return "check, debug_dir or DEBUG ask for every stage"
+    try:
+        from ember.capture import warm_artifact  # noqa: F401 - needs torch's aot_compile API
+    except ImportError as err:
+        return f"this torch has no ahead-of-time compile API ({err})"
+    return None
 
 
 def graph_blocker(gm: fx.GraphModule, example_inputs: list) -> str | None:

@@ -99,15 +99,14 @@ class EmberOutputCode(API.OutputCode):  # type: ignore[misc,name-defined]
 
     def post_compile(self, example_inputs: Any, constants: Any, graph_kwargs: Any) -> None:
         """Link the saved program in this process (called by AOTAutograd when it loads the entry)."""
-        from ember.capture.backend import EmberBackend
         from ember.pipeline import link_stored
         from ember.runtime.cpu_background import kernels_in_background
         from ember.runtime.cudagraphs.runner import GraphPool, share_pool
         from ember.runtime.program import boxed
         from ember.targets import BY_NAME
 
-        backend = LOADING.get()
-        if not isinstance(backend, EmberBackend):
+        backend = LOADING.get()  # capture/backend.EmberBackend, set by the warm start or the frame cache
+        if backend is None or not all(hasattr(backend, a) for a in ("options", "graph_pool", "call_clock", "log")):
             raise RuntimeError("an Ember warm-start artifact must be loaded by Ember's backend (warm start or frame cache)")
         stored = _decode(self.program)
         with compat.real_tensors():  # post_compile may run inside a compile (the frame cache)

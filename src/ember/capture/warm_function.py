@@ -36,6 +36,7 @@ from typing import Any
 
 import torch
 
+from ember.capture.frame_cache import warm_start_blocker
 from ember.capture.warm_rechecks import (
     CONSTANT_TYPES,
     GuardGlobals,
@@ -45,7 +46,7 @@ from ember.capture.warm_rechecks import (
     code_digest,
     file_hash,
 )
-from ember.capture.warm_start import WarmStart, _value_signature, graph_stand_ins, option_blocker
+from ember.capture.warm_start import WarmStart, _value_signature, graph_stand_ins
 
 
 def _constant(value: object) -> bool:
@@ -221,7 +222,7 @@ def unavailable(fn: object, options: Any) -> str | None:
         closure = closure_values(fn)
     except ValueError:
         return "a closure variable of the function is not set yet"
-    return _hooked({k: v for k, v in closure.items() if isinstance(v, torch.nn.Module)}) or option_blocker(options)
+    return _hooked({k: v for k, v in closure.items() if isinstance(v, torch.nn.Module)}) or warm_start_blocker(options)
 
 
 def install(compiled: Callable, fn: types.FunctionType, backend: Any) -> Callable:

@@ -52,6 +52,7 @@ import torch
 from torch.utils._pytree import tree_leaves
 
 from ember import compat
+from ember.capture.frame_cache import warm_start_blocker
 from ember.capture.warm_rechecks import (
     GuardGlobals,
     Rechecks,
@@ -73,21 +74,7 @@ def unavailable(model: object, options: Any) -> str | None:
         return "only an nn.Module's forward warm starts"
     if model._forward_hooks or model._forward_pre_hooks or model._backward_hooks or model._backward_pre_hooks:
         return "the module has hooks (a warm start compiles forward, not the hooks around it)"
-    return option_blocker(options)
-
-
-def option_blocker(options: Any) -> str | None:
-    """Why these options rule a warm start out (None: they do not)."""
-    from ember import config
-    if not options.cache:
-        return "cache=False"
-    if options.check or options.debug_dir or config.debug_level():
-        return "check, debug_dir or DEBUG ask for every stage"
-    try:
-        from ember.capture import warm_artifact  # noqa: F401 - needs torch's aot_compile API
-    except ImportError as err:
-        return f"this torch has no ahead-of-time compile API ({err})"
-    return None
+    return warm_start_blocker(options)
 
 
 def _global_hooks() -> bool:

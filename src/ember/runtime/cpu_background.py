@@ -34,7 +34,6 @@ import threading
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from contextvars import ContextVar
-from pathlib import Path
 from typing import Any
 
 from ember import config
@@ -131,9 +130,9 @@ class BackgroundLoader:
         with self._lock:
             if self._warm is None:
                 # The Ember modules the jobs use are imported here first, so the two threads never
-                # import the same Ember module at once.
+                # import the same Ember module at once (the kernel loads come from runtime/kernels.py,
+                # imported by whoever hands them over).
                 from ember.codegen import cpu_kernel  # noqa: F401
-                from ember.runtime import kernels  # noqa: F401
                 self._warm = self._submit(_warm_numba_now)
                 self._warm.add_done_callback(self._warm_done)
             return self._warm
@@ -143,12 +142,9 @@ class BackgroundLoader:
         if err is not None:
             self.note(f"numba's background warm-up failed ({type(err).__name__}: {err})")
 
-    def launcher(self, text: str, kernel_dir: Path) -> LazyLauncher:
-        """The launcher of a CPU kernel's use (module source ``text``), loaded on the background thread."""
-        from ember.runtime.kernels import _cpu_launcher
-
-        def load() -> Callable:
-            return _cpu_launcher(text, kernel_dir)
+    def launcher(self, load: Callable[[], Callable]) -> LazyLauncher:
+        """The launcher of a CPU kernel's use, made by ``load`` on the background thread (or on the
+        caller's, where that fails)."""
 
         def load_in_background() -> Callable:
             _fault()

@@ -90,7 +90,8 @@ def load_kernel(ks: KernelSource, kernel_dir: Path, interpret: bool) -> Callable
     if ks.name.startswith("ember_cpu_"):
         from ember.runtime import cpu_background
         if cpu_background.active():  # a warm start's link: numba loads it meanwhile
-            _LOADED[key] = cpu_background.LOADER.launcher(ks.module_source(), kernel_dir)
+            text = ks.module_source()
+            _LOADED[key] = cpu_background.LOADER.launcher(lambda: _cpu_launcher(text, kernel_dir))
         else:
             _LOADED[key] = _cpu_launcher(ks.module_source(), kernel_dir)
         return _LOADED[key]
