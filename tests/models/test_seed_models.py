@@ -15,7 +15,7 @@ import torch
 from core_helpers import assert_compiled_cleanly
 
 import ember
-from ember.bench import models
+from ember.bench import cases
 from ember.bench.check import acceptable, run_seed_step
 from ember.bench.models import SEED_SUITE
 from ember.passes.cpu_library import available as onednn_available
@@ -57,8 +57,8 @@ def check_seed_model(name: str, compile_fn, image_size: int | None = None):
     dtype = torch.float64 if name in FLOAT64_MODELS else torch.float32
     floor = FLOAT64_FLOOR if dtype == torch.float64 else FLOOR
     with pytest.MonkeyPatch.context() as mp:
-        if image_size is not None:  # the registry's small images are 64x64 (bench/models._image_size)
-            mp.setattr(models, "_image_size", lambda small, full: image_size if small else full)
+        if image_size is not None:  # the registry's small images are 64x64 (bench/cases._image_size)
+            mp.setattr(cases, "_image_size", lambda small, full: image_size if small else full)
         train, infer = run_seed_step(name, compile_fn, device="cpu", batch=BATCH.get(name, 2), small=True,
                                      dtype=dtype)
     for result in (train, infer):
