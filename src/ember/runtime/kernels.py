@@ -89,11 +89,11 @@ def load_kernel(ks: KernelSource, kernel_dir: Path, interpret: bool) -> Callable
         return fn
     if ks.name.startswith("ember_cpu_"):
         from ember.runtime import cpu_background
+        text = ks.module_source()
         if cpu_background.active():  # a warm start's link: numba loads it meanwhile
-            text = ks.module_source()
             _LOADED[key] = cpu_background.LOADER.launcher(lambda: _cpu_launcher(text, kernel_dir))
         else:
-            _LOADED[key] = _cpu_launcher(ks.module_source(), kernel_dir)
+            _LOADED[key] = _cpu_launcher(text, kernel_dir)
         return _LOADED[key]
     if not interpret:
         triton_key.install()

@@ -24,17 +24,18 @@ _TRAINING = operator.attrgetter("training")
 _DATA_PTR = torch.Tensor.data_ptr
 
 
+def _batch_layout(batch: Sequence[Any]) -> list:
+    return [(x.shape, x.stride(), x.dtype, x.device, x.requires_grad) if isinstance(x, torch.Tensor)
+            else (type(x), x) for x in batch]
+
+
+def _modes(device: str) -> tuple:
+    return torch.is_grad_enabled(), torch.is_autocast_enabled(device), torch.get_autocast_dtype(device)
+
+
 def signature(batch: Sequence[Any], modules: Sequence[torch.nn.Module], device: torch.device) -> list:
     """The grad/autocast modes, the batch's layout (non-tensors by value) and the train/eval flags."""
-    sig: list = [torch.is_grad_enabled(), torch.is_autocast_enabled(device.type),
-                 torch.get_autocast_dtype(device.type)]
-    for x in batch:
-        if isinstance(x, torch.Tensor):
-            sig.append((tuple(x.shape), x.stride(), x.dtype, x.device, x.requires_grad))
-        else:
-            sig.append((type(x), x))
-    sig.append(tuple([m.training for m in modules]))
-    return sig
+    return [*_modes(device.type), *_batch_layout(batch), tuple(map(_TRAINING, modules))]
 
 
 def hyperparameters(group: dict) -> dict:
@@ -53,15 +54,6 @@ def hyper_change(old: dict, new: dict) -> str | None:
         elif was != now:
             return key
     return None
-
-
-def _batch_layout(batch: Sequence[Any]) -> list:
-    return [(x.shape, x.stride(), x.dtype, x.device, x.requires_grad) if isinstance(x, torch.Tensor)
-            else (type(x), x) for x in batch]
-
-
-def _modes(device: str) -> tuple:
-    return torch.is_grad_enabled(), torch.is_autocast_enabled(device), torch.get_autocast_dtype(device)
 
 
 @dataclass
