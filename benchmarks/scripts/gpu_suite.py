@@ -130,6 +130,8 @@ def run_job(job: Job, backends: str, out: Path, plan: str, timeout: float, extra
     stem = f"{plan}_{job.name}"
     if job.mode == "train" and "ember" in backends.split(",") and "ember-whole-step" not in backends:
         backends += ",ember-whole-step"  # Ember's whole-step program: training rows only
+    if job.mode == "infer" and "ember" in backends.split(",") and "ember-whole-call" not in backends:
+        backends += ",ember-whole-call"  # the inference call as one CUDA graph: inference rows only
     cmd = [sys.executable, "-m", "ember.cli", "bench", *job.args(), "--backend", backends, "--no-progress",
            "--json", str(out / f"{stem}.json"), *extra]
     # A PYTHONPATH given by the caller decides which Ember runs (another checkout's src, to time

@@ -41,7 +41,8 @@ def compile(model: Callable, **options: Any) -> Callable:  # noqa: A001 - mirror
     Options (``ember.config.Options`` lists each with its environment variable): ``target``
     ("auto", "triton", "triton-interpret", "cpu", "aten"), ``check`` (compare with eager on the
     first call), ``debug_dir``, ``cache_dir``, ``cache``, ``cudagraphs``, ``device``, ``freeze``,
-    ``channels_last``, ``max_recompiles`` (static shape specialisations per frame before one
+    ``channels_last``, ``whole_call`` (CUDA inference: the whole call as one CUDA graph, see
+    ``ember.runtime.cudagraphs.whole_call``), ``max_recompiles`` (static shape specialisations per frame before one
     dynamic-shape graph; see ``ember.capture.backend``). An argument wins over
     ``ember.config.patch``, which wins over the environment, which wins over the default.
 
@@ -72,6 +73,9 @@ def compile(model: Callable, **options: Any) -> Callable:  # noqa: A001 - mirror
     elif backend.options.warm_start:
         from ember.capture import warm_function
         compiled = warm_function.install(compiled, model, backend)  # a function: capture/warm_function.py
+    if backend.options.whole_call and isinstance(compiled, torch_module()) and "forward" in compiled.__dict__:
+        from ember.runtime.cudagraphs.whole_call import install as install_whole_call
+        install_whole_call(compiled, model, backend)  # runtime/cudagraphs/whole_call.py
     return compiled
 
 

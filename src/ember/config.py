@@ -143,6 +143,10 @@ class Options:
     cudagraphs: bool = _item(True, "replay CUDA programs as CUDA graphs where the capture rule "
                                    "(runtime/cudagraphs/rules.py) allows",
                              "EMBER_CUDAGRAPHS")
+    whole_call: bool = _item(False, "CUDA, gradients off: replay the whole module call (Dynamo's frame included) as "
+                                    "one CUDA graph behind Dynamo's own guards, parameter addresses and versions "
+                                    "(runtime/cudagraphs/whole_call.py); Python side effects inside forward run at "
+                                    "capture only", "EMBER_WHOLE_CALL")
     cache: bool = _item(True, "keep compiled programs in <cache_dir>/programs.sqlite for the next process",
                         "EMBER_CACHE")
     device: str = _item("auto", "the device the compiled model runs on: auto follows the tensors; cpu / cuda "

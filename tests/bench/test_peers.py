@@ -29,7 +29,9 @@ def _run(backend_names: list[str], mode: str = "train", iters: int = 3, warmup: 
 
 def test_default_backends_by_device() -> None:
     assert backends.default_backends(torch.device("cpu")) == ["eager", "inductor", "ember"]
-    assert backends.default_backends(torch.device("cuda")) == ["eager", "inductor", "inductor-cudagraphs", "ember", "ember-whole-step"]
+    assert backends.default_backends(torch.device("cuda")) == ["eager", "inductor", "inductor-cudagraphs", "ember",
+                                                              "ember-whole-step", "ember-whole-call"]
+    assert backends.infer_only("ember-whole-call") and not backends.infer_only("ember")
     for opt_in in ("inductor-max-autotune", "inductor-cudagraphs-compiled-optimizer"):
         assert backends.BACKENDS[opt_in].opt_in
     assert backends.peer_mode("inductor-cudagraphs") == "torch.compile mode=reduce-overhead"

@@ -57,6 +57,7 @@ class Backend:
     train_step: TrainStepFactory | None = None
     opt_in: bool = False
     train_only: bool = False  # no inference rows (they would repeat another backend's)
+    infer_only: bool = False  # no training rows (they would repeat another backend's)
 
     def __call__(self, model: nn.Module) -> Callable[..., Any]:
         return self.compile(model)
@@ -156,6 +157,15 @@ def _ember(model: nn.Module) -> Callable[..., Any]:
     return compile_fn(model)
 
 
+def _ember_whole_call(model: nn.Module) -> Callable[..., Any]:
+    """Ember with the whole inference call replayed as one CUDA graph (``whole_call=True``)."""
+    try:
+        import ember
+    except ImportError as err:
+        raise BackendUnavailable(f"ember is not available: {err}") from err
+    return ember.compile(model, whole_call=True)
+
+
 def _ember_whole_step(model: nn.Module, optimizer: torch.optim.Optimizer, loss_fn: LossFn,
                       autocast: Autocast) -> TrainStep:
     """Ember's whole-step program: forward and loss compiled by Ember, backward, the optimizer's
@@ -193,6 +203,8 @@ BACKENDS: dict[str, BackendFactory] = {
     "ember": Backend(_ember, "ember.compile defaults"),
     "ember-whole-step": Backend(_ember, "ember.compile_step: forward, backward and optimizer as one program",
                                 train_step=_ember_whole_step, train_only=True),
+    "ember-whole-call": Backend(_ember_whole_call, "ember.compile(whole_call=True): the inference call as one CUDA "
+                                "graph behind Dynamo's guards", infer_only=True),
 }
 
 
@@ -211,6 +223,11 @@ def train_only(name: str) -> bool:
     return bool(getattr(BACKENDS[name], "train_only", False))
 
 
+def infer_only(name: str) -> bool:
+    """Whether backend ``name`` has no training rows."""
+    return bool(getattr(BACKENDS[name], "infer_only", False))
+
+
 def train_step_factory(name: str) -> TrainStepFactory | None:
     """The backend's own training step, or None for the default step around its model."""
     return getattr(BACKENDS[name], "train_step", None)
@@ -219,6 +236,7 @@ def train_step_factory(name: str) -> TrainStepFactory | None:
 def default_backends(device: torch.device) -> list[str]:
     """eager, inductor and ember; on a GPU also Inductor with CUDA graphs (Ember replays CUDA
     graphs too, so that is the peer to beat). Opt-in backends only on request."""
-    names = ["eager", "inductor", "inductor-cudagraphs", "ember", "ember-whole-step"] if device.type == "cuda" else [
+    names = ["eager", "inductor", "inductor-cudagraphs", "ember", "ember-whole-step", "ember-whole-call"] \
+        if device.type == "cuda" else [
         "eager", "inductor", "ember"]
     return [n for n in names if n in BACKENDS]

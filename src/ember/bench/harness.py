@@ -33,6 +33,7 @@ from ember.bench.backends import (
     BackendUnavailable,
     default_backends,
     default_train_step,
+    infer_only,
     peer_mode,
     register_backend,
     train_only,
@@ -327,6 +328,10 @@ def _measure(
         report = whole.explain()
         row["whole_step"] = {"status": report.mode, "captured_calls": report.captured_calls,
                              "calls": report.calls, "uncaptured": dict(report.uncaptured_calls)}
+    whole_call = getattr(getattr(fn, "_ember_backend", None), "whole_call", None)
+    if whole_call is not None:  # how the whole-call program ran, and why any call took the normal path
+        row["whole_call"] = {"status": whole_call.describe(), "replays": whole_call.replays,
+                             "calls": whole_call.calls, "uncaptured": dict(whole_call.uncaptured)}
     median = statistics.median(times_ms)
     row["ms_median"] = median
     row["ms_min"] = min(times_ms)
@@ -453,7 +458,7 @@ def run_benchmark(
                     if base is not None:
                         batches = make_batches(case, bs, dev, small=small, count=n_batches)
                     for name in backends:
-                        if mode != "train" and train_only(name):
+                        if mode != "train" and train_only(name) or mode == "train" and infer_only(name):
                             continue
                         row = _new_row(case.name, mode, name, prec, bs, dev, small, warmup, iters, provenance)
                         if mode == "train":

@@ -93,6 +93,7 @@ class ExplainReport:
     host: HostTimes | None = None  # steady-state steps after the first call (report/host_time.py)
     host_note: str = "not measured (steps=0)"  # why ``host`` is None
     model_gave_up: list[str] = field(default_factory=list)  # frames Dynamo stopped compiling (run eagerly)
+    model_whole_call: str = ""  # whole_call=True: how the compiled model's calls ran (runtime/cudagraphs/whole_call.py)
 
     # -- numbers -------------------------------------------------------------------------------
     @property
@@ -288,6 +289,8 @@ class ExplainReport:
             hint = "; fused groups ran op by op through ATen (target aten)"
         lines.append(f"Kernels generated: {self.kernels} (unique after dedupe: {self.unique_kernels}){hint}")
         lines += [f"CUDA graph, {g.title}: {g.cudagraph}" for g in self.graphs if g.cudagraph]
+        if self.model_whole_call:
+            lines.append(f"Whole call (the compiled model so far): {self.model_whole_call}")
         lines += [f"Compile cache, {g.title}: {g.cache}" for g in self.graphs if g.cache]
         lines += [f"Kernels compiled behind, {g.title}: {g.aten_first}" for g in self.graphs if g.aten_first]
         lines += [f"Frame cache, {line}" for line in self.log.frame_cache]
@@ -517,6 +520,7 @@ def explain_with(model: Callable, args: tuple | list = (), kwargs: dict[str, Any
     when the output requires grad), then ``steps`` more timed steps after two warm-up steps
     (``EMBER_EXPLAIN_STEPS``, default 3; 0: none) for the host time per step, and return the report."""
     history = getattr(getattr(model, "_ember_backend", None), "log", None)
+    whole_call = getattr(getattr(model, "_ember_backend", None), "whole_call", None)
     model, inherited = _unwrap(model)
     backend = EmberBackend(Options.from_env(**{**inherited, **options}))
     timed = _TimedBackend(backend)
@@ -549,7 +553,8 @@ def explain_with(model: Callable, args: tuple | list = (), kwargs: dict[str, Any
         model_compiles=[cid for cid, _ in history.frames] if history else [],
         model_recompiles=_own_recompiles(history) if history else [],
         model_dynamic=list(history.dynamic) if history else [],
-        model_gave_up=list(history.gave_up) if history else [], host=host, host_note=host_note)
+        model_gave_up=list(history.gave_up) if history else [], host=host, host_note=host_note,
+        model_whole_call=whole_call.describe() if whole_call is not None else "")
 
 
 def explain(model: Callable, *args: Any, **kwargs: Any) -> ExplainReport:

@@ -62,7 +62,6 @@ replay runs kernels, nothing else (as in PyTorch's recipe).
 
 from __future__ import annotations
 
-import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
@@ -70,7 +69,7 @@ from typing import Any, Protocol
 import torch
 
 from ember.config import compact_optimizer_state_enabled, fused_optimizers_enabled
-from ember.runtime.cudagraphs.device import CudaBackend, capture_stream
+from ember.runtime.cudagraphs.device import CudaBackend, capture_stream, run_noting_syncs
 from ember.runtime.cudagraphs.pool import presize_enabled
 from ember.runtime.frozen import addresses
 from ember.train.replay_guard import ReplayGuard, hyper_change, hyperparameters, signature
@@ -208,7 +207,7 @@ class CudaWholeStep:
         start = (torch.cuda.memory_allocated(self.device), torch.cuda.max_memory_allocated(self.device))
         with torch.cuda.stream(self.side):
             if checking:
-                loss, syncs = self._with_sync_check(batch, first, last)
+                loss, syncs = run_noting_syncs(lambda: self.step.run_eager(batch, first, last))
             else:
                 loss, syncs = self.step.run_eager(batch, first, last), []
         torch.cuda.current_stream(self.device).wait_stream(self.side)
@@ -223,23 +222,6 @@ class CudaWholeStep:
         if self.warm_steps >= self.step.warmup and self.disabled is None:
             self.disabled = self._graph_blocker()
         return loss
-
-    def _with_sync_check(self, batch: tuple, first: bool, last: bool) -> tuple[torch.Tensor, list[str]]:
-        previous = torch.cuda.get_sync_debug_mode()
-        with warnings.catch_warnings(record=True) as seen:
-            warnings.simplefilter("always")
-            torch.cuda.set_sync_debug_mode("warn")
-            try:
-                loss = self.step.run_eager(batch, first, last)
-            finally:
-                torch.cuda.set_sync_debug_mode(previous)
-        # torch's note that the debug mode is a prototype (once per process) is no sync of the step.
-        syncs = [str(w.message).splitlines()[0] for w in seen
-                 if "synchroniz" in str(w.message) and "prototype feature" not in str(w.message)]
-        for w in seen:  # hand the other warnings on
-            if "synchroniz" not in str(w.message):
-                warnings.warn_explicit(w.message, w.category, w.filename, w.lineno)
-        return loss, syncs
 
     # -- before the first capture --------------------------------------------------------------
 

@@ -5,7 +5,9 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import warnings
 from collections.abc import Callable, Iterator
+from typing import TypeVar
 
 import torch
 
@@ -29,6 +31,30 @@ def clear_library_workspaces() -> None:
     clear = getattr(torch._C, "_cuda_clearCublasWorkspaces", None)
     if clear is not None and settings().clear_workspaces:
         clear()
+
+
+_T = TypeVar("_T")
+
+
+def run_noting_syncs(run: Callable[[], _T]) -> tuple[_T, list[str]]:
+    """``run()`` under ``torch.cuda.set_sync_debug_mode("warn")``: its result and the first line of
+    each wait for the device it made (a call that waits cannot be captured: .item(), .cpu(), a
+    data-dependent shape, a host-side check). Its other warnings are handed on."""
+    previous = torch.cuda.get_sync_debug_mode()
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            result = run()
+        finally:
+            torch.cuda.set_sync_debug_mode(previous)
+    # torch's note that the debug mode is a prototype (once per process) is no sync of the call.
+    syncs = [str(w.message).splitlines()[0] for w in seen
+             if "synchroniz" in str(w.message) and "prototype feature" not in str(w.message)]
+    for w in seen:
+        if "synchroniz" not in str(w.message):
+            warnings.warn_explicit(w.message, w.category, w.filename, w.lineno)
+    return result, syncs
 
 
 class _PoolMemory:

@@ -70,8 +70,9 @@ The rules a replay must keep, and how:
 
 from __future__ import annotations
 
+import contextlib
 import operator
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 import torch
 
@@ -112,6 +113,20 @@ def pooled_inputs_enabled() -> bool:
 
 
 PROMOTE_AFTER = 3  # calls a copied input must keep its address before it is read in place
+
+# Depth of whole-call captures and warm-ups running (runtime/cudagraphs/whole_call.py): inside one,
+# programs run as they are, so the outer capture records their kernels (a graph of their own would
+# be replayed inside a capture).
+WHOLE_CALL_DEPTH = [0]
+
+
+@contextlib.contextmanager
+def inside_whole_call() -> Iterator[None]:
+    WHOLE_CALL_DEPTH[0] += 1
+    try:
+        yield
+    finally:
+        WHOLE_CALL_DEPTH[0] -= 1
 
 
 # ---------------------------------------------------------------------------------------------
@@ -171,6 +186,8 @@ class CudaGraphRunner(GraphRecorder):
             self.on_status(text)
 
     def __call__(self, args: list) -> object:
+        if WHOLE_CALL_DEPTH[0]:
+            return self.run(args)
         if self.route is not None and (other := self.route(self, args)) is not None:
             return other(args)
         clock = self.clock

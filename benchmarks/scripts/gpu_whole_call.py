@@ -1,0 +1,115 @@
+"""Whole-call inference programs on the GPU: are replays right, and do they stay right when the
+model changes under them?
+
+Run on the device (from the repo root):
+    PYTHONPATH=src python benchmarks/scripts/gpu_whole_call.py resnet50 bert --batch 1 --out $OUT
+
+For each model (bf16 autocast, no_grad, the bench's own model and inputs), ``ember.compile(model,
+whole_call=True)`` against eager on fresh random inputs:
+
+- ``replays``: six calls of one form, each compared with eager; the outputs of all six are kept
+  and compared again at the end (a replay must not overwrite what a caller holds);
+- ``weights``: every parameter scaled in place (``load_state_dict``), then three calls;
+- ``flag``: a Python attribute the forward reads changed (Hugging Face models: ``config.return_dict``
+  set to False, so forward returns a tuple; Dynamo's guards must send it down the normal path);
+- ``batch``: another batch size, then the first one again.
+
+Each check prints the largest difference from eager relative to eager's largest magnitude, the
+calls that replayed a graph, and the whole-call status. Rows go to ``whole_call_checks.json``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import sys
+import traceback
+from pathlib import Path
+
+import torch
+
+import ember
+from ember.bench.models import get_case, make_batches
+
+TOLERANCE = 3e-2  # bf16 autocast: Ember and eager round at different places
+
+
+def _leaves(out: object) -> list[torch.Tensor]:
+    return [x for x in torch.utils._pytree.tree_leaves(out) if isinstance(x, torch.Tensor)]
+
+
+def _difference(out: object, ref: object) -> float:
+    worst = 0.0
+    for a, b in zip(_leaves(out), _leaves(ref), strict=True):
+        scale = b.float().abs().max().item() or 1.0
+        worst = max(worst, (a.float() - b.float()).abs().max().item() / scale)
+    return worst
+
+
+def run_model(name: str, batch: int) -> list[dict]:
+    case = get_case(name)
+    device = torch.device("cuda")
+    eager = case.build(False).to(device).eval()
+    model = copy.deepcopy(eager)
+    compiled = ember.compile(model, whole_call=True)
+    whole = compiled._ember_backend.whole_call
+    rows = []
+
+    def call(fn: object, inputs: tuple) -> object:
+        with torch.no_grad(), torch.autocast("cuda", dtype=torch.bfloat16):
+            return fn(*inputs)
+
+    def check(label: str, batches: list) -> None:
+        before = whole.replays
+        diffs, kept = [], []
+        for inputs, _ in batches:
+            out, ref = call(compiled, inputs), call(eager, inputs)
+            diffs.append(_difference(out, ref))
+            kept.append((out, ref))
+        held = max(_difference(o, r) for o, r in kept)
+        if any(type(o) is not type(r) for o, r in kept):
+            held = float("inf")  # another output structure than eager's
+        row = {"model": name, "batch": batch, "check": label, "calls": len(batches),
+               "replayed": whole.replays - before, "max_rel_diff": max(diffs), "held_outputs_rel_diff": held,
+               "ok": max(diffs + [held]) <= TOLERANCE, "status": whole.describe()}
+        rows.append(row)
+        print(f"{name:10s} bs{batch:<3d} {label:8s} replayed {row['replayed']}/{len(batches)}  "
+              f"rel diff {row['max_rel_diff']:.2e} (held {held:.2e})  {'ok' if row['ok'] else 'FAIL'}", flush=True)
+
+    check("replays", make_batches(case, batch, device, count=6, seed=1))
+    with torch.no_grad():
+        state = {k: v * 1.5 if v.is_floating_point() else v for k, v in eager.state_dict().items()}
+        eager.load_state_dict(state)
+        model.load_state_dict(state)
+    check("weights", make_batches(case, batch, device, count=4, seed=2))
+    if hasattr(getattr(model, "config", None), "return_dict"):  # a Hugging Face model: a flag forward reads
+        model.config.return_dict = eager.config.return_dict = False  # a tuple from now on
+        check("flag", make_batches(case, batch, device, count=4, seed=3))
+    check("batch", make_batches(case, batch * 2, device, count=4, seed=4)
+          + make_batches(case, batch, device, count=4, seed=5))
+    return rows
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("models", nargs="+")
+    parser.add_argument("--batch", type=int, default=1)
+    parser.add_argument("--out", type=Path, default=Path("."))
+    args = parser.parse_args(argv)
+    args.out.mkdir(parents=True, exist_ok=True)
+    rows: list[dict] = []
+    for name in args.models:
+        try:
+            rows += run_model(name, args.batch)
+        except Exception as err:  # noqa: BLE001 - report and go on with the next model
+            traceback.print_exc()
+            rows.append({"model": name, "error": f"{type(err).__name__}: {err}"})
+        torch._dynamo.reset()
+    meta = {"torch": torch.__version__, "device": torch.cuda.get_device_name()}
+    (args.out / "whole_call_checks.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
+    return 0 if all(r.get("ok") for r in rows) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
