@@ -133,7 +133,8 @@ def test_cli_suites_and_gpu_defaults(monkeypatch: pytest.MonkeyPatch, capsys: py
     monkeypatch.setattr(report, "env_info", lambda: {"device": "fake GPU", "torch": torch.__version__})
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     assert main(["bench", "--no-progress"]) == 0
-    assert seen["backends"] == ["eager", "inductor", "inductor-cudagraphs", "ember", "ember-whole-step"]
+    assert seen["backends"] == ["eager", "inductor", "inductor-cudagraphs", "ember", "ember-whole-step",
+                                  "ember-whole-call"]
     assert main(["bench", "zoo", "--no-progress"]) == 0
     assert seen["cases"] == models.SUITES["zoo"] and len(seen["cases"]) >= 8
     assert main(["bench", "resnet50", "--suite", "zoo", "--no-progress"]) == 0
