@@ -67,7 +67,8 @@ def _write(old: torch.Tensor, fresh: torch.Tensor) -> None:
 
 
 def _leaves(out: object) -> list:
-    return list(out) if isinstance(out, (list, tuple)) else [out]
+    """The output's leaves (a model's output object too: a Hugging Face ModelOutput is a pytree)."""
+    return torch.utils._pytree.tree_leaves(out)
 
 
 class FakeGraphs(CudaBackend):

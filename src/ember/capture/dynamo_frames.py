@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import inspect
 import types
-from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -71,15 +70,19 @@ def passing_entry(fn: types.FunctionType, f_locals: dict) -> Any | None:
 
 class FrameLocals:
     """The mapping Dynamo's guards read for a call of ``fn``: its arguments by parameter name,
-    defaults filled, ``*args`` a tuple and ``**kwargs`` a dict, as the frame sees them on entry.
+    defaults filled, ``*args`` a tuple and ``**kwargs`` a dict, and its closure's free variables,
+    as the frame sees them on entry.
 
     The binding is worked out once per call form (positional count, keyword names) with
     ``inspect``; later calls of that form only place the values (the forward's own call raises
     for a call that does not bind)."""
 
-    def __init__(self, fn: Callable) -> None:
+    def __init__(self, fn: types.FunctionType) -> None:
         self.signature = inspect.signature(fn, follow_wrapped=False)
         self.plans: dict[tuple, list[tuple[str, int, Any]]] = {}
+        # A closure's free variables are locals of its frame too (a decorator's wrapper reads
+        # ``func``); the guards read them from the cells, as the frame does on entry.
+        self.cells = list(zip(fn.__code__.co_freevars, fn.__closure__ or ()))
 
     def __call__(self, owner: object, args: tuple, kwargs: dict) -> dict:
         form = (len(args), *kwargs)
@@ -99,6 +102,11 @@ class FrameLocals:
                 out[name] = values[ref:]
             else:
                 out[name] = {k: kwargs[k] for k in ref}
+        for name, cell in self.cells:
+            try:
+                out[name] = cell.cell_contents
+            except ValueError:  # an empty cell: not bound yet when the frame starts
+                pass
         return out
 
     def _plan(self, nargs: int, keys: tuple[str, ...]) -> list[tuple[str, int, Any]]:

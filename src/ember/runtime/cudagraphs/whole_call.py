@@ -47,6 +47,7 @@ from ember.runtime.frozen import addresses
 
 WARMUP = 2  # uncaptured calls of a form before its capture (the first one compiles)
 MAX_FORMS = 8  # call forms with a graph of their own (one memory pool for all)
+MAX_MISSES = 3  # captures that found no frame to stand for: then the normal path for good
 MAX_CAPTURES = 32  # then the call's state changes too often for a graph to pay: the normal path
 _VERSION = operator.attrgetter("_version")
 _SCALARS = (int, float, bool, str, type(None))
@@ -131,7 +132,7 @@ class WholeCall:
         self.registrations = -1
         self.pool: Any = None
         self.side: Any = None
-        self.calls = self.replays = self.captures = 0
+        self.calls = self.replays = self.captures = self.misses = 0
         self.uncaptured: Counter = Counter()  # reason -> calls that ran the normal path for it
         _Registrations.install()
 
@@ -260,6 +261,11 @@ class WholeCall:
         assert self.fn is not None and self.frame_locals is not None
         entry = passing_entry(self.fn, self.frame_locals(self.model, s_args, s_kwargs))
         if entry is None:
+            self.misses += 1
+            self.warm[form] = 0  # the next calls warm up again before another try
+            if self.misses >= MAX_MISSES:
+                self.disabled = (f"{MAX_MISSES} captures found no compiled frame of forward whose guards pass "
+                                 "(forward compiles again on every call form, or a warm start loaded it)")
             return self._normal("Dynamo's guards pass for none of its compiled frames of forward (it would "
                                 "compile again; or a warm start loaded the program, which Dynamo's cache does "
                                 "not hold: whole_call needs warm_start=False)", args, kwargs)
@@ -269,6 +275,8 @@ class WholeCall:
             return self._normal(why, args, kwargs)
         before = list(map(_VERSION, inputs))
         if self.pool is None:
+            # The warm-up's cached blocks (its side stream's) go back first: only the graph's pool stays.
+            self.backend.release_cached(device)
             self.pool = self.backend.new_pool(device, shared=True)  # one pool for every call form's graph
         try:
             with inside_whole_call():
