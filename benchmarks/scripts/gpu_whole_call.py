@@ -63,6 +63,14 @@ def run_model(name: str, batch: int) -> list[dict]:
             return fn(*inputs)
 
     def check(label: str, batches: list) -> None:
+        try:
+            checked(label, batches)
+        except Exception as err:  # noqa: BLE001 - recorded with the status; the next check goes on
+            rows.append({"model": name, "batch": batch, "check": label, "ok": False,
+                         "error": f"{type(err).__name__}: {str(err)[:300]}", "status": whole.describe()})
+            print(f"{name:10s} bs{batch:<3d} {label:8s} ERROR {type(err).__name__}: {str(err)[:200]}", flush=True)
+
+    def checked(label: str, batches: list) -> None:
         before = whole.replays
         diffs, kept, floor = [], [], 0.0
         for inputs, _ in batches:
@@ -84,6 +92,8 @@ def run_model(name: str, batch: int) -> list[dict]:
               f"{'ok' if row['ok'] else 'FAIL'}", flush=True)
 
     check("replays", make_batches(case, batch, device, count=6, seed=1))
+    if whole.graphs:
+        rows.append(host_split(name, batch, compiled, whole, make_batches(case, batch, device, count=1, seed=6)[0][0]))
     with torch.no_grad():
         gen = torch.Generator(device).manual_seed(0)
         state = {k: v * (1 + 0.1 * torch.randn(v.shape, generator=gen, device=device, dtype=v.dtype))
@@ -97,7 +107,7 @@ def run_model(name: str, batch: int) -> list[dict]:
         model.config.output_hidden_states = eager.config.output_hidden_states = False
     check("batch", make_batches(case, batch * 2, device, count=4, seed=4)
           + make_batches(case, batch, device, count=4, seed=5))
-    rows.append(host_split(name, batch, compiled, whole, make_batches(case, batch, device, count=1, seed=6)[0][0]))
+    rows.append({"model": name, "batch": batch, "check": "status", "ok": True, "status": whole.describe()})
     return rows
 
 
@@ -119,14 +129,15 @@ def host_split(name: str, batch: int, compiled: object, whole: object, inputs: t
         graph = next(iter(whole.graphs.values()))
         row = {"model": name, "batch": batch, "check": "host_us",
                "call": median_us(lambda: compiled(*inputs)),
-               "checks": median_us(lambda: whole._check(graph, inputs, {})),
+               "launch": median_us(lambda: whole._launch(graph, inputs, {})),
+               "checks_after_launch": median_us(lambda: whole._check(graph, inputs, {})),
                "guards": median_us(lambda: graph.entry.guard_manager.check(whole.frame_locals(whole.model, inputs, {}))),
-               "replay_copies": median_us(lambda: whole._replay(graph, inputs, {})),
+               "outputs": median_us(lambda: whole._outputs(graph)),
                "synchronised_call": median_us(lambda: (compiled(*inputs), torch.cuda.synchronize())),
                "ok": True}
-    print(f"{name:10s} bs{batch:<3d} host us: call {row['call']:.1f} = checks {row['checks']:.1f} (guards "
-          f"{row['guards']:.1f}) + replay with copies {row['replay_copies']:.1f}; synchronised call "
-          f"{row['synchronised_call']:.1f}", flush=True)
+    print(f"{name:10s} bs{batch:<3d} host us: call {row['call']:.1f}: launch {row['launch']:.1f}, checks after it "
+          f"{row['checks_after_launch']:.1f} (guards {row['guards']:.1f}), outputs {row['outputs']:.1f}; "
+          f"synchronised call {row['synchronised_call']:.1f}", flush=True)
     return row
 
 

@@ -8,23 +8,30 @@ A batch-1 call is host-bound: on one H100 host, ResNet-50's per-graph replay spe
 host time per call (Dynamo's frame evaluation and guards, AOTAutograd's wrapper, Ember's runner
 checks) for 0.4 ms of kernels. ``WholeCall`` captures the whole call — Dynamo's frame and every
 Ember program in it, with their per-graph CUDA graphs passed through — into one graph, and a
-later call of the same form does only what keeps the replay right:
+later call of the same form does only what keeps the replay right. Before the launch:
 
 - the call's form: each argument's shape, strides, dtype, device and requires_grad (Python
   scalars by value), the keyword names, and the grad, inference and autocast modes;
+- the model's parameters and buffers at the addresses the capture saw (the graph reads them
+  there; a moved one may be freed memory).
+
+Then the tensor arguments are copied into the capture's buffers and the graph is launched. While
+the device runs it, the host checks the rest; a replay writes only its own pool (the capture
+refuses forwards that write their inputs or the model's tensors), so if a check fails the
+replay's outputs are dropped and the normal path answers the call:
+
 - no parameter, buffer or submodule registered anywhere since the last check (a global
   registration hook counts them; on a count change the model's own are compared by identity);
-- the model's parameters and buffers at the addresses and versions the capture saw: a moved or
-  in-place changed one (``.to()``, ``load_state_dict``) runs the normal path, which recomputes
-  what Ember derives from them, and the next calls capture again;
+- the parameters' and buffers' versions: one changed in place (``load_state_dict``, ``copy_``)
+  makes what Ember derives from them stale, so the normal path recomputes it and the next calls
+  capture again;
 - Dynamo's own guards of the frame the capture ran through, run on this call's arguments
   (``capture/dynamo_frames.py``): whatever Dynamo would compile again for runs the normal path.
 
-Then the tensor arguments are copied into the capture's buffers, the graph replays, and the
-outputs are handed out as copies (the next replay overwrites the graph's own) in the structure
-the capture returned. Refused, with the reason in ``status`` and ``ember.explain``: calls with
+The outputs are handed out as copies (the next replay overwrites the graph's own) in the
+structure the capture returned. Refused, with the reason in ``status`` and ``ember.explain``: calls with
 gradients on, graph breaks in forward, forward hooks on the module, outputs that are inputs or
-parameters, a forward that writes its inputs or waits for the device. What a replay cannot
+parameters, a forward that writes its inputs or the model's tensors or waits for the device. What a replay cannot
 repeat is Python: side effects inside forward (a counter, a cache filled on the first call) run
 at capture, not on replays, as with ``torch.cuda.make_graphed_callables``.
 """
@@ -109,6 +116,7 @@ class CallGraph:
     leaves: list
     spec: Any
     entry: Any
+    reads: list[torch.Tensor]  # the model's tensors and the input buffers (the tests' stand-in reads them)
 
 
 class WholeCall:
@@ -150,9 +158,17 @@ class WholeCall:
             return self._normal("an argument is not a CUDA tensor or a Python scalar", args, kwargs)
         graph = self.graphs.get(form)
         if graph is not None:
+            if addresses(self.tensors) != self.ptrs:  # before the launch: the graph would read freed memory
+                self._drop()
+                return self._normal("a parameter or buffer moved (.to(), .data = ...): captured again", args, kwargs)
+            self._launch(graph, args, kwargs)
+            # The rest of the check runs while the device replays: a replay writes only its own pool
+            # (the capture refused forwards that write inputs or the model's tensors), so when the
+            # check fails its outputs are dropped and the normal path answers the call instead.
             why = self._check(graph, args, kwargs)
             if why is None:
-                return self._replay(graph, args, kwargs)
+                self.replays += 1
+                return self._outputs(graph)
             if self.graphs.get(form) is graph:  # Dynamo's guards failed: this form is captured again
                 del self.graphs[form]
                 self.warm[form] = self.warmup - 1  # after this call, which compiles or picks its frame
@@ -174,15 +190,12 @@ class WholeCall:
         return self.forward(*args, **kwargs)
 
     def _check(self, graph: CallGraph, args: tuple, kwargs: dict) -> str | None:
-        """None: replay. Otherwise why this call runs the normal path."""
+        """None: the replay stands. Otherwise why this call runs the normal path."""
         if _Registrations.count != self.registrations:
             if list(map(id, self._model_tensors())) != list(map(id, self.tensors)):
                 self._drop()
                 return "a parameter, buffer or submodule of the model was replaced: captured again"
             self.registrations = _Registrations.count
-        if addresses(self.tensors) != self.ptrs:
-            self._drop()
-            return "a parameter or buffer moved (.to(), .data = ...): captured again"
         if list(map(_VERSION, self.tensors)) != self.versions:
             self._drop()
             return "a parameter or buffer changed in place (load_state_dict, copy_): captured again"
@@ -194,14 +207,15 @@ class WholeCall:
             pass
         return "Dynamo's guards of the captured frame fail for this call (it compiles or picks another frame)"
 
-    def _replay(self, graph: CallGraph, args: tuple, kwargs: dict) -> Any:
+    def _launch(self, graph: CallGraph, args: tuple, kwargs: dict) -> None:
         given = _tensor_args(args, kwargs)
         if len(given) == 1:
             graph.inputs[0].copy_(given[0])
         elif given:
             torch._foreach_copy_(graph.inputs, given)
-        self.backend.replay(graph.graph, [])
-        self.replays += 1
+        self.backend.replay(graph.graph, graph.reads)
+
+    def _outputs(self, graph: CallGraph) -> Any:
         # The next replay overwrites the graph's outputs: the caller gets copies.
         return pytree.tree_unflatten([x.clone() if isinstance(x, torch.Tensor) else x for x in graph.leaves],
                                      graph.spec)
@@ -274,13 +288,16 @@ class WholeCall:
             self.disabled = why
             return self._normal(why, args, kwargs)
         before = list(map(_VERSION, inputs))
+        held = list(map(_VERSION, tensors))
         if self.pool is None:
             # The warm-up's cached blocks (its side stream's) go back first: only the graph's pool stays.
             self.backend.release_cached(device)
             self.pool = self.backend.new_pool(device, shared=True)  # one pool for every call form's graph
         try:
             with inside_whole_call():
-                graph, out = self.backend.capture(lambda _: self.forward(*s_args, **s_kwargs), [], device, self.pool)
+                reads = [*tensors, *inputs]
+                graph, out = self.backend.capture(lambda _: self.forward(*s_args, **s_kwargs), list(reads), device,
+                                                  self.pool)
         except Exception as err:  # noqa: BLE001 - never fail where eager works
             self.backend.recover(device)
             self.disabled = f"capture failed ({type(err).__name__}: {str(err).splitlines()[0][:200]})"
@@ -289,15 +306,19 @@ class WholeCall:
         why = _output_blocker(leaves, inputs, tensors, device)
         if why is None and list(map(_VERSION, inputs)) != before:
             why = "the forward writes its inputs (a replay would write the capture's copies)"
+        if why is None and list(map(_VERSION, tensors)) != held:
+            why = "the forward writes the model's parameters or buffers (replays would not count the writes)"
         if why is not None:
             self.disabled = why
             return self._normal(why, args, kwargs)
-        self.graphs[form] = CallGraph(graph, inputs, leaves, spec, entry)
+        self.graphs[form] = CallGraph(graph, inputs, leaves, spec, entry, reads)
         self.tensors = tensors
         self.ptrs, self.versions = addresses(tensors), list(map(_VERSION, tensors))
         self.registrations = _Registrations.count
         self.captures += 1
-        return self._replay(self.graphs[form], args, kwargs)  # a capture runs nothing: this call replays
+        self._launch(self.graphs[form], args, kwargs)  # a capture runs nothing: this call replays
+        self.replays += 1
+        return self._outputs(self.graphs[form])
 
     def describe(self) -> str:
         if self.disabled is not None:
