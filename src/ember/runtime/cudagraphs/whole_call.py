@@ -169,6 +169,7 @@ class WholeCall:
             if why is None:
                 self.replays += 1
                 return self._outputs(graph)
+            _settle(graph)  # the dropped replay finishes before its graph and pool memory can go
             if self.graphs.get(form) is graph:  # Dynamo's guards failed: this form is captured again
                 del self.graphs[form]
                 self.warm[form] = self.warmup - 1  # after this call, which compiles or picks its frame
@@ -328,6 +329,12 @@ class WholeCall:
         if self.uncaptured:
             text += "; normal path: " + "; ".join(f"{n} x {why}" for why, n in self.uncaptured.most_common())
         return text
+
+
+def _settle(graph: CallGraph) -> None:
+    first = graph.reads[0] if graph.reads else None
+    if first is not None and first.is_cuda:
+        torch.cuda.current_stream(first.device).synchronize()
 
 
 def _output_blocker(leaves: list, inputs: list[torch.Tensor], tensors: list[torch.Tensor],
