@@ -50,6 +50,9 @@ def entry_blocker(entry: Any) -> str | None:
         return (f"the forward has {len(breaks)} graph break(s): Python runs between its graphs on every call, "
                 "which a replay would skip")
     graphs = [n for n in names if n.startswith(COMPILED_PREFIX)]
+    if not graphs:
+        return ("the forward's frame runs no compiled graph itself (Dynamo compiled its work in frames it calls: "
+                "a graph break at a call)")
     if len(graphs) != 1:
         return f"the forward's frame runs {len(graphs)} compiled graphs, not one"
     if not callable(getattr(getattr(entry, "guard_manager", None), "check", None)):

@@ -208,3 +208,33 @@ def test_frame_locals_bind_like_the_call() -> None:
     assert got == {"self": "m", "args": (1, 2), "flag": True, "kwargs": {"k": 3}, "func": forward}
     with pytest.raises(TypeError):
         plain("m", (), {})  # x missing: the forward's own call would raise too
+
+
+class Switch(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(4, 4)
+        self.split = False  # True: a graph break in the middle of forward
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.fc(x)
+        if self.split:
+            torch._dynamo.graph_break()
+        return torch.relu(y) * 3
+
+
+def test_a_frame_that_cannot_be_replayed_leaves_the_others_replayed() -> None:
+    torch.manual_seed(6)
+    model = Switch().eval()
+    compiled, whole = _whole(model)
+    for _ in range(4):
+        _agree(compiled, model, torch.randn(3, 4))
+    model.split = True
+    for _ in range(5):
+        _agree(compiled, model, torch.randn(3, 4))
+    assert "graph break" in whole.describe() or "no compiled graph" in whole.describe(), whole.describe()
+    replays = whole.replays
+    model.split = False
+    for _ in range(4):
+        _agree(compiled, model, torch.randn(3, 4))
+    assert whole.replays > replays and whole.disabled is None, whole.describe()

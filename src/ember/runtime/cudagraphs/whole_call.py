@@ -268,13 +268,8 @@ class WholeCall:
         if why is not None:
             self.disabled = why
             return self._normal(why, args, kwargs)
-        inputs = [torch.empty_strided(x.shape, x.stride(), dtype=x.dtype, device=x.device).copy_(x)
-                  .requires_grad_(x.requires_grad) for x in given]
-        buffers = iter(inputs)
-        s_args = tuple(next(buffers) if isinstance(x, torch.Tensor) else x for x in args)
-        s_kwargs = {k: next(buffers) if isinstance(v, torch.Tensor) else v for k, v in kwargs.items()}
         assert self.fn is not None and self.frame_locals is not None
-        entry = passing_entry(self.fn, self.frame_locals(self.model, s_args, s_kwargs))
+        entry = passing_entry(self.fn, self.frame_locals(self.model, args, kwargs))
         if entry is None:
             self.misses += 1
             self.warm[form] = 0  # the next calls warm up again before another try
@@ -285,9 +280,15 @@ class WholeCall:
                                 "compile again; or a warm start loaded the program, which Dynamo's cache does "
                                 "not hold: whole_call needs warm_start=False)", args, kwargs)
         why = entry_blocker(entry)
-        if why is not None:
-            self.disabled = why
+        if why is not None:  # this frame only (a flag may pick another one later): the normal path for it
             return self._normal(why, args, kwargs)
+        inputs = [torch.empty_strided(x.shape, x.stride(), dtype=x.dtype, device=x.device).copy_(x)
+                  .requires_grad_(x.requires_grad) for x in given]
+        buffers = iter(inputs)
+        s_args = tuple(next(buffers) if isinstance(x, torch.Tensor) else x for x in args)
+        s_kwargs = {k: next(buffers) if isinstance(v, torch.Tensor) else v for k, v in kwargs.items()}
+        if not entry.guard_manager.check(self.frame_locals(self.model, s_args, s_kwargs)):
+            return self._normal("Dynamo's guards fail for the capture's copies of the arguments", args, kwargs)
         before = list(map(_VERSION, inputs))
         held = list(map(_VERSION, tensors))
         if self.pool is None:
