@@ -113,12 +113,26 @@ class TuningDB:
             return conn
         self.path.parent.mkdir(parents=True, exist_ok=True)
         try:
-            conn = self._open_writable()
-        except sqlite3.DatabaseError as err:
+            conn = self._open_writable_waiting()
+        except sqlite3.OperationalError:
+            raise  # locked, busy, an I/O error: another tuner holds the file, which is not damaged
+        except sqlite3.DatabaseError as err:  # not a database, malformed: damaged
             self._set_aside(err)
-            conn = self._open_writable()
+            conn = self._open_writable_waiting()
         self._conn = conn
         return conn
+
+    def _open_writable_waiting(self) -> sqlite3.Connection:
+        """Open for writing; while other tuners hold the file (SQLite's OperationalError: locked,
+        busy, or an I/O error on the WAL index they are setting up) try again until ``timeout``."""
+        deadline = time.monotonic() + self.timeout
+        while True:
+            try:
+                return self._open_writable()
+            except sqlite3.OperationalError:
+                if time.monotonic() > deadline:
+                    raise
+                time.sleep(0.05)
 
     def _open_writable(self) -> sqlite3.Connection:
         conn = sqlite3.connect(self.path, timeout=self.timeout, isolation_level=None, check_same_thread=False)
@@ -155,7 +169,9 @@ class TuningDB:
         try:
             return self._connect().execute(sql, tuple(params)).fetchall()
         except sqlite3.DatabaseError as err:
-            if self.read_only or isinstance(err, sqlite3.OperationalError) and "locked" in str(err):
+            # Only a damaged file is set aside: an OperationalError (locked, busy, I/O) is another
+            # tuner at work, and setting the file aside would lose its records.
+            if self.read_only or isinstance(err, sqlite3.OperationalError):
                 raise
             self.close()
             self._set_aside(err)

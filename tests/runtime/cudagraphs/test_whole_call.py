@@ -238,3 +238,19 @@ def test_a_frame_that_cannot_be_replayed_leaves_the_others_replayed() -> None:
     for _ in range(4):
         _agree(compiled, model, torch.randn(3, 4))
     assert whole.replays > replays and whole.disabled is None, whole.describe()
+
+
+def test_the_compiled_module_keeps_its_hooks_and_state() -> None:
+    torch.manual_seed(7)
+    model = ConvNet().eval()
+    compiled, whole = _whole(model)
+    assert isinstance(compiled, torch._dynamo.eval_frame.OptimizedModule)
+    assert list(compiled.state_dict()) == [f"_orig_mod.{k}" for k in model.state_dict()]  # as torch.compile's
+    for _ in range(4):
+        _agree(compiled, model, torch.randn(2, 3, 8, 8))
+    seen = []
+    handle = compiled.register_forward_hook(lambda mod, args, out: seen.append(out.shape))
+    _agree(compiled, model, torch.randn(2, 3, 8, 8))  # through OptimizedModule.__call__: the hook runs
+    handle.remove()
+    _agree(compiled, model, torch.randn(2, 3, 8, 8))
+    assert seen == [torch.Size([2, 5])] and whole.replays >= 3, whole.describe()

@@ -38,6 +38,7 @@ at capture, not on replays, as with ``torch.cuda.make_graphed_callables``.
 
 from __future__ import annotations
 
+import contextlib
 import operator
 from collections import Counter
 from collections.abc import Callable
@@ -45,6 +46,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+from torch._dynamo import eval_frame
 from torch.utils import _pytree as pytree
 
 from ember.capture.dynamo_frames import FrameLocals, entry_blocker, forward_function, passing_entry
@@ -188,7 +190,12 @@ class WholeCall:
 
     def _normal(self, reason: str, args: tuple, kwargs: dict) -> Any:
         self.uncaptured[reason] += 1
-        return self.forward(*args, **kwargs)
+        return self._run(args, kwargs)
+
+    def _run(self, args: tuple, kwargs: dict) -> Any:
+        """The normal path, as ``OptimizedModule.__call__`` enters it (``WholeCallModule`` skips that)."""
+        with _IN_OPTIMIZED_MODULE():
+            return self.forward(*args, **kwargs)
 
     def _check(self, graph: CallGraph, args: tuple, kwargs: dict) -> str | None:
         """None: the replay stands. Otherwise why this call runs the normal path."""
@@ -237,15 +244,15 @@ class WholeCall:
         device = given[0].device if given else torch.device("cuda", torch.cuda.current_device())
         if device.type != "cuda":  # the tests' CPU stand-in of the device
             with inside_whole_call():
-                return self.forward(*args, **kwargs)
+                return self._run(args, kwargs)
         if self.side is None:
             self.side = torch.cuda.Stream(device)
         self.side.wait_stream(torch.cuda.current_stream(device))
         with torch.cuda.stream(self.side), inside_whole_call():
             if checking:
-                out, syncs = run_noting_syncs(lambda: self.forward(*args, **kwargs))
+                out, syncs = run_noting_syncs(lambda: self._run(args, kwargs))
             else:
-                out, syncs = self.forward(*args, **kwargs), []
+                out, syncs = self._run(args, kwargs), []
         torch.cuda.current_stream(device).wait_stream(self.side)
         if syncs and self.disabled is None:
             self.disabled = (f"the call waits for the device ({syncs[0]}), which a CUDA graph cannot hold "
@@ -298,7 +305,7 @@ class WholeCall:
         try:
             with inside_whole_call():
                 reads = [*tensors, *inputs]
-                graph, out = self.backend.capture(lambda _: self.forward(*s_args, **s_kwargs), list(reads), device,
+                graph, out = self.backend.capture(lambda _: self._run(s_args, s_kwargs), list(reads), device,
                                                   self.pool)
         except Exception as err:  # noqa: BLE001 - never fail where eager works
             self.backend.recover(device)
@@ -352,9 +359,29 @@ def _output_blocker(leaves: list, inputs: list[torch.Tensor], tensors: list[torc
     return None
 
 
+_IN_OPTIMIZED_MODULE = getattr(eval_frame, "_set_in_optimized_module", contextlib.nullcontext)
+_HAS_GLOBAL_HOOK = torch.nn.modules.module._has_any_global_hook
+
+
+class WholeCallModule(eval_frame.OptimizedModule):
+    """An ``ember.compile`` result with ``whole_call=True``. Without hooks on it, a call goes
+    straight to its ``WholeCall``, skipping ``OptimizedModule.__call__`` and nn.Module's call path
+    (12.8-19.0 us per replayed call on the CI CPU, ``benchmarks/results/cpu/2026-11-28_whole_call_host_ab/``).
+    The normal path still enters the compiled forward as ``OptimizedModule.__call__`` does
+    (``WholeCall._run``)."""
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        if (self._forward_hooks or self._forward_pre_hooks or self._backward_hooks or self._backward_pre_hooks
+                or _HAS_GLOBAL_HOOK()):
+            return super().__call__(*args, **kwargs)
+        return self.__dict__["forward"](*args, **kwargs)
+
+
 def install(compiled: torch.nn.Module, model: torch.nn.Module, backend: Any) -> WholeCall:
     """Put a ``WholeCall`` in front of ``compiled``'s forward (an ``OptimizedModule``)."""
     whole = WholeCall(compiled.__dict__["forward"], model)
     compiled.__dict__["forward"] = whole
+    if type(compiled) is eval_frame.OptimizedModule:
+        compiled.__class__ = WholeCallModule
     backend.whole_call = whole
     return whole
