@@ -234,6 +234,9 @@ class WholeCall:
         return [*self.model.parameters(), *self.model.buffers()]
 
     def _drop(self) -> None:
+        for graph in self.graphs.values():  # an earlier call's replay may still run on the device
+            _settle(graph)
+            break
         self.graphs.clear()
         self.warm.clear()
 
