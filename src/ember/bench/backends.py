@@ -16,6 +16,7 @@ loss (detached). The harness times exactly that call. Backends without the hook 
 from __future__ import annotations
 
 import contextlib
+import functools
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -145,7 +146,7 @@ def _compiled_optimizer_step(model: nn.Module, optimizer: torch.optim.Optimizer,
     return step
 
 
-def _ember(model: nn.Module) -> Callable[..., Any]:
+def _ember(model: nn.Module, **options: Any) -> Callable[..., Any]:
     # Imported here: the compiler core may not be importable (or written) yet, and that
     # must only fail this backend's rows.
     try:
@@ -154,16 +155,7 @@ def _ember(model: nn.Module) -> Callable[..., Any]:
         compile_fn = ember.compile
     except (ImportError, AttributeError) as err:
         raise BackendUnavailable(f"ember.compile is not available: {err}") from err
-    return compile_fn(model)
-
-
-def _ember_whole_call(model: nn.Module) -> Callable[..., Any]:
-    """Ember with the whole inference call replayed as one CUDA graph (``whole_call=True``)."""
-    try:
-        import ember
-    except ImportError as err:
-        raise BackendUnavailable(f"ember is not available: {err}") from err
-    return ember.compile(model, whole_call=True)
+    return compile_fn(model, **options)
 
 
 def _ember_whole_step(model: nn.Module, optimizer: torch.optim.Optimizer, loss_fn: LossFn,
@@ -203,7 +195,7 @@ BACKENDS: dict[str, BackendFactory] = {
     "ember": Backend(_ember, "ember.compile defaults"),
     "ember-whole-step": Backend(_ember, "ember.compile_step: forward, backward and optimizer as one program",
                                 train_step=_ember_whole_step, train_only=True),
-    "ember-whole-call": Backend(_ember_whole_call, "ember.compile(whole_call=True): the inference call as one CUDA "
+    "ember-whole-call": Backend(functools.partial(_ember, whole_call=True), "ember.compile(whole_call=True): the inference call as one CUDA "
                                 "graph behind Dynamo's guards", infer_only=True),
 }
 

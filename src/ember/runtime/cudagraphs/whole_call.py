@@ -89,19 +89,23 @@ def _modes() -> tuple:
             torch.get_autocast_dtype("cuda"))
 
 
-def _form(args: tuple, kwargs: dict, on_device: Callable[[torch.Tensor], bool]) -> tuple | None:
-    """What a replay of this call depends on besides the model (None: a call Ember does not replay)."""
+def _form(args: tuple, kwargs: dict, on_device: Callable[[torch.Tensor], bool]
+          ) -> tuple[tuple | None, list[torch.Tensor]]:
+    """What a replay of this call depends on besides the model (None: a call Ember does not
+    replay), and the call's tensor arguments in the order the capture's buffers hold them."""
     parts: list = [_modes(), tuple(kwargs)]
+    given = []
     for x in (*args, *kwargs.values()):
         if isinstance(x, torch.Tensor):
             if not on_device(x):
-                return None
+                return None, given
             parts.append((x.shape, x.stride(), x.dtype, x.device, x.requires_grad))
+            given.append(x)
         elif isinstance(x, _SCALARS):
             parts.append((type(x), x))
         else:
-            return None
-    return tuple(parts)
+            return None, given
+    return tuple(parts), given
 
 
 def _tensor_args(args: tuple, kwargs: dict) -> list[torch.Tensor]:
@@ -155,7 +159,7 @@ class WholeCall:
         if torch.is_grad_enabled():
             return self._normal("gradients are on: whole calls are replayed under torch.no_grad() or "
                                 "torch.inference_mode()", args, kwargs)
-        form = _form(args, kwargs, self.backend.on_device)
+        form, given = _form(args, kwargs, self.backend.on_device)
         if form is None:
             return self._normal("an argument is not a CUDA tensor or a Python scalar", args, kwargs)
         graph = self.graphs.get(form)
@@ -163,7 +167,7 @@ class WholeCall:
             if addresses(self.tensors) != self.ptrs:  # before the launch: the graph would read freed memory
                 self._drop()
                 return self._normal("a parameter or buffer moved (.to(), .data = ...): captured again", args, kwargs)
-            self._launch(graph, args, kwargs)
+            self._launch(graph, given)
             # The rest of the check runs while the device replays: a replay writes only its own pool
             # (the capture refused forwards that write inputs or the model's tensors), so when the
             # check fails its outputs are dropped and the normal path answers the call instead.
@@ -215,8 +219,7 @@ class WholeCall:
             pass
         return "Dynamo's guards of the captured frame fail for this call (it compiles or picks another frame)"
 
-    def _launch(self, graph: CallGraph, args: tuple, kwargs: dict) -> None:
-        given = _tensor_args(args, kwargs)
+    def _launch(self, graph: CallGraph, given: list[torch.Tensor]) -> None:
         if len(given) == 1:
             graph.inputs[0].copy_(given[0])
         elif given:
@@ -328,7 +331,7 @@ class WholeCall:
         self.ptrs, self.versions = addresses(tensors), list(map(_VERSION, tensors))
         self.registrations = _Registrations.count
         self.captures += 1
-        self._launch(self.graphs[form], args, kwargs)  # a capture runs nothing: this call replays
+        self._launch(self.graphs[form], given)  # a capture runs nothing: this call replays
         self.replays += 1
         return self._outputs(self.graphs[form])
 
