@@ -115,6 +115,8 @@ if trace:  # the default pool's inactive blocks at the end, largest first, with 
                      f"active), largest blocks: " + ", ".join(f"{sz / 2**20:.1f} {st}" for sz, st in blocks))
     if hasattr(fn, "_ember_backend"):
         notes += [f"graph {g.title}: {g.cudagraph}" for g in fn._ember_backend.log.graphs]
+if getattr(getattr(fn, "_ember_backend", None), "whole_call", None) is not None:  # replayed, or why not
+    notes.append(f"whole call: {fn._ember_backend.whole_call.describe()[:400]}")
 if hasattr(step, "whole_step"):  # what the whole-step program did (captured, or why not)
     notes.append(f"whole step: {step.whole_step.status}")
 params = sum(p.numel() * p.element_size() for p in model.parameters())

@@ -84,6 +84,39 @@ def test_changes_under_a_graph_run_the_normal_path_and_capture_again() -> None:
         assert reason in text, text
 
 
+class Heads(nn.Module):
+    """Several outputs in a dict: a transposed one, an integer one, a Python scalar."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(6, 4)
+
+    def forward(self, x: torch.Tensor) -> dict:
+        y = self.fc(x)
+        return {"y": y, "t": (y * 2).t(), "top": y.argmax(-1), "rows": 3, "z": torch.tanh(y)}
+
+
+def test_several_outputs_are_copied_together_and_keep_their_layout() -> None:
+    torch.manual_seed(7)
+    model = Heads().eval()
+    compiled, whole = _whole(model)
+    kept = []
+    for _ in range(6):
+        x = torch.randn(5, 6)
+        with torch.no_grad():
+            out, ref = compiled(x), model(x)
+        assert out.keys() == ref.keys() and out["rows"] == 3
+        for key in ("y", "t", "top", "z"):
+            assert out[key].dtype == ref[key].dtype and out[key].stride() == ref[key].stride(), key
+            torch.testing.assert_close(out[key], ref[key], rtol=1e-4, atol=1e-5)
+        kept.append((out, x))
+    assert whole.replays == 4, whole.describe()
+    with torch.no_grad():
+        for out, x in kept:  # each call's outputs are its own: later replays overwrote none
+            torch.testing.assert_close(out["z"], model(x)["z"], rtol=1e-4, atol=1e-5)
+            torch.testing.assert_close(out["t"], model(x)["t"], rtol=1e-4, atol=1e-5)
+
+
 def test_call_forms_each_get_a_graph() -> None:
     torch.manual_seed(2)
     model = ConvNet().eval()

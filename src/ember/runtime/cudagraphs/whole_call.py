@@ -8,18 +8,19 @@ A batch-1 call is host-bound: on one H100 host, ResNet-50's per-graph replay spe
 host time per call (Dynamo's frame evaluation and guards, AOTAutograd's wrapper, Ember's runner
 checks) for 0.4 ms of kernels. ``WholeCall`` captures the whole call — Dynamo's frame and every
 Ember program in it, with their per-graph CUDA graphs passed through — into one graph, and a
-later call of the same form does only what keeps the replay right. Before the launch:
+later call of the same form does only what keeps the replay right. Before the launch, the call's
+form: each argument's shape, strides, dtype, device and requires_grad (Python scalars by value),
+the keyword names, and the grad, inference and autocast modes. Then the tensor arguments are
+copied into the capture's buffers and the graph is launched. While the device runs it, the host
+checks the rest; a replay writes only its own pool (the capture refuses forwards that write
+their inputs or the model's tensors), so if a check fails the replay's outputs are dropped and
+the normal path answers the call:
 
-- the call's form: each argument's shape, strides, dtype, device and requires_grad (Python
-  scalars by value), the keyword names, and the grad, inference and autocast modes;
-- the model's parameters and buffers at the addresses the capture saw (the graph reads them
-  there; a moved one may be freed memory).
-
-Then the tensor arguments are copied into the capture's buffers and the graph is launched. While
-the device runs it, the host checks the rest; a replay writes only its own pool (the capture
-refuses forwards that write their inputs or the model's tensors), so if a check fails the
-replay's outputs are dropped and the normal path answers the call:
-
+- the model's parameters and buffers at the addresses the capture saw. The capture keeps their
+  storages, so memory a moved tensor left (``.to()``, ``.data = ...``, a replaced parameter) stays
+  allocated and the replay reads stale values, not freed memory, until this check drops it. (A
+  storage resized in place, ``untyped_storage().resize_()``, is the one move the kept storage
+  does not cover.)
 - no parameter, buffer or submodule registered anywhere since the last check (a global
   registration hook counts them; on a count change the model's own are compared by identity);
 - the parameters' and buffers' versions: one changed in place (``load_state_dict``, ``copy_``)
@@ -42,7 +43,7 @@ import contextlib
 import operator
 from collections import Counter
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -123,6 +124,10 @@ class CallGraph:
     spec: Any
     entry: Any
     reads: list[torch.Tensor]  # the model's tensors and the input buffers (the tests' stand-in reads them)
+    tensors_at: list[int] = field(default_factory=list)  # the leaves that are tensors
+
+    def __post_init__(self) -> None:
+        self.tensors_at = [i for i, x in enumerate(self.leaves) if isinstance(x, torch.Tensor)]
 
 
 class WholeCall:
@@ -141,6 +146,7 @@ class WholeCall:
         self.graphs: dict[tuple, CallGraph] = {}
         self.warm: Counter = Counter()  # call form -> uncaptured calls seen
         self.tensors: list[torch.Tensor] = []  # the model's parameters and buffers the graphs read
+        self.storages: list[torch.UntypedStorage] = []  # theirs at capture: kept allocated while graphs read them
         self.ptrs: list[int] = []
         self.versions: list[int] = []
         self.registrations = -1
@@ -164,9 +170,6 @@ class WholeCall:
             return self._normal("an argument is not a CUDA tensor or a Python scalar", args, kwargs)
         graph = self.graphs.get(form)
         if graph is not None:
-            if addresses(self.tensors) != self.ptrs:  # before the launch: the graph would read freed memory
-                self._drop()
-                return self._normal("a parameter or buffer moved (.to(), .data = ...): captured again", args, kwargs)
             self._launch(graph, given)
             # The rest of the check runs while the device replays: a replay writes only its own pool
             # (the capture refused forwards that write inputs or the model's tensors), so when the
@@ -203,6 +206,9 @@ class WholeCall:
 
     def _check(self, graph: CallGraph, args: tuple, kwargs: dict) -> str | None:
         """None: the replay stands. Otherwise why this call runs the normal path."""
+        if addresses(self.tensors) != self.ptrs:
+            self._drop()
+            return "a parameter or buffer moved (.to(), .data = ...): captured again"
         if _Registrations.count != self.registrations:
             if list(map(id, self._model_tensors())) != list(map(id, self.tensors)):
                 self._drop()
@@ -227,9 +233,17 @@ class WholeCall:
         self.backend.replay(graph.graph, graph.reads)
 
     def _outputs(self, graph: CallGraph) -> Any:
-        # The next replay overwrites the graph's outputs: the caller gets copies.
-        return pytree.tree_unflatten([x.clone() if isinstance(x, torch.Tensor) else x for x in graph.leaves],
-                                     graph.spec)
+        # The next replay overwrites the graph's outputs: the caller gets copies, made by one
+        # multi-tensor copy (one kernel launch for a language model's logits and key/value cache).
+        leaves, at = list(graph.leaves), graph.tensors_at
+        if len(at) == 1:
+            leaves[at[0]] = leaves[at[0]].clone()
+        elif at:
+            made = [torch.empty_like(leaves[i]) for i in at]
+            torch._foreach_copy_(made, [leaves[i] for i in at])
+            for i, x in zip(at, made):
+                leaves[i] = x
+        return pytree.tree_unflatten(leaves, graph.spec)
 
     # -- before a capture ----------------------------------------------------------------------
 
@@ -242,6 +256,7 @@ class WholeCall:
             break
         self.graphs.clear()
         self.warm.clear()
+        self.storages = []
 
     def _warm_up(self, args: tuple, kwargs: dict, checking: bool) -> Any:
         """An uncaptured call on a side stream; the last one before a capture looks for waits."""
@@ -327,7 +342,7 @@ class WholeCall:
             self.disabled = why
             return self._normal(why, args, kwargs)
         self.graphs[form] = CallGraph(graph, inputs, leaves, spec, entry, reads)
-        self.tensors = tensors
+        self.tensors, self.storages = tensors, [t.untyped_storage() for t in tensors]
         self.ptrs, self.versions = addresses(tensors), list(map(_VERSION, tensors))
         self.registrations = _Registrations.count
         self.captures += 1
