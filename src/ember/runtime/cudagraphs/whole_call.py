@@ -342,6 +342,9 @@ class WholeCall:
             self.disabled = why
             return self._normal(why, args, kwargs)
         self.graphs[form] = CallGraph(graph, inputs, leaves, spec, entry, reads)
+        # What the warm-up left cached goes back too: the side stream's blocks and the cuBLAS
+        # workspaces the capture handed back (32 MiB each on Hopper), so only the graph's pool stays.
+        self.backend.release_cached(device)
         self.tensors, self.storages = tensors, [t.untyped_storage() for t in tensors]
         self.ptrs, self.versions = addresses(tensors), list(map(_VERSION, tensors))
         self.registrations = _Registrations.count
