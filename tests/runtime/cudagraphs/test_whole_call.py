@@ -12,7 +12,7 @@ import torch
 from torch import nn
 
 import ember
-from ember.capture.dynamo_frames import FrameLocals
+from ember.capture.dynamo_frames import FrameLocals, cache_entries
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "support"))
 from cudagraph_fakes import FakeGraphs  # noqa: E402
@@ -115,6 +115,37 @@ def test_several_outputs_are_copied_together_and_keep_their_layout() -> None:
         for out, x in kept:  # each call's outputs are its own: later replays overwrote none
             torch.testing.assert_close(out["z"], model(x)["z"], rtol=1e-4, atol=1e-5)
             torch.testing.assert_close(out["t"], model(x)["t"], rtol=1e-4, atol=1e-5)
+
+
+class SlicedLayers(nn.Module):
+    """Builds a module on every call, as Hugging Face's Llama does (``self.layers[: n]``)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList(nn.Linear(6, 6) for _ in range(3))
+        self.n = 2
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for layer in self.layers[: self.n]:
+            x = torch.relu(layer(x))
+        return x
+
+
+def test_a_forward_that_builds_modules_compiles_once_and_replays() -> None:
+    torch.manual_seed(8)
+    model = SlicedLayers().eval()
+    compiled, whole = _whole(model)
+    for _ in range(6):
+        _agree(compiled, model, torch.randn(4, 6))
+    assert whole.replays == 4, whole.describe()
+    assert len(cache_entries(type(model).forward)) == 1  # the registration count is no guard
+    plain = torch.compile(SlicedLayers().eval(), backend="eager")  # nor for other compiled models
+    with torch.no_grad():
+        plain(torch.randn(4, 6))
+        entries = len(cache_entries(SlicedLayers.forward))
+        for _ in range(4):
+            plain(torch.randn(4, 6))
+    assert len(cache_entries(SlicedLayers.forward)) == entries
 
 
 def test_call_forms_each_get_a_graph() -> None:

@@ -82,6 +82,12 @@ class _Registrations:
 
     @classmethod
     def bump(cls, *_: object) -> None:
+        # Dynamo traces the hook when a compiled forward builds a module (Hugging Face's Llama
+        # slices its ModuleList on every call): counting there would be a side effect Dynamo
+        # guards on, and every call would compile again. A module a compiled frame builds is
+        # the frame's own temporary, not a change to a model a graph reads.
+        if torch.compiler.is_compiling():
+            return
         cls.count += 1
 
 
