@@ -10,8 +10,9 @@ whole_call=True)`` against eager on fresh random inputs:
 - ``replays``: six calls of one form, each compared with eager; the outputs of all six are kept
   and compared again at the end (a replay must not overwrite what a caller holds);
 - ``weights``: every parameter scaled in place (``load_state_dict``), then three calls;
-- ``flag``: a Python attribute the forward reads changed (Hugging Face models: ``config.return_dict``
-  set to False, so forward returns a tuple; Dynamo's guards must send it down the normal path);
+- ``flag``: a Python attribute the forward reads changed (Hugging Face models:
+  ``config.output_hidden_states`` set to True, so forward returns the hidden states too; Dynamo's
+  guards must send it down the normal path);
 - ``batch``: another batch size, then the first one again.
 
 Each check prints the largest difference from fp32 eager relative to its largest magnitude, for
