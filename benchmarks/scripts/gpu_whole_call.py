@@ -9,7 +9,7 @@ whole_call=True)`` against eager on fresh random inputs:
 
 - ``replays``: six calls of one form, each compared with eager; the outputs of all six are kept
   and compared again at the end (a replay must not overwrite what a caller holds);
-- ``weights``: every parameter scaled in place (``load_state_dict``), then three calls;
+- ``weights``: every parameter scaled in place (``load_state_dict``), then four calls;
 - ``flag``: a Python attribute the forward reads changed (Hugging Face models:
   ``config.output_hidden_states`` set to True, so forward returns the hidden states too; Dynamo's
   guards must send it down the normal path);
