@@ -115,10 +115,6 @@ def _form(args: tuple, kwargs: dict, on_device: Callable[[torch.Tensor], bool]
     return tuple(parts), given
 
 
-def _tensor_args(args: tuple, kwargs: dict) -> list[torch.Tensor]:
-    return [x for x in (*args, *kwargs.values()) if isinstance(x, torch.Tensor)]
-
-
 @dataclass
 class CallGraph:
     """One call form's capture: the graph, the buffers it reads the tensor arguments from, its
@@ -130,7 +126,7 @@ class CallGraph:
     spec: Any
     entry: Any
     reads: list[torch.Tensor]  # the model's tensors and the input buffers (the tests' stand-in reads them)
-    tensors_at: list[int] = field(default_factory=list)  # the leaves that are tensors
+    tensors_at: list[int] = field(init=False)  # the leaves that are tensors
 
     def __post_init__(self) -> None:
         self.tensors_at = [i for i, x in enumerate(self.leaves) if isinstance(x, torch.Tensor)]
@@ -192,14 +188,14 @@ class WholeCall:
         seen = self.warm[form]
         if seen < self.warmup:
             self.warm[form] = seen + 1
-            return self._warm_up(args, kwargs, checking=seen + 1 == self.warmup)
+            return self._warm_up(args, kwargs, given, checking=seen + 1 == self.warmup)
         if len(self.graphs) >= MAX_FORMS:
             return self._normal(f"{MAX_FORMS} call forms captured already", args, kwargs)
         if self.captures >= MAX_CAPTURES:
             self.disabled = (f"{MAX_CAPTURES} captures: what the call depends on keeps changing (a flag the forward "
                              "reads, the parameters), so each graph would be replayed too rarely to pay")
             return self._normal(self.disabled, args, kwargs)
-        return self._capture(form, args, kwargs)
+        return self._capture(form, args, kwargs, given)
 
     def _normal(self, reason: str, args: tuple, kwargs: dict) -> Any:
         self.uncaptured[reason] += 1
@@ -257,18 +253,16 @@ class WholeCall:
         return [*self.model.parameters(), *self.model.buffers()]
 
     def _drop(self) -> None:
-        for graph in self.graphs.values():  # an earlier call's replay may still run on the device
-            _settle(graph)
-            break
+        if self.graphs:  # an earlier call's replay may still run on the device
+            _settle(next(iter(self.graphs.values())))
         self.graphs.clear()
         self.warm.clear()
         self.storages = []
 
-    def _warm_up(self, args: tuple, kwargs: dict, checking: bool) -> Any:
+    def _warm_up(self, args: tuple, kwargs: dict, given: list[torch.Tensor], checking: bool) -> Any:
         """An uncaptured call on a side stream; the last one before a capture looks for waits."""
         self.uncaptured[f"warm-up ({self.warmup} uncaptured call(s) of each call form before its capture)"] += 1
-        given = _tensor_args(args, kwargs)
-        device = given[0].device if given else torch.device("cuda", torch.cuda.current_device())
+        device = _device(given)
         if device.type != "cuda":  # the tests' CPU stand-in of the device
             with inside_whole_call():
                 return self._run(args, kwargs)
@@ -294,9 +288,8 @@ class WholeCall:
             return f"parameters or buffers on another device than the call's {device}"
         return None
 
-    def _capture(self, form: tuple, args: tuple, kwargs: dict) -> Any:
-        given = _tensor_args(args, kwargs)
-        device = given[0].device if given else torch.device("cuda", torch.cuda.current_device())
+    def _capture(self, form: tuple, args: tuple, kwargs: dict, given: list[torch.Tensor]) -> Any:
+        device = _device(given)
         tensors = self._model_tensors()
         why = self._blocker(device, tensors)
         if why is not None:
@@ -367,6 +360,11 @@ class WholeCall:
         if self.uncaptured:
             text += "; normal path: " + "; ".join(f"{n} x {why}" for why, n in self.uncaptured.most_common())
         return text
+
+
+def _device(given: list[torch.Tensor]) -> torch.device:
+    """The device a call runs on: its first tensor argument's, else the current CUDA device."""
+    return given[0].device if given else torch.device("cuda", torch.cuda.current_device())
 
 
 def _settle(graph: CallGraph) -> None:
