@@ -19,13 +19,10 @@ import sys
 from pathlib import Path
 
 import torch
+from gpu_whole_call import relative_difference, tensor_leaves
 
 import ember
 from ember.bench.models import get_case, make_batches
-
-
-def _leaves(out: object) -> list[torch.Tensor]:
-    return [x for x in torch.utils._pytree.tree_leaves(out) if isinstance(x, torch.Tensor)]
 
 
 def run_model(name: str, batch: int, hidden_states: bool) -> list[dict]:
@@ -45,13 +42,12 @@ def run_model(name: str, batch: int, hidden_states: bool) -> list[dict]:
         dtypes: list[str] = []
         for inputs, _ in batches:
             with torch.no_grad():
-                exact = _leaves(eager(*inputs))
+                exact = tensor_leaves(eager(*inputs))
                 with torch.autocast("cuda", dtype=torch.bfloat16):
-                    got = _leaves(model(*inputs))
+                    got = tensor_leaves(model(*inputs))
             if len(got) != len(exact):
                 raise AssertionError(f"{label}: {len(got)} outputs, fp32 eager {len(exact)}")
-            diffs = [((a.float() - b.float()).abs().max() / (b.float().abs().max() or 1.0)).item()
-                     for a, b in zip(got, exact)]
+            diffs = [relative_difference(a, b) for a, b in zip(got, exact)]
             worst = [max(x, y) for x, y in zip(worst, diffs)] if worst else diffs
             dtypes = [str(a.dtype).replace("torch.", "") for a in got]
         rows.append({"model": name, "backend": label, "rel_diff_per_output": worst, "dtypes": dtypes})

@@ -39,16 +39,19 @@ from ember.bench.models import get_case, make_batches
 TOLERANCE = 3e-2  # bf16 autocast: Ember and eager round at different places
 
 
-def _leaves(out: object) -> list[torch.Tensor]:
+def tensor_leaves(out: object) -> list[torch.Tensor]:
     return [x for x in torch.utils._pytree.tree_leaves(out) if isinstance(x, torch.Tensor)]
 
 
+def relative_difference(a: torch.Tensor, ref: torch.Tensor) -> float:
+    """The largest difference from ``ref`` relative to ``ref``'s largest magnitude."""
+    scale = ref.float().abs().max().item() or 1.0
+    return (a.float() - ref.float()).abs().max().item() / scale
+
+
 def _difference(out: object, ref: object) -> float:
-    worst = 0.0
-    for a, b in zip(_leaves(out), _leaves(ref), strict=True):
-        scale = b.float().abs().max().item() or 1.0
-        worst = max(worst, (a.float() - b.float()).abs().max().item() / scale)
-    return worst
+    return max((relative_difference(a, b) for a, b in zip(tensor_leaves(out), tensor_leaves(ref), strict=True)),
+               default=0.0)
 
 
 def run_model(name: str, batch: int) -> list[dict]:
