@@ -26,7 +26,7 @@ from pathlib import Path
 def _bench(model: str, args: argparse.Namespace, name: str, value: str, gpu: int, out: Path,
            tag: str) -> subprocess.Popen:
     env = dict(os.environ, CUDA_VISIBLE_DEVICES=str(gpu), **{name: value})
-    path = out / f"{model}_{args.mode}_{name}={value}_{tag}.json"
+    path = out / f"{model}_{args.mode}_{name}_{value}_{tag}.json"
     cmd = [sys.executable, "-m", "ember.cli", "bench", model, "--mode", args.mode, "--backend", args.backend,
            "--json", str(path), "--no-progress"]
     if args.batch:
@@ -74,7 +74,7 @@ def main() -> None:
                 for v in order:
                     _bench(model, args, name, v, 0, args.out, f"r{rnd + 1}").wait()
             for v in values:
-                row = _row(args.out / f"{model}_{args.mode}_{name}={v}_r{rnd + 1}.json")
+                row = _row(args.out / f"{model}_{args.mode}_{name}_{v}_r{rnd + 1}.json")
                 if row is not None:
                     results.setdefault((model, v), []).append(row)
             print(f"{model} round {rnd + 1} done at {time.monotonic() - start:.0f} s", flush=True)

@@ -199,11 +199,6 @@ class Options:
                                       "and up) run as one matmul over the weights side by side, concatenated once "
                                       "per parameter version (passes/sibling_matmuls.py); off: one matmul each",
                                 "EMBER_MERGE_MATMULS")
-    cudnn_benchmark: bool = _item(False, "GPU: the convolutions of Ember's programs pick cuDNN's algorithm by timing "
-                                         "the candidates at the first call of each shape (cuDNN's benchmark mode, on "
-                                         "only while a program runs; replays keep the choice), whatever "
-                                         "torch.backends.cudnn.benchmark says elsewhere; off: cuDNN's heuristics",
-                                  "EMBER_CUDNN_BENCHMARK")
     trace_rnn: bool = _item(True, "inference (gradients off): Dynamo traces nn.LSTM / GRU / RNN (its allow_rnn "
                                   "setting, on during such calls), so the recurrence joins the model's graph as "
                                   "per-step matmuls and fused gate kernels inside its CUDA graph; training keeps "

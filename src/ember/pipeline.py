@@ -49,7 +49,7 @@ from ember.runtime.cudagraphs.rules import cudagraph_blocker, read_only_inputs, 
 from ember.runtime.cudagraphs.runner import CudaGraphRunner
 from ember.runtime.kernels import kernel_file
 from ember.runtime.precompile import PendingCompile, job_for, submit
-from ember.runtime.program import CompiledGraph, boxed, expect_strides, with_cudnn_benchmark
+from ember.runtime.program import CompiledGraph, boxed, expect_strides
 from ember.schedule.batched_casts import batch_input_casts
 from ember.schedule.plan import FusedGroup, KernelPlan, plan_graph
 from ember.schedule.rules import OpClass
@@ -303,8 +303,6 @@ def _replay_stage(job: GraphJob, run: Callable[[list], object], blocker: str | N
     """Wrap the program: a CUDA-graph runner where the capture rule allows, the first-call wait
     for kernels still compiling, and check=True's comparison with the captured graph."""
     record = job.record
-    if job.options.cudnn_benchmark and job.target.language == "triton" and "convolution" in (record.program or ""):
-        run = with_cudnn_benchmark(run)
     if blocker is None:
         device = instruments.active().cudagraph_device
         extra = {"backend": device} if device is not None else {}

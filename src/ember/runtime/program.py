@@ -121,23 +121,6 @@ class CompiledGraph:
             return self.run(held)
 
 
-def with_cudnn_benchmark(run: Callable[[list], object]) -> Callable[[list], object]:
-    """``run`` with cuDNN's benchmark mode on while it runs (the ``cudnn_benchmark`` option): the
-    first call of each convolution shape times cuDNN's algorithms and keeps the fastest for the
-    process; a CUDA graph captured later records that choice. The user's setting is put back after
-    the call, so their own code outside Ember keeps its behaviour."""
-    def run_benchmarked(args: list) -> object:
-        if torch.backends.cudnn.benchmark:
-            return run(args)
-        torch.backends.cudnn.benchmark = True
-        try:
-            return run(args)
-        finally:
-            torch.backends.cudnn.benchmark = False
-    run_benchmarked.__dict__.update(getattr(run, "__dict__", {}))  # refresh_frozen, constants
-    return run_benchmarked
-
-
 def boxed(graph: CompiledGraph) -> Callable[[list], object]:
     """A plain function for AOTAutograd: it calls with one list of args that we may clear."""
     def run(args: list) -> object:
