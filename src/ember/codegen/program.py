@@ -19,7 +19,7 @@ from ember.codegen.kernel_source import KernelSource
 from ember.codegen.memory_plan import START, SlotKey, plan_memory, reuse_storage
 from ember.config import settings
 from ember.graph_utils import FOLDED_PREFIX, get_attr
-from ember.runtime.frozen import SLOT_ALIGN, FrozenValues, pack_value, slot_span
+from ember.runtime.frozen import FrozenValues
 from ember.schedule.plan import FusedGroup, KernelPlan, Step
 from ember.schedule.rules import constant_value
 
@@ -44,7 +44,7 @@ def base_namespace() -> dict:
     """The names every generated program uses besides its own kernels and constants."""
     return {"torch": torch, "aten": torch.ops.aten, "prims": torch.ops.prims, "operator": operator,
             "_empty": torch.empty_strided, "_kernels": {}, "_frozen": FrozenValues(),
-            "_reuse": reuse_storage, "_bump": bump_version, "_cast_all": cast_all, "_pack": pack_value}
+            "_reuse": reuse_storage, "_bump": bump_version, "_cast_all": cast_all}
 
 
 def cast_all(tensors: tuple[torch.Tensor, ...], dtype: torch.dtype) -> list[torch.Tensor]:
@@ -250,16 +250,9 @@ class _Writer:
         params = list(dict.fromkeys(a for n in step.nodes for a in n.all_input_nodes
                                     if a not in members and a.op == "placeholder"))
         outs = _frozen_outputs(step)
-        slots, total = _frozen_slots(outs, self.kernels)
         body = []
-        if slots:
-            device = self.arg(next(iter(slots)).meta["val"].device)
-            body.append(f"_flat = _empty(({total},), (1,), dtype=torch.uint8, device={device})  # the kept values, "
-                        f"{len(slots)} of them in one allocation")
         for n, dead in zip(step.nodes, _frozen_dead_after(step, outs)):
             body.append(f"{self.name(n)} = {self.call(n)}")
-            if n in slots:
-                body.append(f"{self.name(n)} = _pack(_flat, {slots[n][0]}, {slots[n][1]}, {self.name(n)})")
             if dead:  # freed as soon as read: kept values and transients would interleave in the cache
                 body.append(f"del {', '.join(self.name(d) for d in dead)}")
         ret = ", ".join(self.name(n) for n in outs)
@@ -318,33 +311,6 @@ class _Writer:
 def _frozen_outputs(step: Step) -> list[fx.Node]:
     members = set(step.nodes)
     return [n for n in step.nodes if any(u not in members for u in n.users)]
-
-
-def _frozen_slots(outs: list[fx.Node], kernels: dict[int, KernelSource]) -> tuple[dict[fx.Node, tuple[int, int]], int]:
-    """Where each value ``_prepare`` keeps goes in its one allocation: node -> (byte offset, bytes),
-    and the total. Triton targets only (the GPU's memory; the interpreter's CPU tensors in tests);
-    not a view of a parameter (a copy would double it), nor a value with overlapping elements."""
-    on_triton = any(ks.backend != "cpu" for ks in kernels.values())
-    slots: dict[fx.Node, tuple[int, int]] = {}
-    total = 0
-    for n in outs:
-        val = n.meta.get("val")
-        if not isinstance(val, torch.Tensor) or val.layout != torch.strided or _views_an_input(n):
-            continue
-        span = slot_span(val.shape, val.stride())
-        if not (val.device.type == "cuda" or on_triton) or span == 0 or span != val.numel():
-            continue  # span == numel: no element twice (an expand), none skipped
-        nbytes = span * val.element_size()
-        slots[n] = (total, nbytes)
-        total += -(-nbytes // SLOT_ALIGN) * SLOT_ALIGN
-    return (slots, total) if len(slots) > 1 else ({}, 0)
-
-
-def _views_an_input(node: fx.Node) -> bool:
-    while node.op == "call_function" and getattr(node.target, "is_view", False) and node.args \
-            and isinstance(node.args[0], fx.Node):
-        node = node.args[0]
-    return node.op == "placeholder"
 
 
 def _frozen_dead_after(step: Step, outs: list[fx.Node]) -> list[list[fx.Node]]:

@@ -92,28 +92,3 @@ def _same_layout(new: tuple, old: tuple) -> bool:
         if not isinstance(a, torch.Tensor) and a != b:
             return False
     return True
-
-
-SLOT_ALIGN = 512  # bytes: the caching allocator's own block alignment, so kernels see the same
-
-
-def slot_span(shape: Sequence[int], stride: Sequence[int]) -> int:
-    """Elements a tensor of this shape and stride spans in its storage (0 when empty)."""
-    if any(s == 0 for s in shape):
-        return 0
-    return 1 + sum((s - 1) * st for s, st in zip(shape, stride))
-
-
-def pack_value(flat: torch.Tensor, offset: int, nbytes: int, value: torch.Tensor) -> torch.Tensor:
-    """The program's ``_pack``: ``value`` copied into ``flat[offset:offset + nbytes]`` with its
-    shape, strides and dtype, so every parameter-only value ``_prepare`` keeps lies in the one
-    allocation (no gaps between them and the step's transients in the caching allocator's
-    segments). A value that does not fit the slot it was planned for is kept as it is."""
-    span = slot_span(value.shape, value.stride())
-    need = span * value.element_size()
-    if need == 0 or need > nbytes or span != value.numel() or value.layout != torch.strided \
-            or value.device != flat.device:
-        return value
-    out = flat[offset:offset + need].view(value.dtype).as_strided(value.shape, value.stride())
-    out.copy_(value)
-    return out
