@@ -52,18 +52,10 @@ def _fault() -> None:
 def _warm_numba_now() -> None:
     """Import numba, run its CPU target's one-time set-up, and load the launch helpers' cached code."""
     _fault()
-    import numpy as np
-
-    from ember.runtime.numba_import import import_numba_without_scipy_blas
+    from ember.runtime.numba_import import import_numba_without_scipy_blas, load_launch_helpers
 
     import_numba_without_scipy_blas()  # numba's import and registries, without scipy.linalg
-    from ember.runtime import cpu_support
-
-    # Every launch goes through drive or drive_chunked: load their machine code for the argument
-    # types launches use (Python ints, a C-contiguous int64 vector). units=0 returns at once.
-    argv = np.zeros(1, dtype=np.int64)
-    cpu_support.drive(0, 0, 1, argv)
-    cpu_support.drive_chunked(0, 0, 1, 1, argv)
+    load_launch_helpers()
 
 
 class LazyLauncher:

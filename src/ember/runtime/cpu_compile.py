@@ -41,7 +41,7 @@ for name, path in (("ember", root), ("ember.runtime", root + "/runtime")):
     module = types.ModuleType(name)
     module.__path__ = [path]
     sys.modules[name] = module
-from ember.runtime.numba_import import import_numba_without_scipy_blas
+from ember.runtime.numba_import import import_numba_without_scipy_blas, load_launch_helpers
 import_numba_without_scipy_blas()
 import ember.runtime.cpu_support
 print("ready", flush=True)
@@ -49,11 +49,7 @@ for line in sys.stdin:
     modname, path = line.rstrip("\n").split("\t")
     if modname == LAUNCH_HELPERS:
         try:
-            import numpy as np
-            support = sys.modules["ember.runtime.cpu_support"]
-            argv = np.zeros(1, dtype=np.int64)
-            support.drive(0, 0, 1, argv)
-            support.drive_chunked(0, 0, 1, 1, argv)
+            load_launch_helpers()
             print("ok", flush=True)
         except BaseException as err:
             print("error " + repr(err).replace("\n", " ")[:500], flush=True)

@@ -9,6 +9,7 @@ recompile) every cached kernel.
 
 from __future__ import annotations
 
+import importlib
 import importlib.abc
 import sys
 import threading
@@ -71,3 +72,17 @@ def _set_up_numba() -> None:
     from numba.core.registry import cpu_target
 
     cpu_target.target_context.refresh()  # imports numba.np.arraymath (its BLAS check)
+
+
+def load_launch_helpers() -> None:
+    """Compile, or load from numba's cache, the functions every CPU kernel launch goes through
+    (``cpu_support.drive`` and ``drive_chunked``) for the argument types launches use: Python
+    ints and a C-contiguous int64 vector. ``units=0`` returns at once. Used by the background
+    warm-up (runtime/cpu_background.py) and by the compile workers' last job
+    (runtime/cpu_compile.py, where ``ember`` is a stub package: hence the import by name)."""
+    import numpy as np
+
+    support = importlib.import_module("ember.runtime.cpu_support")
+    argv = np.zeros(1, dtype=np.int64)
+    support.drive(0, 0, 1, argv)
+    support.drive_chunked(0, 0, 1, 1, argv)
