@@ -65,9 +65,38 @@ def time_step(graphs: list[torch.cuda.CUDAGraph], steps: int) -> dict:
             "pipelined_us": start.elapsed_time(end) * 1e3 / steps}
 
 
-def whole_step_launch(name: str, steps: int) -> dict:
+class _StampedGraph:
+    """A captured graph whose ``replay`` notes when it was called and when it returned."""
+
+    def __init__(self, graph: torch.cuda.CUDAGraph) -> None:
+        self.graph, self.called, self.returned = graph, 0.0, 0.0
+
+    def replay(self) -> None:
+        self.called = time.perf_counter()
+        self.graph.replay()
+        self.returned = time.perf_counter()
+
+
+def _profile_calls(step: object, batches: list, calls: int, name: str) -> None:
+    """cProfile over ``calls`` synchronised step calls: the functions with the most own time."""
+    import cProfile
+    import pstats
+
+    prof = cProfile.Profile()
+    for i in range(calls):
+        prof.enable()
+        step(*batches[i % 2])
+        prof.disable()
+        torch.cuda.synchronize()
+    print(f"-- {name}: cProfile of {calls} step calls (own time)")
+    pstats.Stats(prof).sort_stats("tottime").print_stats(18)
+
+
+def whole_step_launch(name: str, steps: int, profile_calls: int = 0) -> dict:
     """The launch of a bench model's captured whole training step (``ember-whole-step``): the host
-    time of ``replay()`` alone, and of the whole step call, each synchronised."""
+    time of ``replay()`` alone, and of the whole step call, each synchronised; the step call cut at
+    the launch (host work before ``replay()``, the launch, the work after it); and the graph's own
+    device time (replays back to back between CUDA events)."""
     sys.path.insert(0, str(Path(__file__).parent))
     from gpu_host_profile import bench_step
 
@@ -75,22 +104,66 @@ def whole_step_launch(name: str, steps: int) -> dict:
     for i in range(12):
         step(*batches[i % 2])
     torch.cuda.synchronize()
-    graph = step.whole_step.cuda.graphs["full"].graph
-    launch, call, sync = [], [], []
-    for i in range(steps):
+    phase = step.whole_step.cuda.graphs["full"]
+    graph = phase.graph
+    launch, alone, call, sync, before, after = [], [], [], [], [], []
+    for _ in range(steps):
         t0 = time.perf_counter()
         graph.replay()
         launch.append((time.perf_counter() - t0) * 1e6)
         torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        step(*batches[i % 2])
-        call.append((time.perf_counter() - t0) * 1e6)
-        torch.cuda.synchronize()
-        sync.append((time.perf_counter() - t0) * 1e6)
-    r = {"model": name, "replay_launch_us": statistics.median(launch), "step_call_us": statistics.median(call),
-         "step_sync_us": statistics.median(sync), "status": step.whole_step.status}
-    print(f"{name}: replay() {r['replay_launch_us']:.1f} us, step call {r['step_call_us']:.1f} us, "
-          f"synchronised step {r['step_sync_us']:.1f} us", flush=True)
+        alone.append((time.perf_counter() - t0) * 1e6)
+    stamped = phase.graph = _StampedGraph(graph)
+    whole, checks = step.whole_step.cuda, []
+    check = whole._check
+
+    def timed_check(*args):  # the replay guard's share of the time before the launch
+        t = time.perf_counter()
+        why = check(*args)
+        checks.append((time.perf_counter() - t) * 1e6)
+        return why
+
+    full_check, full_checks = whole._full_check, [0]
+
+    def counted_full_check(*args):  # calls the last replay's guard did not answer
+        full_checks[0] += 1
+        return full_check(*args)
+
+    whole._check, whole._full_check = timed_check, counted_full_check
+    try:
+        for i in range(steps):
+            torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            step(*batches[i % 2])
+            t1 = time.perf_counter()
+            torch.cuda.synchronize()
+            t2 = time.perf_counter()
+            call.append((t1 - t0) * 1e6)
+            sync.append((t2 - t0) * 1e6)
+            before.append((stamped.called - t0) * 1e6)
+            after.append((t1 - stamped.returned) * 1e6)
+    finally:
+        phase.graph = graph
+        del whole._check, whole._full_check
+    if profile_calls:
+        _profile_calls(step, batches, profile_calls, name)
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(20):
+        graph.replay()
+    end.record()
+    end.synchronize()
+    med = statistics.median
+    r = {"model": name, "replay_launch_us": med(launch), "replay_sync_us": med(alone),
+         "graph_device_us": start.elapsed_time(end) * 1e3 / 20, "step_call_us": med(call),
+         "step_sync_us": med(sync), "before_launch_us": med(before), "after_launch_us": med(after),
+         "check_us": med(checks[-steps:]), "full_checks": full_checks[0],
+         "status": step.whole_step.cuda.describe()}
+    print(f"{name}: before replay() {r['before_launch_us']:.1f} us (check {r['check_us']:.1f}), replay() {r['replay_launch_us']:.1f}, after "
+          f"{r['after_launch_us']:.1f}; step call {r['step_call_us']:.1f}, synchronised step {r['step_sync_us']:.1f}, "
+          f"replay alone synchronised {r['replay_sync_us']:.1f}, graph on the device {r['graph_device_us']:.1f}; "
+          f"{r['full_checks']} of {steps} checks past the guard",
+          flush=True)
     return r
 
 
@@ -102,9 +175,10 @@ def main() -> int:
     parser.add_argument("--steps", type=int, default=100)
     parser.add_argument("--models", default="", help="comma-separated bench models: time the launch of their "
                         "captured whole training step too")
+    parser.add_argument("--profile-calls", type=int, default=0, help="also cProfile this many step calls per model")
     parser.add_argument("--json", default=None)
     args = parser.parse_args()
-    model_rows = [whole_step_launch(name, args.steps) for name in args.models.split(",") if name]
+    model_rows = [whole_step_launch(name, args.steps, args.profile_calls) for name in args.models.split(",") if name]
     x = torch.randn(args.numel, device="cuda")
     rows = []
     print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}, buffer of {args.numel} float32")

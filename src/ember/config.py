@@ -271,6 +271,9 @@ class Settings:
                                          "(runtime/cudagraphs/device.py)", "EMBER_CLEAR_WORKSPACES")
     reflection_pad: bool = _item(True, "GPU targets: reflection padding runs as Ember's kernels; off: ATen's "
                                        "(capture/decompositions.py)", "EMBER_REFLECTION_PAD")
+    small_bmm: bool = _item(True, "GPU targets: batched bf16/fp16 products of small matrices with a size that is not a "
+                                  "multiple of 8 (window attention) run as Ember's Triton kernel; off: cuBLAS's "
+                                  "(ops/small_bmm.py)", "EMBER_SMALL_BMM")
     depthwise_kernels: bool = _item(False, "GPU targets: depthwise convolutions in channels_last run as Ember's Triton "
                                            "kernels, no cuDNN kernel build at each shape's first call (off by default: "
                                            "2.5x slower than cuDNN's per step on an H100; ops/depthwise_conv.py)",

@@ -31,6 +31,7 @@ from ember.passes.layout import to_channels_last
 from ember.passes.library_sites import Choose
 from ember.passes.pad_matmul import pad_unaligned_matmuls
 from ember.passes.sibling_matmuls import merge_sibling_matmuls
+from ember.passes.small_bmm import generate_small_bmms
 from ember.targets import BY_NAME
 
 GraphPass = Callable[[fx.GraphModule], int]
@@ -76,7 +77,8 @@ class PassContext:
 def passes_for(context: PassContext) -> list[GraphPass]:
     """The pass pipeline of one graph: cleanup always; on CUDA backward graphs, the seeds of
     memory-efficient attention with dropout routed for CUDA graphs; on the GPU targets, matmul dims
-    padded to cuBLAS's alignment where the rule says it pays, channels_last for convolutional
+    padded to cuBLAS's alignment where the rule says it pays, small unaligned batched products as
+    Ember's kernel, channels_last for convolutional
     graphs and (when switched on) depthwise convolutions as Ember's kernels, then clones that keep
     their source's layout removed; freezing, convolution folding and oneDNN library calls for CPU
     inference graphs whose parameters are known; freezing for GPU inference graphs, then matmuls
@@ -90,6 +92,8 @@ def passes_for(context: PassContext) -> list[GraphPass]:
             return pad_unaligned_matmuls(gm, context.pad_matmul, tuning.pad_matmul_min_flops_per_byte,
                                          tuning.pad_matmul_min_gflop)
         passes.append(pad_matmul_dims)
+    if settings().small_bmm and BY_NAME[context.target].gpu_code_path:
+        passes.append(generate_small_bmms)  # after the padding pass: products it pads stay cuBLAS's
     if context.channels_last and BY_NAME[context.target].gpu_code_path:
         def channels_last_layout(gm: fx.GraphModule) -> int:
             return to_channels_last(gm, context.kind, context.example_inputs)

@@ -96,7 +96,7 @@ def _versions() -> str:
     now = settings()
     writes = f"{int(now.input_mutations_in_graph)}{int(now.input_writes_as_stores)}"
     # Passes that pick Ember's kernels over a library call by a setting give another program.
-    kernels = f"depthwise {int(now.depthwise_kernels)}"
+    kernels = f"depthwise {int(now.depthwise_kernels)} small-bmm {int(now.small_bmm)}"
     # var_mean's form is chosen while decomposing: another setting gives another program.
     return (f"torch {torch.__version__} triton {triton.__version__} ember {__version__} "
             f"source {_source_digest()} tuning {tuning} input-writes {writes} {kernels} "

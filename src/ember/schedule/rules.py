@@ -177,6 +177,8 @@ EMBER_OPS = {
     "depthwise_conv2d_backward_weight": "Ember's Triton kernel for a depthwise convolution's weight gradient, "
                                         "per-chunk sums without atomics (ops/depthwise_conv.py)",
     "reflection_pad2d": "Ember's Triton gather kernel for reflection padding (ops/reflection_pad.py)",
+    "small_bmm": "Ember's Triton kernel for batched products of small matrices cuBLAS cannot load in vectors "
+                 "(ops/small_bmm.py, passes/small_bmm.py)",
     "pad_zeros": "a copy into a zero-padded buffer in the source's layout, for an aligned matmul "
                  "(ops/pad_zeros.py, passes/pad_matmul.py)",
     "rnn": "ATen's RNN (cuDNN's LSTM / GRU on the GPU, oneDNN's on the CPU) as one call, for a long recurrence "

@@ -1,0 +1,39 @@
+"""The Triton kernel behind ``ember::small_bmm`` (ops/small_bmm.py): many small matrix products.
+
+One program computes one ``BLOCK_M x BLOCK_N`` tile of one product of the batch, looping over K in
+``BLOCK_K`` steps with float32 sums on the tensor cores (``tl.dot``), rounded once to the output
+dtype (``UPCAST``, for Triton's interpreter only: the operands go to float32 first, so the
+products are exact there, and bfloat16 results are truncated, not rounded). Every operand is read through its own strides, so transposed views (the backward's
+``grad @ k`` and ``q^T @ grad``) need no copy. Load this file with ``runtime.kernels.load_module``.
+"""
+
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def small_bmm(a_ptr, b_ptr, c_ptr, M, N, K, TILES_M, TILES_N,
+              sab, sam, sak, sbb, sbk, sbn, scb, scm, scn,
+              BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, UPCAST: tl.constexpr):
+    pid = tl.program_id(0)
+    tiles = TILES_M * TILES_N
+    batch = pid // tiles
+    tile = pid % tiles
+    rm = (tile // TILES_N) * BLOCK_M + tl.arange(0, BLOCK_M)
+    rn = (tile % TILES_N) * BLOCK_N + tl.arange(0, BLOCK_N)
+    rk = tl.arange(0, BLOCK_K)
+    a_base = a_ptr + batch.to(tl.int64) * sab
+    b_base = b_ptr + batch.to(tl.int64) * sbb
+    acc = tl.full([BLOCK_M, BLOCK_N], 0.0, tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        kk = k0 + rk
+        a = tl.load(a_base + rm[:, None] * sam + kk[None, :] * sak, mask=(rm[:, None] < M) & (kk[None, :] < K),
+                    other=0.0)
+        b = tl.load(b_base + kk[:, None] * sbk + rn[None, :] * sbn, mask=(kk[:, None] < K) & (rn[None, :] < N),
+                    other=0.0)
+        if UPCAST:  # Triton's interpreter multiplies bfloat16 operands' bits, not their values
+            a = a.to(tl.float32)
+            b = b.to(tl.float32)
+        acc = tl.dot(a, b, acc, input_precision="ieee")
+    c = c_ptr + batch.to(tl.int64) * scb + rm[:, None] * scm + rn[None, :] * scn
+    tl.store(c, acc.to(c_ptr.dtype.element_ty), mask=(rm[:, None] < M) & (rn[None, :] < N))
