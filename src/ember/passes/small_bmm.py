@@ -1,7 +1,7 @@
 """Batched products of small unaligned matrices to Ember's Triton kernel (GPU targets).
 
 Every ``aten.bmm`` the rule ``ops/small_bmm.takes`` accepts (bf16/fp16, at most 128 x 128
-results with K at most 256, a size that is not a multiple of 8: window attention's 49-token
+results with K at most 64, a size that is not a multiple of 8: window attention's 49-token
 products) becomes ``ember::small_bmm``, forward and backward alike; every other product stays
 cuBLAS's. Runs after the padding pass, which leaves such small products alone (padding 49 to 56
 adds a third more work and a copy per operand). ``EMBER_SMALL_BMM=0`` keeps them all on cuBLAS.
