@@ -58,7 +58,8 @@ def test_window_attention_sizes_and_two_tiles_a_side(m: int, k: int, n: int) -> 
     _check(torch.randn(3, m, k, generator=g).bfloat16(), torch.randn(3, k, n, generator=g).bfloat16())
 
 
-@pytest.mark.parametrize("why", ["aligned", "float32", "mixed", "too_wide", "too_deep", "two_dims", "empty"])
+@pytest.mark.parametrize("why", ["aligned", "float32", "mixed", "too_wide", "too_deep", "two_dims", "empty",
+                                 "symbolic"])
 def test_what_the_rule_does_not_take_stays_cublas(why: str) -> None:
     a, b = torch.empty(4, 49, 32, dtype=torch.bfloat16), torch.empty(4, 32, 49, dtype=torch.bfloat16)
     assert small_bmm.takes(a, b)
@@ -74,8 +75,16 @@ def test_what_the_rule_does_not_take_stays_cublas(why: str) -> None:
         a, b = torch.empty(4, 49, 65, dtype=torch.bfloat16), torch.empty(4, 65, 49, dtype=torch.bfloat16)
     elif why == "two_dims":
         a, b = a[0], b[0]
-    else:
+    elif why == "empty":
         a, b = torch.empty(0, 49, 32, dtype=torch.bfloat16), torch.empty(0, 32, 49, dtype=torch.bfloat16)
+    else:  # a dynamic batch: a fake tensor with a symbolic size
+        from torch._subclasses.fake_tensor import FakeTensorMode
+        from torch.fx.experimental.symbolic_shapes import DimDynamic, ShapeEnv, StatelessSymbolicContext
+
+        mode = FakeTensorMode(shape_env=ShapeEnv())
+        context = StatelessSymbolicContext(dynamic_sizes=[DimDynamic.DYNAMIC, DimDynamic.STATIC, DimDynamic.STATIC])
+        a, b = (mode.from_tensor(t, symbolic_context=context) for t in (a, b))
+        assert not isinstance(a.shape[0], int)
     assert not small_bmm.takes(a, b)
 
 

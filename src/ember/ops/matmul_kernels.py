@@ -2,9 +2,10 @@
 
 One program computes one ``BLOCK_M x BLOCK_N`` tile of one product of the batch, looping over K in
 ``BLOCK_K`` steps with float32 sums on the tensor cores (``tl.dot``), rounded once to the output
-dtype (``UPCAST``, for Triton's interpreter only: the operands go to float32 first, so the
-products are exact there, and bfloat16 results are truncated, not rounded). Every operand is read through its own strides, so transposed views (the backward's
-``grad @ k`` and ``q^T @ grad``) need no copy. Load this file with ``runtime.kernels.load_module``.
+dtype. Every operand is read through its own strides, so transposed views (the backward's
+``grad @ k`` and ``q^T @ grad``) need no copy. ``UPCAST`` is for Triton's interpreter only: the
+operands go to float32 first, so the products are exact there, and bfloat16 results are
+truncated, not rounded. Load this file with ``runtime.kernels.load_module``.
 """
 
 import triton

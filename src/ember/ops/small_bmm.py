@@ -37,11 +37,13 @@ ALIGN = 8  # elements of bf16/fp16 in 16 bytes: cuBLAS's vector loads need each 
 
 
 def takes(a: object, b: object) -> bool:
-    """Whether ``bmm(a, b)`` runs as ``ember::small_bmm``: bf16/fp16 operands of one dtype, products
-    of at most MAX_MN x MAX_MN with K at most MAX_K (one tile), and a size that is not a multiple of 8 (an
-    aligned product keeps cuBLAS's vector kernels)."""
+    """Whether ``bmm(a, b)`` runs as ``ember::small_bmm``: bf16/fp16 operands of one dtype with
+    static sizes, products of at most MAX_MN x MAX_MN with K at most MAX_K (one tile), and a size
+    that is not a multiple of 8 (an aligned product keeps cuBLAS's vector kernels)."""
     if not (isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor)) or a.dim() != 3 or b.dim() != 3:
         return False
+    if not all(type(s) is int for t in (a, b) for s in (*t.shape, *t.stride())):
+        return False  # symbolic sizes (dynamic shapes): the kernel's launch needs numbers, cuBLAS takes them
     (batch, m, k), (batch_b, k_b, n) = a.shape, b.shape
     if a.dtype not in DTYPES or b.dtype != a.dtype or batch != batch_b or k != k_b or a.device != b.device:
         return False
