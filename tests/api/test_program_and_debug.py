@@ -56,8 +56,9 @@ def test_debug_dir_has_every_artefact_of_every_graph(tmp_path: Path) -> None:
         assert pass_files == ["01_eliminate_dead_code.py", "02_replace_functional_copies.py",
                               "03_fold_constants.py", "04_eliminate_common_subexpressions.py",
                               "05_eliminate_dead_code.py", "06_pad_matmul_dims.py",
-                              "07_channels_last_layout.py",
-                              "08_remove_layout_preserving_clones.py"]  # GPU targets (pad_matmul.py, layout.py, cleanup.py)
+                              "07_generate_small_bmms.py", "08_channels_last_layout.py",
+                              "09_remove_layout_preserving_clones.py"]
+        # GPU targets: pad_matmul.py, small_bmm.py, layout.py, cleanup.py
         assert names == sorted(["00_captured.py", *pass_files, "plan.txt", "program.py", "kernels"])
         assert "def forward" in (folder / "00_captured.py").read_text()
         for f in pass_files:
