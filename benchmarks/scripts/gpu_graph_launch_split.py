@@ -92,6 +92,35 @@ def _profile_calls(step: object, batches: list, calls: int, name: str) -> None:
     pstats.Stats(prof).sort_stats("tottime").print_stats(18)
 
 
+def _guard_parts(whole: object, batch: tuple) -> dict:
+    """The replay guard's parts timed alone on this host (medians of 21 rounds of 500 calls, us per
+    call): the whole ``holds``, its parameter-address pass, its train-flag pass, and the train-flag
+    check as a list of the modules' ``training`` attributes (what the flag pass replaced)."""
+    from itertools import chain
+
+    from ember.train.replay_guard import _DATA_PTR, _TRAINING
+
+    g, step = whole.fast, whole.step
+    modules = whole.modules or []
+    flags = list(map(_TRAINING, modules))
+    parts = {
+        "holds": lambda: g.holds(batch, step.optimizer, step.scaler, "cuda"),
+        "addresses": lambda: list(map(_DATA_PTR, chain.from_iterable(g.group_params))) == g.ptrs,
+        "train flags": g.training.hold,
+        "train flags as a list": lambda: list(map(_TRAINING, modules)) == flags,
+    }
+    times: dict[str, list[float]] = {k: [] for k in parts}
+    for _ in range(21):
+        for k, f in parts.items():
+            t = time.perf_counter()
+            for _ in range(500):
+                f()
+            times[k].append((time.perf_counter() - t) * 1e6 / 500)
+    out = {k: statistics.median(v) for k, v in times.items()}
+    out["parameters"], out["modules"] = len(g.ptrs), len(modules)
+    return out
+
+
 def whole_step_launch(name: str, steps: int, profile_calls: int = 0) -> dict:
     """The launch of a bench model's captured whole training step (``ember-whole-step``): the host
     time of ``replay()`` alone, and of the whole step call, each synchronised; the step call cut at
@@ -145,6 +174,7 @@ def whole_step_launch(name: str, steps: int, profile_calls: int = 0) -> dict:
     finally:
         phase.graph = graph
         del whole._check, whole._full_check
+    guard = _guard_parts(whole, batches[0])
     if profile_calls:
         _profile_calls(step, batches, profile_calls, name)
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
@@ -157,13 +187,13 @@ def whole_step_launch(name: str, steps: int, profile_calls: int = 0) -> dict:
     r = {"model": name, "replay_launch_us": med(launch), "replay_sync_us": med(alone),
          "graph_device_us": start.elapsed_time(end) * 1e3 / 20, "step_call_us": med(call),
          "step_sync_us": med(sync), "before_launch_us": med(before), "after_launch_us": med(after),
-         "check_us": med(checks[-steps:]), "full_checks": full_checks[0],
+         "check_us": med(checks[-steps:]), "full_checks": full_checks[0], "guard_parts_us": guard,
          "status": step.whole_step.cuda.describe()}
     print(f"{name}: before replay() {r['before_launch_us']:.1f} us (check {r['check_us']:.1f}), replay() {r['replay_launch_us']:.1f}, after "
           f"{r['after_launch_us']:.1f}; step call {r['step_call_us']:.1f}, synchronised step {r['step_sync_us']:.1f}, "
           f"replay alone synchronised {r['replay_sync_us']:.1f}, graph on the device {r['graph_device_us']:.1f}; "
-          f"{r['full_checks']} of {steps} checks past the guard",
-          flush=True)
+          f"{r['full_checks']} of {steps} checks past the guard; guard parts (us, median of 21 x 500 calls): "
+          + ", ".join(f"{k} {v:.1f}" for k, v in guard.items()), flush=True)
     return r
 
 

@@ -6,10 +6,13 @@ from __future__ import annotations
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from test_whole_step import TARGET, batch_for, clean_dynamo, loss_of, mlp  # noqa: F401 - an autouse fixture
 
 import ember
 from ember.train.capture import CudaWholeStep, PhaseGraph
+from ember.train.replay_guard import TrainFlags
 
 
 class _RecordingGraph:
@@ -53,7 +56,7 @@ def test_replay_puts_gradients_back_after_a_first_micro_step_and_before_an_accum
 def _holds(cuda: CudaWholeStep, batch: tuple) -> bool:
     """Whether the call passes the last replay's guard (no full check)."""
     assert cuda.fast is not None
-    return cuda.fast.holds(batch, cuda.step.optimizer, cuda.step.scaler, cuda.modules or (), "cpu")
+    return cuda.fast.holds(batch, cuda.step.optimizer, cuda.step.scaler, "cpu")
 
 
 def _guarded_step() -> tuple[torch.nn.Module, torch.optim.Optimizer, CudaWholeStep, tuple]:
@@ -86,6 +89,8 @@ CHANGES = {  # what the user does between two steps -> what the check says (None
     "load_state_dict": (lambda m, o, b: o.load_state_dict(o.state_dict()) or b, None),
     "params list": (lambda m, o, b: o.param_groups[0].__setitem__("params", list(o.param_groups[0]["params"])) or b,
                     "same"),
+    "parameter swapped in the list": (lambda m, o, b: o.param_groups[0]["params"].__setitem__(
+        0, torch.nn.Parameter(o.param_groups[0]["params"][0].detach().clone())) or b, None),
     "added group": (lambda m, o, b: o.add_param_group({"params": [torch.nn.Parameter(torch.randn(3))]}) or b,
                     None),
 }
@@ -121,3 +126,53 @@ def test_a_value_equal_to_the_captured_one_makes_a_new_guard() -> None:
     assert not _holds(cuda, batch)
     assert cuda._check(batch, True) is None and cuda.graphs
     assert _holds(cuda, batch)
+
+
+class _FlagProperty(torch.nn.Module):
+    """A module whose train/eval flag is a property over another attribute (read via getattr)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.mode = True
+
+    @property
+    def training(self) -> bool:  # type: ignore[override]
+        return self.mode
+
+    @training.setter
+    def training(self, value: bool) -> None:
+        self.mode = value
+
+
+@given(flags=st.lists(st.booleans(), min_size=1, max_size=12), flips=st.lists(st.integers(0, 11), max_size=4),
+       property_at=st.integers(0, 12))
+@settings(max_examples=60, deadline=None)
+def test_train_flags_hold_exactly_when_every_flag_is_as_found(flags: list[bool], flips: list[int],
+                                                              property_at: int) -> None:
+    modules: list[torch.nn.Module] = [torch.nn.Identity() for _ in flags]
+    if property_at < len(flags):
+        modules[property_at] = _FlagProperty()
+    for m, f in zip(modules, flags):
+        m.training = f
+    held = TrainFlags.of(modules)
+    assert held.hold()
+    for i in flips:
+        if i < len(modules):
+            modules[i].training = not modules[i].training
+    assert held.hold() == ([m.training for m in modules] == flags)
+
+
+def test_train_flags_of_a_partly_frozen_model_and_a_deleted_flag() -> None:
+    model, opt, cuda, batch = _guarded_step()
+    model.eval()
+    model[2].train()  # one module trains while the rest are frozen: a new guard holds it
+    assert not _holds(cuda, batch)
+    assert "train/eval mode" in cuda._check(batch, True)
+    cuda.signature = None
+    assert cuda._check(batch, True) is None and _holds(cuda, batch)
+    model[2].eval()
+    assert not _holds(cuda, batch)
+    model[2].train()
+    assert _holds(cuda, batch)
+    del model[0].__dict__["training"]  # read through the class now: the guard cannot say
+    assert not _holds(cuda, batch)

@@ -308,13 +308,11 @@ class CudaWholeStep:
     def _check(self, batch: tuple, first: bool) -> str | None:
         """Why this call must not replay (None: replay, capturing first where needed)."""
         step = self.step
-        if self.fast is not None and self.fast.holds(batch, step.optimizer, step.scaler, self.modules or (),
-                                                     self.device.type):
+        if self.fast is not None and self.fast.holds(batch, step.optimizer, step.scaler, self.device.type):
             return None
         why = self._full_check(batch, first)
         if why is None and self.graphs:
-            self.fast = ReplayGuard.of(batch, step.optimizer, step.scaler, self.modules or (), self.device.type,
-                                       step.params)
+            self.fast = ReplayGuard.of(batch, step.optimizer, step.scaler, self.modules or (), self.device.type)
         return why
 
     def _full_check(self, batch: tuple, first: bool) -> str | None:
@@ -450,9 +448,15 @@ class CudaWholeStep:
 
     def _replay(self, graph: PhaseGraph, batch: tuple) -> torch.Tensor:
         assert self.static_batch is not None
+        bufs, given = [], []
         for buf, x in zip(self.static_batch, batch):
             if isinstance(x, torch.Tensor):
-                buf.copy_(x, non_blocking=True)
+                bufs.append(buf)
+                given.append(x)
+        if len(given) == 1:
+            bufs[0].copy_(given[0], non_blocking=True)
+        elif given:  # one multi-tensor copy: a single launch where the tensors share a dtype
+            torch._foreach_copy_(bufs, given, non_blocking=True)
         first = graph is self.graphs.get("full") or graph is self.graphs.get("first")
         if not first:  # the replay adds to what the gradients hold: they must be in place before it
             self._restore_grads(graph, first)
