@@ -39,7 +39,15 @@ def main() -> None:
     parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
     parser.add_argument("--numba-before", choices=["none", "sync", "thread"], default="none",
                         help="experiment: load numba before the timed call (sync) or in a thread at compile")
+    parser.add_argument("--alias-analysis", choices=["skip-idle", "keep"], default="skip-idle",
+                        help="keep: run AOTAutograd's first-call aliasing analysis over every program "
+                        "(what Ember did before runtime/program.without_idle_alias_analysis)")
     args = parser.parse_args()
+    if args.alias_analysis == "keep":
+        import contextlib
+
+        import ember.runtime.program as program
+        program.without_idle_alias_analysis = lambda source: contextlib.nullcontext()
 
     import torch
     stamp("torch imported")
