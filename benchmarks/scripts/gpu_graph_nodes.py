@@ -19,10 +19,8 @@ import argparse
 import collections
 import json
 import re
-import statistics
 import sys
 import tempfile
-import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -30,6 +28,9 @@ import torch
 import torch.nn.functional as F
 import triton
 import triton.language as tl
+
+sys.path.insert(0, str(Path(__file__).parent))
+from gpu_graph_launch_split import time_step  # noqa: E402 - the scripts folder is not a package
 
 
 @triton.jit
@@ -75,30 +76,11 @@ def _kinds(nodes: int) -> dict[str, Callable[[], Callable[[], None]]]:
 
 
 def time_replays(graph: torch.cuda.CUDAGraph, steps: int, stream: torch.cuda.Stream | None = None) -> dict:
-    """replay() host time, synchronised step and device time (us, medians)."""
-    ctx = torch.cuda.stream(stream) if stream is not None else torch.cuda.stream(torch.cuda.current_stream())
-    host, sync = [], []
-    with ctx:
-        for _ in range(3):
-            graph.replay()
-        torch.cuda.synchronize()
-        for _ in range(steps):
-            t0 = time.perf_counter()
-            graph.replay()
-            t1 = time.perf_counter()
-            torch.cuda.synchronize()
-            host.append((t1 - t0) * 1e6)
-            sync.append((time.perf_counter() - t0) * 1e6)
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        for _ in range(20):
-            graph.replay()
-        end.record()
-        end.synchronize()
-    r = {"replay_host_us": statistics.median(host), "sync_us": statistics.median(sync),
-         "device_us": start.elapsed_time(end) * 1e3 / 20}
-    r["sync_minus_device_us"] = r["sync_us"] - r["device_us"]
-    return r
+    """replay() host time, synchronised step and device time (us, medians), replayed on ``stream``."""
+    with torch.cuda.stream(stream if stream is not None else torch.cuda.current_stream()):
+        t = time_step([graph], steps)
+    return {"replay_host_us": t["host_us"], "sync_us": t["sync_us"], "device_us": t["pipelined_us"],
+            "sync_minus_device_us": t["sync_us"] - t["pipelined_us"]}
 
 
 def synthetic(nodes: int, steps: int) -> list[dict]:
@@ -142,7 +124,6 @@ def node_census(dot: str) -> dict:
 
 
 def whole_step(name: str, steps: int) -> dict:
-    sys.path.insert(0, str(Path(__file__).parent))
     from gpu_host_profile import bench_step
 
     original = torch.cuda.CUDAGraph
