@@ -16,6 +16,7 @@ an H200's host for resnet50, bert, densenet121 and mobilenet_v3
 
 from __future__ import annotations
 
+import functools
 import inspect
 import operator
 from collections.abc import Sequence
@@ -62,13 +63,17 @@ def hyper_change(old: dict, new: dict) -> str | None:
     return None
 
 
+@functools.cache
+def _class_shadows_flag(cls: type) -> bool:
+    """Whether a class has a data descriptor (a property) named ``training``, which Python reads
+    in front of the instance dict. Asked once per class: a guard is remade after each full check."""
+    attr = inspect.getattr_static(cls, "training", None)
+    return hasattr(type(attr), "__set__") or hasattr(type(attr), "__delete__")
+
+
 def _flag_in_dict(module: torch.nn.Module) -> bool:
-    """Whether ``module.training`` is read from its instance dict (no property or other data
-    descriptor of its class stands in front of it)."""
-    if "training" not in getattr(module, "__dict__", ()):
-        return False
-    attr = inspect.getattr_static(type(module), "training", None)
-    return not (hasattr(type(attr), "__set__") or hasattr(type(attr), "__delete__"))
+    """Whether ``module.training`` is read from its instance dict."""
+    return "training" in getattr(module, "__dict__", ()) and not _class_shadows_flag(type(module))
 
 
 @dataclass
