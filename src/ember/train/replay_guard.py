@@ -155,6 +155,7 @@ class ReplayGuard:
             if group["params"] is not params or len(group) != len(keys) + 1 \
                     or not all(map(operator.is_, map(group.get, keys), values)):
                 return False
-        # The addresses of the parameters the lists hold now: a parameter swapped into a list in
-        # place, or given other memory (``.data = ...``, ``.to()``), shows as another address.
+        # The addresses of the parameters the lists hold now: a parameter given other memory
+        # (``.data = ...``, ``.to()``) or swapped into a list in place shows as another address
+        # (a new Parameter object on the old one's memory would not).
         return list(map(_DATA_PTR, chain.from_iterable(self.group_params))) == self.ptrs and self.training.hold()
