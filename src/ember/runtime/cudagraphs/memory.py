@@ -215,6 +215,15 @@ def copy_in(dsts: list[torch.Tensor], srcs: list[torch.Tensor]) -> None:
         torch._foreach_copy_(dsts, srcs)
 
 
+def copy_inputs(buffers: list[torch.Tensor], given: list[torch.Tensor], non_blocking: bool = False) -> None:
+    """A call's tensor arguments into a capture's buffers: one ``copy_`` for one tensor, else one
+    multi-tensor copy (a single launch where the tensors share a dtype)."""
+    if len(given) == 1:
+        buffers[0].copy_(given[0], non_blocking=non_blocking)
+    elif given:
+        torch._foreach_copy_(buffers, given, non_blocking=non_blocking)
+
+
 def copyable(t: torch.Tensor) -> bool:
     """Whether ``t`` can be copied into a buffer of its own strides: no two elements share memory,
     except along broadcast dimensions, whose one element ``copy_in`` writes once."""

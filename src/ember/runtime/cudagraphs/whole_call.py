@@ -52,6 +52,7 @@ from torch.utils import _pytree as pytree
 
 from ember.capture.dynamo_frames import FrameLocals, entry_blocker, forward_function, passing_entry
 from ember.runtime.cudagraphs.device import CudaBackend, run_noting_syncs
+from ember.runtime.cudagraphs.memory import copy_inputs
 from ember.runtime.cudagraphs.runner import inside_whole_call
 from ember.runtime.frozen import addresses
 
@@ -228,10 +229,7 @@ class WholeCall:
         return "Dynamo's guards of the captured frame fail for this call (it compiles or picks another frame)"
 
     def _launch(self, graph: CallGraph, given: list[torch.Tensor]) -> None:
-        if len(given) == 1:
-            graph.inputs[0].copy_(given[0])
-        elif given:
-            torch._foreach_copy_(graph.inputs, given)
+        copy_inputs(graph.inputs, given)
         self.backend.replay(graph.graph, graph.reads)
 
     def _outputs(self, graph: CallGraph) -> Any:
