@@ -13,6 +13,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 
 import torch
+import torch._decomp
 from torch._decomp import core_aten_decompositions, get_decompositions
 
 from ember.capture import pooling, scatter_add, var_mean
@@ -209,10 +210,43 @@ def _constant_pad(x: torch.Tensor, pad: Sequence[int], value: float = 0.0) -> to
     return aten.clone.default(out, memory_format=torch.contiguous_format)
 
 
+def core_aten_table() -> dict[object, Callable]:
+    """PyTorch's core ATen decompositions without the entries that only run an op's own C++
+    CompositeImplicitAutograd kernel.
+
+    ``core_aten_decompositions()`` (torch >= 2.6) builds export's ``CustomDecompTable``: the core
+    list plus an entry for every ATen op with a CompositeImplicitAutograd kernel, found by walking
+    the whole ``aten`` namespace (0.43 s of a 4.4 s cold first call of resnet18 on a 2-core CPU).
+    An entry that runs the op's C++ composite kernel changes nothing (the dispatcher runs that
+    kernel anyway for an op without an entry); the ops whose composite kernel is a Python
+    decomposition (nearest upsampling's) are added by name. tests/capture/test_decompositions.py
+    checks that the two tables agree on every other op and that traced graphs are the same.
+    """
+    core = getattr(torch._decomp, "_core_aten_decompositions_post_autograd", None)
+    if core is None:
+        return dict(core_aten_decompositions())
+    table = dict(core())
+    composite = torch._C.DispatchKey.CompositeImplicitAutograd
+    for packet in _PYTHON_COMPOSITE:
+        op = packet.default
+        kernel = op.py_kernels.get(composite)
+        if kernel is not None and not isinstance(kernel, torch._C.DispatchKey):
+            table.setdefault(op, kernel)
+    return table
+
+
+# ATen ops whose CompositeImplicitAutograd kernel is registered from Python (torch._decomp): the
+# walk in ``core_aten_decompositions`` finds them; ``core_aten_table`` names them.
+_PYTHON_COMPOSITE = [
+    aten.upsample_nearest1d, aten.upsample_nearest2d, aten.upsample_nearest3d,
+    aten._upsample_nearest_exact1d, aten._upsample_nearest_exact2d, aten._upsample_nearest_exact3d,
+]
+
+
 def decomposition_table(cpu_inference: bool = False, gpu: bool = False) -> dict[object, Callable]:
     """The table handed to AOTAutograd (``cpu_inference``: activations stay whole, see above;
     ``gpu``: a Triton target, where convolution biases are added by generated kernels)."""
-    table = dict(core_aten_decompositions())
+    table = core_aten_table()
     table.update(get_decompositions([op for op in _EXTRA if not (cpu_inference and op in CPU_INFERENCE_WHOLE)]))
     if cpu_inference:
         for op in CPU_INFERENCE_WHOLE:
