@@ -37,7 +37,6 @@ class FrozenValues:
         self.values: tuple = ()
         self.computed = 0  # how often ``prepare`` ran (explain and tests read it)
         self.moved = 0  # how often the values were recomputed at new addresses (not in place)
-        self.packed: frozenset[int] = frozenset()  # indices of values that are views of one packed buffer
 
     def valid(self, params: Sequence[object], addresses_known: bool = False) -> bool:
         """Whether the values were computed from ``params`` as they are now. ``addresses_known``:
@@ -60,13 +59,13 @@ class FrozenValues:
             self.versions = None  # a failing prepare must not leave stale values marked valid
             with torch.no_grad():
                 values = prepare(*params)
-                if _same_layout(values, self.values, self.packed):
+                if _same_layout(values, self.values):
                     # Where the old values were: a captured CUDA graph reads them at their addresses.
                     torch._foreach_copy_([o for o in self.values if isinstance(o, torch.Tensor)],
                                          [v for v in values if isinstance(v, torch.Tensor)])
                 else:
                     self.moved += bool(self.values)
-                    self.values, self.packed = pack_device_values(values, params)
+                    self.values = values
             self.addresses, self.versions = param_state(params)
             self.computed += 1
         return self.values
@@ -79,84 +78,17 @@ class FrozenValues:
         return self.moved != moved
 
 
-def _same_layout(new: tuple, old: tuple, packed: frozenset[int] = frozenset()) -> bool:
-    """Whether ``new`` can be copied into ``old`` tensor by tensor (a parameter changed in place).
-    ``packed``: indices of old values that are views of the packed buffer, each its own span."""
+def _same_layout(new: tuple, old: tuple) -> bool:
+    """Whether ``new`` can be copied into ``old`` tensor by tensor (a parameter changed in place)."""
     if len(new) != len(old) or not old:
         return False
-    for i, (a, b) in enumerate(zip(new, old)):
+    for a, b in zip(new, old):
         if isinstance(a, torch.Tensor) != isinstance(b, torch.Tensor):
             return False
-        if not isinstance(a, torch.Tensor):
-            if a != b:
-                return False
-            continue
-        if a.shape != b.shape or a.stride() != b.stride() or a.dtype != b.dtype or a.device != b.device:
+        if isinstance(a, torch.Tensor) and (a.shape != b.shape or a.stride() != b.stride() or a.dtype != b.dtype
+                                            or a.device != b.device or a.storage_offset() != b.storage_offset()
+                                            or a._base is not None or b._base is not None):
             return False
-        if i not in packed and (a.storage_offset() != b.storage_offset() or a._base is not None
-                                or b._base is not None):
+        if not isinstance(a, torch.Tensor) and a != b:
             return False
     return True
-
-
-PACKED_DEVICE_TYPES = ("cuda",)  # the caching allocator's segments are what packing is for (tests add "cpu")
-_ALIGN = 512  # the caching allocator's block alignment: each value keeps the alignment it had
-
-
-def _span(t: torch.Tensor) -> int:
-    """Bytes from a tensor's first element to past its last (non-negative strides)."""
-    return (1 + sum((n - 1) * st for n, st in zip(t.shape, t.stride()))) * t.element_size()
-
-
-def _free_bytes(device: torch.device) -> int:
-    return torch.cuda.mem_get_info(device)[0] if device.type == "cuda" else 1 << 62
-
-
-def _packable(t: object) -> bool:
-    return (isinstance(t, torch.Tensor) and t.device.type in PACKED_DEVICE_TYPES and type(t) is torch.Tensor
-            and t.layout == torch.strided and t.numel() > 0 and t._base is None and t.storage_offset() == 0
-            and all(st >= 0 for st in t.stride()) and _span(t) == t.untyped_storage().nbytes())
-
-
-def pack_device_values(values: tuple, params: Sequence[object]) -> tuple[tuple, frozenset[int]]:
-    """``values`` with its CUDA tensors moved into one buffer per device, each at its own aligned
-    span with its size and strides; returns (values, indices moved).
-
-    Made one by one, parameter-only values (a model's bf16 weight casts under autocast) fill
-    20 MiB segments of the caching allocator with blocks of 1-10 MiB and leave a hole at each
-    segment's end that nothing allocates once the graphs replay (40 MiB of the 634 MiB the
-    default pool reserved for bert at batch 1 on an H200, which put Ember's reserved memory
-    above eager's). One buffer is one segment of its exact size. Values that share memory
-    with each other or with a parameter stay where they are. The old blocks are freed here; the
-    caller's release of cached memory hands their segments back. When the device lacks room for
-    a second copy they stay as they are."""
-    if not any(isinstance(t, torch.Tensor) and t.device.type in PACKED_DEVICE_TYPES for t in values):
-        return values, frozenset()
-    users: dict[int, int] = {}  # storage address -> how many values and parameters use it
-    for t in (*values, *params):
-        if isinstance(t, torch.Tensor) and t.device.type in PACKED_DEVICE_TYPES and t.layout == torch.strided:
-            ptr = t.untyped_storage().data_ptr()
-            users[ptr] = users.get(ptr, 0) + 1
-    by_device: dict[torch.device, list[int]] = {}
-    for i, t in enumerate(values):
-        if _packable(t) and users[t.untyped_storage().data_ptr()] == 1:
-            by_device.setdefault(t.device, []).append(i)
-    out = list(values)
-    moved: list[int] = []
-    for device, idx in by_device.items():
-        if len(idx) < 2:
-            continue
-        offsets, total = [], 0
-        for i in idx:
-            offsets.append(total)
-            total += -(-_span(values[i]) // _ALIGN) * _ALIGN
-        if _free_bytes(device) < 2 * total:  # packing is for memory: never the reason a compile runs out of it
-            continue
-        buffer = torch.empty(total, dtype=torch.uint8, device=device)
-        for i, off in zip(idx, offsets):
-            src = values[i]
-            view = buffer[off:off + _span(src)].view(src.dtype).as_strided(src.shape, src.stride())
-            view.copy_(src)
-            out[i] = view
-        moved += idx
-    return tuple(out), frozenset(moved)
