@@ -119,7 +119,9 @@ def main() -> None:
         print(averages.table(sort_by="cpu_time_total", row_limit=args.top))
     if prof:
         prof.dump_stats(args.profile)
-        pstats.Stats(prof, stream=sys.stdout).sort_stats("cumulative").print_stats(args.top)
+        stats = pstats.Stats(prof, stream=sys.stdout)
+        stats.sort_stats("cumulative").print_stats(args.top)
+        stats.sort_stats("tottime").print_stats(args.top)
 
 
 if __name__ == "__main__":
