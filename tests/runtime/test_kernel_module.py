@@ -36,13 +36,13 @@ def _write(tmp_path: Path, scale: str = "2.0", name: str = "ember_pw_test") -> t
 
 
 def _compiles(monkeypatch: pytest.MonkeyPatch) -> list[str]:
+    """The file names ``kernel_module.compile_kept`` compiles from source (not from a kept code object)."""
     seen: list[str] = []
-    original = kernel_module._KernelLoader.source_to_code
 
-    def counting(self, data, path, *args, **kwargs):  # noqa: ANN001, ANN202
-        seen.append(path)
-        return original(self, data, path, *args, **kwargs)
-    monkeypatch.setattr(kernel_module._KernelLoader, "source_to_code", counting)
+    def counting(source, filename, *args, **kwargs):  # noqa: ANN001, ANN202
+        seen.append(filename)
+        return compile(source, filename, *args, **kwargs)
+    monkeypatch.setattr(kernel_module, "compile", counting, raising=False)  # shadows the builtin there
     return seen
 
 
@@ -77,6 +77,24 @@ def test_code_object_is_kept_by_source_hash(tmp_path: Path, monkeypatch: pytest.
     with jit_mode(True):
         repaired = kernel_module.import_file("ember_kernels.t4", path)
     assert repaired.SCALE == 3.0 and len(compiles) == 3
+
+
+def test_kept_code_is_keyed_by_source_and_takes_the_callers_file_name(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    compiles = _compiles(monkeypatch)
+    cached = tmp_path / "__pycache__" / "p.code"
+    source = b"VALUE = 41 + 1\n"
+    for _ in range(2):
+        namespace: dict = {}
+        exec(kernel_module.compile_kept(source, "<program a>", cached), namespace)
+        assert namespace["VALUE"] == 42
+    assert compiles == ["<program a>"]
+    source = b"def f():\n    return 1\n"
+    kernel_module.compile_kept(source, "<program a>", cached)
+    code = kernel_module.compile_kept(source, "<program b>", cached)  # the kept code, renamed
+    namespace = {}
+    exec(code, namespace)
+    assert compiles == ["<program a>", "<program a>"]
+    assert code.co_filename == namespace["f"].__code__.co_filename == "<program b>"  # tracebacks name it
 
 
 def test_code_cache_switch_off(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

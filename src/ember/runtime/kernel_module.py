@@ -28,7 +28,7 @@ import marshal
 import os
 import sys
 from pathlib import Path
-from types import ModuleType
+from types import CodeType, ModuleType
 from typing import Any
 
 _CODE_MAGIC = b"EMBERCODE1"
@@ -48,23 +48,37 @@ def _code_path(path: Path) -> Path:
     return path.parent / "__pycache__" / f"{path.stem}.ember-{sys.implementation.cache_tag}.code"
 
 
+def compile_kept(source: bytes, filename: str, cached: Path) -> CodeType:
+    """``compile(source, filename, "exec")``, its code object kept in ``cached`` with the SHA-256 of
+    the source; a file that does not match, or cannot be read or unmarshalled, is compiled again and
+    rewritten. A kept code object compiled under another file name (a program's title numbers its
+    graph within a process) gets ``filename``, so tracebacks name this one. Kernel modules and
+    programs use it."""
+    digest = hashlib.sha256(source).digest()
+    try:
+        blob = cached.read_bytes()
+        if blob.startswith(_CODE_MAGIC) and blob[len(_CODE_MAGIC):len(_CODE_MAGIC) + 32] == digest:
+            code = marshal.loads(blob[len(_CODE_MAGIC) + 32:])
+            return code if code.co_filename == filename else _renamed(code, filename)
+    except (OSError, ValueError, EOFError, TypeError):
+        pass  # missing or damaged: compile below
+    code = compile(source, filename, "exec", dont_inherit=True)
+    _replace_atomic(cached, _CODE_MAGIC + digest + marshal.dumps(code))
+    return code
+
+
+def _renamed(code: CodeType, filename: str) -> CodeType:
+    """``code`` and every code object nested in it with ``co_filename`` set to ``filename``."""
+    consts = tuple(_renamed(c, filename) if isinstance(c, CodeType) else c for c in code.co_consts)
+    return code.replace(co_filename=filename, co_consts=consts)
+
+
 class _KernelLoader(importlib.machinery.SourceFileLoader):
     """Python's source loader with the code object kept by source hash, not by the bytecode flag."""
 
     def get_code(self, fullname: str) -> Any:
         path = Path(self.get_filename(fullname))
-        source = self.get_data(str(path))
-        digest = hashlib.sha256(source).digest()
-        cached = _code_path(path)
-        try:
-            blob = cached.read_bytes()
-            if blob.startswith(_CODE_MAGIC) and blob[len(_CODE_MAGIC):len(_CODE_MAGIC) + 32] == digest:
-                return marshal.loads(blob[len(_CODE_MAGIC) + 32:])
-        except (OSError, ValueError, EOFError, TypeError):
-            pass  # missing or damaged: compile below
-        code = self.source_to_code(source, str(path))
-        _replace_atomic(cached, _CODE_MAGIC + digest + marshal.dumps(code))
-        return code
+        return compile_kept(self.get_data(str(path)), str(path), _code_path(path))
 
 
 def import_file(name: str, path: Path, keep_code: bool | None = None) -> ModuleType:
