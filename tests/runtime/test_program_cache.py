@@ -206,29 +206,6 @@ def test_a_frame_entry_made_under_an_active_fake_mode_keeps_its_attribute_data()
     torch.testing.assert_close(attrs["c_in_program"], root.c)
 
 
-def test_device_constants_are_stored_on_the_host_with_their_device() -> None:
-    # _encode stores a device tensor as a host tensor and names its device in the header; _decode
-    # loads on the host and copies it over. The CI machine has the CPU only: the header below is
-    # what _encode writes for a constant of another device (here named "cpu").
-    import json
-
-    import torch
-
-    from ember.runtime.artifacts import StoredProgram, _decode, _encode
-
-    t = torch.randn(4, 3)
-    payload = _encode(StoredProgram("text", [], [torch.device("cpu"), t, 2.5], {}, {}))
-    n = int.from_bytes(payload[:8], "little")
-    meta = json.loads(payload[8:8 + n])
-    assert meta["devices"] == {}  # nothing but host tensors here
-    meta["devices"] = {"1": ["cpu", True]}
-    head = json.dumps(meta).encode()
-    consts = _decode(len(head).to_bytes(8, "little") + head + payload[8 + n:]).consts
-    assert consts[0] == torch.device("cpu") and consts[2] == 2.5
-    torch.testing.assert_close(consts[1], t)
-    assert consts[1].requires_grad and consts[1].is_leaf
-
-
 def test_a_stored_programs_text_is_compiled_once(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     # A program loaded from the cache (a new process, here a new compile after Dynamo's reset) runs
     # the code object kept beside the kernels instead of compiling its text again.

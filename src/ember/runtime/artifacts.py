@@ -40,7 +40,7 @@ from ember.config import block_settings, settings
 from ember.graph_utils import get_attr
 from ember.report.records import GraphRecord
 
-SCHEMA = 2  # 2: device constants stored as host tensors with their device
+SCHEMA = 1
 TABLES = ("programs", "frames")  # the compiled graphs; whole Dynamo frames (capture/frame_cache.py)
 _RECORD_FIELDS = ("op_classes", "placement", "fallback_reasons", "steps", "fusion_decisions", "kernels", "unique_kernels",
                   "plan_text", "program", "kernel_sources", "layout", "tuned",
@@ -283,17 +283,11 @@ class ProgramStore:
 
 
 def _encode(p: StoredProgram) -> bytes:
-    # Device tensors are stored as host tensors with their device beside them: torch.load's own
-    # restore of a CUDA storage took 0.158 s of bert's warm first call on an H200 host (cProfile),
-    # where loading on the host and copying over costs what the copies cost.
-    devices = {i: [str(c.device), c.requires_grad] for i, c in enumerate(p.consts)
-               if isinstance(c, torch.Tensor) and c.device.type != "cpu"}
-    host = [c.detach().cpu() if i in devices else c for i, c in enumerate(p.consts)]
     consts = io.BytesIO()
     with compat.real_tensors():
-        torch.save(host, consts)
+        torch.save(p.consts, consts)
     meta = {"text": p.text, "kernels": [[k.name, k.text] for k in p.kernels], "attrs": p.attrs,
-            "record": p.record, "devices": devices}
+            "record": p.record}
     head = json.dumps(meta).encode()
     return len(head).to_bytes(8, "little") + head + consts.getvalue()
 
@@ -302,9 +296,7 @@ def _decode(payload: bytes) -> StoredProgram:
     n = int.from_bytes(payload[:8], "little")
     meta = json.loads(payload[8:8 + n].decode())
     with compat.real_tensors():  # inside a compile tensors would load as meta or fake (no data)
-        consts = torch.load(io.BytesIO(payload[8 + n:]), weights_only=True, map_location="cpu")
-        for i, (device, requires_grad) in meta.get("devices", {}).items():
-            consts[int(i)] = consts[int(i)].to(device).requires_grad_(requires_grad)
+        consts = torch.load(io.BytesIO(payload[8 + n:]), weights_only=True)
     return StoredProgram(meta["text"], [StoredKernel(a, b) for a, b in meta["kernels"]], consts,
                          meta["attrs"], meta["record"])
 
