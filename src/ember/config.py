@@ -284,7 +284,8 @@ class Settings:
     kernel_load_cache: bool = _item(True, "a generated kernel module's code object and Triton's cache key of its "
                                           "kernel are kept beside the file and reused while the text and Triton are "
                                           "unchanged: a process loading saved kernels skips compiling the module and "
-                                          "Triton's walk over the kernel (runtime/kernel_module.py)",
+                                          "Triton's walk over the kernel (runtime/kernel_module.py); a stored "
+                                          "program's code object is kept the same way (pipeline._program_code)",
                                     "EMBER_KERNEL_LOAD_CACHE")
     input_mutations_in_graph: bool = _item(True, "a graph's writes into its inputs (batch norm's running "
                                                  "statistics, buffer updates) stay in Ember's program as copy_ "
