@@ -14,6 +14,7 @@ from __future__ import annotations
 import hashlib
 import linecache
 import re
+import sys
 import time
 import traceback
 import warnings
@@ -417,7 +418,8 @@ def _program_code(job: GraphJob, text: str, filename: str) -> CodeType:
         return compile(text, filename, "exec")
     source = text.encode()
     name = hashlib.sha256(source).hexdigest()[:32]
-    return compile_kept(source, filename, job.options.kernel_dir() / "__pycache__" / f"program-{name}.code")
+    folder = job.options.kernel_dir() / "__pycache__"
+    return compile_kept(source, filename, folder / f"program-{name}.ember-{sys.implementation.cache_tag}.code")
 
 
 def _expect_nodes(plan: KernelPlan, kernels: dict[int, KernelSource]) -> set[fx.Node]:

@@ -95,6 +95,9 @@ def test_kept_code_is_keyed_by_source_and_takes_the_callers_file_name(tmp_path: 
     exec(code, namespace)
     assert compiles == ["<program a>", "<program a>"]
     assert code.co_filename == namespace["f"].__code__.co_filename == "<program b>"  # tracebacks name it
+    monkeypatch.setattr(kernel_module.sys, "version", "another interpreter")
+    kernel_module.compile_kept(source, "<program b>", cached)  # marshalled by another Python: not used
+    assert compiles == ["<program a>", "<program a>", "<program b>"]
 
 
 def test_code_cache_switch_off(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
