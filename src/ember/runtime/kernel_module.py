@@ -7,9 +7,10 @@ steps were most of a warm first call after the warm-start file (resnet50 trainin
 ~1 s of a 3.0 s first call under cProfile), and both give the same answer for the same file:
 
 - **The module's code object** is kept beside the file (``__pycache__/<name>.ember-<tag>.code``,
-  with the SHA-256 of the source it came from), also where ``PYTHONDONTWRITEBYTECODE`` stops
-  Python from writing its own ``.pyc`` (container images often set it). A file whose hash
-  differs, or that cannot be read or unmarshalled, is compiled again and rewritten.
+  with the SHA-256 of the source it came from and of the interpreter's version), also where
+  ``PYTHONDONTWRITEBYTECODE`` stops Python from writing its own ``.pyc`` (container images often
+  set it). A file whose hash differs, or that cannot be read or unmarshalled, is compiled again
+  and rewritten. A stored program's code object is kept the same way (``compile_kept``).
 - **Triton's cache key of the kernel function** is stored in ``<name>.py.triton-key`` with a
   check made of Triton's own key (its sources and library, ``runtime/triton_key.py``) and the
   module text; when both match, the key is set on the loaded function before its first launch,
