@@ -190,7 +190,7 @@ def whole_step_launch(name: str, steps: int, profile_calls: int = 0) -> dict:
          "check_us": med(checks[-steps:]), "full_checks": full_checks[0], "guard_parts_us": guard,
          "status": step.whole_step.cuda.describe()}
     print(f"{name}: before replay() {r['before_launch_us']:.1f} us (check {r['check_us']:.1f}), replay() {r['replay_launch_us']:.1f}, after "
-          f"{r['after_launch_us']:.1f}; host time of the step's call {r['step_call_us']:.1f}, synchronised step {r['step_sync_us']:.1f}, "
+          f"{r['after_launch_us']:.1f}; step host time {r['step_call_us']:.1f}, synchronised step {r['step_sync_us']:.1f}, "
           f"replay alone synchronised {r['replay_sync_us']:.1f}, graph on the device {r['graph_device_us']:.1f}; "
           f"{r['full_checks']} of {steps} checks past the guard; guard parts (us, medians of 21 rounds of 500): "
           + ", ".join(f"{k} {v:.1f}" for k, v in guard.items()), flush=True)
