@@ -70,7 +70,7 @@ import torch
 
 from ember.config import compact_optimizer_state_enabled, fused_optimizers_enabled
 from ember.runtime.cudagraphs.device import CudaBackend, capture_stream, run_noting_syncs
-from ember.runtime.cudagraphs.memory import copy_inputs
+from ember.runtime.cudagraphs.memory import copy_in
 from ember.runtime.cudagraphs.pool import presize_enabled
 from ember.runtime.frozen import addresses
 from ember.train.replay_guard import ReplayGuard, hyper_change, hyperparameters, signature
@@ -454,7 +454,7 @@ class CudaWholeStep:
             if isinstance(x, torch.Tensor):
                 bufs.append(buf)
                 given.append(x)
-        copy_inputs(bufs, given, non_blocking=True)
+        copy_in(bufs, given, non_blocking=True)
         first = graph is self.graphs.get("full") or graph is self.graphs.get("first")
         if not first:  # the replay adds to what the gradients hold: they must be in place before it
             self._restore_grads(graph, first)

@@ -204,24 +204,18 @@ def one_of_each(t: torch.Tensor, dims: tuple[int, ...]) -> torch.Tensor:
     return t
 
 
-def copy_in(dsts: list[torch.Tensor], srcs: list[torch.Tensor]) -> None:
-    """``torch._foreach_copy_(dsts, srcs)``, where an expanded destination gets one element per
-    broadcast dimension (its source repeats it there too: ``expanded_moved`` checks)."""
+def copy_in(dsts: list[torch.Tensor], srcs: list[torch.Tensor], non_blocking: bool = False) -> None:
+    """Tensors into a capture's buffers: one ``copy_`` for one tensor, else one multi-tensor copy
+    (a single launch where the tensors share a dtype). An expanded destination gets one element
+    per broadcast dimension (its source repeats it there too: ``expanded_moved`` checks)."""
     if any(broadcast_dims(d) for d in dsts):
         pairs = [(one_of_each(d, dims), one_of_each(x, dims)) for d, x in zip(dsts, srcs)
                  for dims in (broadcast_dims(d),)]
         dsts, srcs = [d for d, _ in pairs], [x for _, x in pairs]
-    if dsts:
-        torch._foreach_copy_(dsts, srcs)
-
-
-def copy_inputs(buffers: list[torch.Tensor], given: list[torch.Tensor], non_blocking: bool = False) -> None:
-    """A call's tensor arguments into a capture's buffers: one ``copy_`` for one tensor, else one
-    multi-tensor copy (a single launch where the tensors share a dtype)."""
-    if len(given) == 1:
-        buffers[0].copy_(given[0], non_blocking=non_blocking)
-    elif given:
-        torch._foreach_copy_(buffers, given, non_blocking=non_blocking)
+    if len(dsts) == 1:
+        dsts[0].copy_(srcs[0], non_blocking=non_blocking)
+    elif dsts:
+        torch._foreach_copy_(dsts, srcs, non_blocking=non_blocking)
 
 
 def copyable(t: torch.Tensor) -> bool:

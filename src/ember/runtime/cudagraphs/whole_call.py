@@ -52,7 +52,7 @@ from torch.utils import _pytree as pytree
 
 from ember.capture.dynamo_frames import FrameLocals, entry_blocker, forward_function, passing_entry
 from ember.runtime.cudagraphs.device import CudaBackend, run_noting_syncs
-from ember.runtime.cudagraphs.memory import copy_inputs
+from ember.runtime.cudagraphs.memory import copy_in
 from ember.runtime.cudagraphs.runner import inside_whole_call
 from ember.runtime.frozen import addresses
 
@@ -229,7 +229,7 @@ class WholeCall:
         return "Dynamo's guards of the captured frame fail for this call (it compiles or picks another frame)"
 
     def _launch(self, graph: CallGraph, given: list[torch.Tensor]) -> None:
-        copy_inputs(graph.inputs, given)
+        copy_in(graph.inputs, given)
         self.backend.replay(graph.graph, graph.reads)
 
     def _outputs(self, graph: CallGraph) -> Any:
