@@ -26,6 +26,35 @@ def stamp(what: str) -> None:
     print(f"{time.perf_counter() - T0:7.3f} s  {what}", flush=True)
 
 
+def _probe_constant_loads() -> None:
+    """Wrap the stored programs' decoder: each constants load timed, then the same bytes loaded again."""
+    import io
+
+    import torch
+
+    import ember.capture.warm_artifact as warm_artifact
+    import ember.runtime.artifacts as artifacts
+    decode = artifacts._decode
+
+    def timed(payload: bytes):
+        t0 = time.perf_counter()
+        out = decode(payload)
+        first = time.perf_counter() - t0
+        n = int.from_bytes(payload[:8], "little")
+        t0 = time.perf_counter()
+        torch.load(io.BytesIO(payload[8 + n:]), weights_only=True)
+        again = time.perf_counter() - t0
+        tensors = [c for c in out.consts if isinstance(c, torch.Tensor)]
+        size = sum(t.numel() * t.element_size() for t in tensors)
+        devices = sorted({str(t.device) for t in tensors})
+        print(f"  constants load: {first * 1e3:.1f} ms, same bytes again {again * 1e3:.1f} ms; "
+              f"{len(out.consts)} constants, {len(tensors)} tensors, {size / 2**20:.2f} MiB on {devices}; "
+              f"payload {len(payload) / 2**20:.2f} MiB", flush=True)
+        return out
+    artifacts._decode = timed
+    warm_artifact._decode = timed
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("model")
@@ -42,6 +71,9 @@ def main() -> None:
     parser.add_argument("--alias-analysis", choices=["skip-idle", "keep"], default="skip-idle",
                         help="keep: run AOTAutograd's first-call aliasing analysis over every program "
                         "(what Ember did before runtime/program.without_idle_alias_analysis)")
+    parser.add_argument("--probe-load", action="store_true",
+                        help="time each stored program's constants load (twice) and list modules first "
+                        "imported inside the first call")
     args = parser.parse_args()
     if args.alias_analysis == "keep":
         import contextlib
@@ -81,6 +113,9 @@ def main() -> None:
     step, fn = harness._backend_step(case, args.backend, model, args.mode, precision, device, optimizer)
     stamp("compiled (ember.compile / torch.compile returned)")
 
+    if args.probe_load:
+        _probe_constant_loads()
+        modules_before = set(sys.modules)
     prof = cProfile.Profile() if args.profile else None
     start = time.perf_counter()
     tprof = None
@@ -105,6 +140,13 @@ def main() -> None:
     if device.type == "cuda":
         torch.cuda.synchronize()
     stamp(f"second call: {time.perf_counter() - start:.3f} s")
+    if args.probe_load:
+        new = sorted(set(sys.modules) - modules_before)
+        from collections import Counter
+        families = Counter(".".join(m.split(".")[:2]) if m.startswith(("torch.", "triton.")) else m.split(".")[0]
+                           for m in new if not m.startswith(("ember_cpu_", "ember_kernel")))
+        print(f"  modules first imported inside the first call: {len(new)}: "
+              + ", ".join(f"{k} {v}" for k, v in sorted(families.items())))
     backend = getattr(fn, "_ember_backend", None)
     if backend is not None:
         for line in backend.log.warm_start:
