@@ -220,3 +220,26 @@ def test_warm_start_unset_is_on_for_cpu_compiles_only(monkeypatch: pytest.Monkey
     assert Options.from_env(device="cpu", warm_start=False).warm_start is False
     monkeypatch.setenv("EMBER_WARM_START", "1")
     assert Options.from_env().warm_start is True
+
+
+def test_a_captured_whole_step_warm_starts_unless_the_user_says_otherwise(monkeypatch: pytest.MonkeyPatch) -> None:
+    import torch
+
+    from ember.train.step import whole_step_options
+
+    monkeypatch.delenv("EMBER_WARM_START", raising=False)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)  # where a GPU may run the model
+    params = [torch.nn.Parameter(torch.randn(3))]
+    sgd = torch.optim.SGD(params, lr=0.1, momentum=0.9)
+    assert Options.from_env(**whole_step_options({}, sgd, cudagraph=True)).warm_start is True
+    assert Options.from_env(**whole_step_options({"target": "triton"}, sgd, cudagraph=True)).warm_start is True
+    # A step that will not replay as one graph keeps the usual default (off where a GPU may run it).
+    assert Options.from_env(**whole_step_options({}, sgd, cudagraph=False)).warm_start is False
+    lbfgs = torch.optim.LBFGS(params)
+    assert Options.from_env(**whole_step_options({}, lbfgs, cudagraph=True)).warm_start is False
+    # The user's word wins: an argument, config.patch, the environment.
+    assert Options.from_env(**whole_step_options({"warm_start": False}, sgd, cudagraph=True)).warm_start is False
+    with config.patch(warm_start=False):
+        assert Options.from_env(**whole_step_options({}, sgd, cudagraph=True)).warm_start is False
+    monkeypatch.setenv("EMBER_WARM_START", "0")
+    assert Options.from_env(**whole_step_options({}, sgd, cudagraph=True)).warm_start is False

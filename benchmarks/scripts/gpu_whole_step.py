@@ -113,13 +113,15 @@ def run_check(name: str, make_opt, sched=None, scaler_fp16: bool = False, accumu
             skipped_ok &= all(torch.equal(p.detach(), b) for p, b in zip(model.parameters(), before))
         worst = max(worst, max(float((p - q).abs().max()) for p, q in zip(model.parameters(), ref.parameters())))
     torch.cuda.synchronize()
+    backend = getattr(step.compiled_fn, "_ember_backend", None)
+    warm = [line[:160] for line in backend.log.warm_start] if backend is not None else []
     ok = worst < tol and skipped_ok and (not scaler or scaler.get_scale() == ref_scaler.get_scale())
     RESULTS["checks"][name] = {"max_param_diff": worst, "max_loss_diff": worst_loss, "ok": ok,
                                "skipped_steps_ok": skipped_ok, "status": step.status,
                                "replayed_calls": step.captured_calls, "calls": step.calls,
-                               "uncaptured": dict(step.uncaptured)}
+                               "uncaptured": dict(step.uncaptured), "warm_start": warm}
     log(f"{'PASS' if ok else 'FAIL'} {name:34s} max|dp| {worst:.2e} max|dloss| {worst_loss:.2e} "
-        f"replayed {step.captured_calls}/{step.calls}\n     {step.status}")
+        f"replayed {step.captured_calls}/{step.calls}\n     {step.status}\n     warm start: {'; '.join(warm)}")
 
 
 def checks() -> None:

@@ -161,9 +161,10 @@ class Options:
                                            "is saved with Dynamo's guards and Ember's programs; a new process loads "
                                            "it instead of tracing again (capture/warm_start.py, warm_function.py; a "
                                            "module in eval mode called with gradients on keeps Dynamo's path); "
-                                           "unset: on for CPU compiles (device or target cpu, or no CUDA device), "
-                                           "off where a GPU may run the model (its per-call host time at batch 1 "
-                                           "is not measured at this code)",
+                                           "unset: on for CPU compiles (device or target cpu, or no CUDA device) and "
+                                           "for whole-step programs replayed as one CUDA graph (a replay checks no "
+                                           "saved guard), off for other compiles where a GPU may run the model "
+                                           "(torch 2.11 checks the saved guards slower than its own, per call)",
                                     "EMBER_WARM_START", "bool")
     frame_cache: bool = _item(True, "every Dynamo frame Ember compiles is kept (AOTAutograd's forward/backward split "
                                     "with Ember's programs) in <cache_dir>/programs.sqlite, keyed by its Dynamo graph; "
@@ -458,6 +459,12 @@ class patch(contextlib.ContextDecorator):
 
 
 _UNSET = object()
+
+
+def left_unset(name: str) -> bool:
+    """Whether the user left the option ``name`` unset (no argument aside: neither ``patch`` nor its
+    environment variable gives it a value), so a caller may choose its own default."""
+    return _value(_SPECS[name]) is None
 
 
 def patched() -> dict[str, object]:

@@ -234,6 +234,9 @@ def _compile_split(fn: Callable[..., Any], total_s: float) -> dict[str, Any] | N
     first run, and the rest (Dynamo and AOTAutograd capture, eager code between and after the
     graphs, such as the optimizer's first step). None for other backends."""
     backend = getattr(fn, "_ember_backend", None)
+    whole = getattr(fn, "whole_step", None)  # a whole-step program: its compiled train_fn's backend
+    if backend is None and whole is not None:
+        backend = getattr(getattr(whole, "compiled_fn", None), "_ember_backend", None)
     if backend is None:
         return None
     graphs = backend.log.graphs

@@ -56,6 +56,20 @@ def optimizer_blocker(optimizer: torch.optim.Optimizer) -> str | None:
     return None
 
 
+def whole_step_options(options: dict[str, Any], optimizer: torch.optim.Optimizer, cudagraph: bool) -> dict[str, Any]:
+    """``ember.compile``'s options for ``train_fn``. The warm start, where the user left it unset, is
+    on for a step that will replay as one CUDA graph: a replay runs behind Ember's own guard
+    (train/replay_guard.py) and never calls the loaded function, so torch's check of its saved guards
+    (slower than Dynamo's own on torch 2.11, which keeps the warm start off for other GPU compiles)
+    runs only on the uncaptured calls before the capture. Elsewhere the usual default applies."""
+    from ember import config
+    if "warm_start" in options or not config.left_unset("warm_start"):
+        return options
+    if cudagraph and optimizer_blocker(optimizer) is None:
+        return {**options, "warm_start": True}
+    return options
+
+
 @dataclasses.dataclass
 class WholeStepReport:
     """What a whole-step program did so far. ``print()`` it."""
@@ -116,10 +130,12 @@ class TrainStep:
             raise ValueError("ember.compile_step: GradScaler does not support closure optimizers (PyTorch's "
                              f"GradScaler.step raises for them), and {type(optimizer).__name__} needs one")
         self.backend = None
+        self.cudagraph = cudagraph and config.whole_step_cudagraph_enabled()
         if compile:
             import ember
             # Ember's per-graph CUDA graphs are off: on CUDA the whole step is one graph, and a
             # graph inside another's capture would replay nothing.
+            options = whole_step_options(options, optimizer, self.cudagraph)
             self.compiled_fn = ember.compile(train_fn, **{**options, "cudagraphs": False})
             self.backend = self.compiled_fn._ember_backend
             warm = getattr(self.compiled_fn, "_ember_warm_start", None)  # warm_start=True: capture/warm_function.py
@@ -127,7 +143,6 @@ class TrainStep:
                 warm.add_modules({"model": model})  # its parameters' signatures are part of the file's key
         else:
             self.compiled_fn = train_fn
-        self.cudagraph = cudagraph and config.whole_step_cudagraph_enabled()
         self.warmup = warmup if warmup is not None else config.whole_step_warmup()
         self.micro = 0  # index of the next call within its optimizer step (accumulate > 1)
         self.calls = 0
