@@ -66,6 +66,8 @@ def main() -> None:
                         help="torch.profiler over the first call (every thread, CPU and CUDA): top ops")
     parser.add_argument("--batch", type=int, default=None)
     parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
+    parser.add_argument("--precision", choices=["fp32", "bf16"], default=None,
+                        help="default: bf16 on CUDA, fp32 on the CPU")
     parser.add_argument("--numba-before", choices=["none", "sync", "thread"], default="none",
                         help="experiment: load numba before the timed call (sync) or in a thread at compile")
     parser.add_argument("--alias-analysis", choices=["skip-idle", "keep"], default="skip-idle",
@@ -109,7 +111,7 @@ def main() -> None:
         else:
             threading.Thread(target=numba_ready, daemon=True).start()
         stamp(f"numba: {args.numba_before}")
-    precision = "bf16" if device.type == "cuda" else "fp32"
+    precision = args.precision or ("bf16" if device.type == "cuda" else "fp32")
     step, fn = harness._backend_step(case, args.backend, model, args.mode, precision, device, optimizer)
     stamp("compiled (ember.compile / torch.compile returned)")
 
@@ -148,6 +150,9 @@ def main() -> None:
         print(f"  modules first imported inside the first call: {len(new)}: "
               + ", ".join(f"{k} {v}" for k, v in sorted(families.items())))
     backend = getattr(fn, "_ember_backend", None)
+    whole = getattr(step, "whole_step", None)  # a whole-step program: its compiled train_fn's backend
+    if backend is None and whole is not None:
+        backend = getattr(whole.compiled_fn, "_ember_backend", None)
     if backend is not None:
         for line in backend.log.warm_start:
             print("  warm start:", line)
