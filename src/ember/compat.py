@@ -241,3 +241,40 @@ def builtin_references_allowed() -> Any:
                                "Please load AOT compiled function with `f_globals=<enclosing global scope>`")
 
     return mock.patch.object(env, "_check_external_refs", check)
+
+
+def _reduce_by_init_fields(self: Any) -> tuple:
+    import dataclasses
+    return (self.__class__, tuple(getattr(self, f.name) for f in dataclasses.fields(self) if f.init))
+
+
+@contextlib.contextmanager
+def guard_sources_pickled_by_init_fields() -> Iterator[None]:
+    """While active, Dynamo's guard sources pickle the fields their ``__init__`` takes, and only those.
+    torch 2.11's ``dataclass_with_cached_hash`` pickles a source as its class called with every field,
+    also those set in ``__post_init__`` (``DefaultsSource``'s ``field`` and ``_name``), so a saved guard
+    on a function's default argument (a model's forward inlined into a whole step's ``train_fn``) is
+    written but cannot be loaded ("DefaultsSource.__init__() takes from 3 to 4 positional arguments but
+    6 were given"); later torch pickles the init fields only, which this does for every version."""
+    import dataclasses
+
+    try:
+        from torch._guards import Source
+    except ImportError:
+        yield
+        return
+    patched: dict[type, Any] = {}
+    stack: list[type] = [Source]
+    while stack:
+        cls = stack.pop()
+        stack.extend(cls.__subclasses__())
+        reduce = cls.__dict__.get("__reduce__")
+        if (reduce is not None and "dataclass_with_cached_hash" in getattr(reduce, "__qualname__", "")
+                and dataclasses.is_dataclass(cls) and not all(f.init for f in dataclasses.fields(cls))):
+            patched[cls] = reduce
+            cls.__reduce__ = _reduce_by_init_fields
+    try:
+        yield
+    finally:
+        for cls, reduce in patched.items():
+            cls.__reduce__ = reduce

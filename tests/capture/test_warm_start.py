@@ -214,6 +214,40 @@ def test_builtins_read_as_globals_pass_the_external_reference_check() -> None:
             env_class._check_external_refs(reads_unknown, {"helper": 1})
 
 
+def test_a_guard_on_a_default_argument_is_saved_in_a_form_that_loads() -> None:
+    # torch 2.11 pickles a guard source as its class called with every dataclass field, also those
+    # __post_init__ sets, so a saved guard on a function's default argument (a model's forward
+    # inlined into a whole step's train_fn: bert's) could not be loaded. Simulated here with 2.11's
+    # reducer on this torch's DefaultsSource.
+    import dataclasses
+    import pickle
+
+    from torch._dynamo.source import DefaultsSource, GlobalSource
+
+    from ember import compat
+
+    def every_field(self):  # torch 2.11's dataclass_with_cached_hash.__reduce__
+        return (self.__class__, tuple(getattr(self, f.name) for f in dataclasses.fields(self)))
+
+    every_field.__qualname__ = "dataclass_with_cached_hash.<locals>.wrap.<locals>.__reduce__"
+    own = DefaultsSource.__dict__.get("__reduce__")
+    source = DefaultsSource(GlobalSource("forward"), 1)
+    DefaultsSource.__reduce__ = every_field
+    try:
+        with pytest.raises(TypeError, match="positional argument"):
+            pickle.loads(pickle.dumps(source))
+        with compat.guard_sources_pickled_by_init_fields():
+            data = pickle.dumps(source)
+        assert DefaultsSource.__reduce__ is every_field  # put back after the block
+    finally:
+        if own is None:
+            del DefaultsSource.__reduce__
+        else:
+            DefaultsSource.__reduce__ = own
+    loaded = pickle.loads(data)
+    assert loaded == source and loaded.name == source.name
+
+
 class _Pair(torch.nn.Module):
     def __init__(self) -> None:
         super().__init__()

@@ -362,7 +362,8 @@ class WarmStart:
         compile_id = WARM_COMPILE_ID.set(f"warm/{len(self.entries)}")  # the graphs' titles and the log
         try:
             with torch._dynamo.config.patch(automatic_dynamic_shapes=False, assume_static_by_default=True), \
-                    _functions_by_code(), compat.builtin_references_allowed():
+                    _functions_by_code(), compat.builtin_references_allowed(), \
+                    compat.guard_sources_pickled_by_init_fields():
                 fn = wa.API.aot_compile_fullgraph(self.traced(), (args, kwargs), wa.API.Hooks(guard_filter_fn=keep),
                                                   serializable_backend)
         except Exception as err:  # noqa: BLE001 - a graph break, or anything torch's AOT compile refuses
@@ -394,7 +395,7 @@ class WarmStart:
         try:
             modules = _installed_modules(fn, self.frame_globals())
             closure = self.external_data()
-            with compat.builtin_references_allowed():
+            with compat.builtin_references_allowed(), compat.guard_sources_pickled_by_init_fields():
                 result = (wa.API.AOTCompiledFunction.serialize(fn, closure) if closure
                           else wa.API.AOTCompiledFunction.serialize(fn))
             data = getattr(result, "serialized_data", result)  # torch >= 2.13 wraps the bytes
