@@ -278,3 +278,36 @@ def guard_sources_pickled_by_init_fields() -> Iterator[None]:
     finally:
         for cls, reduce in patched.items():
             cls.__reduce__ = reduce
+
+
+@contextlib.contextmanager
+def inlined_sources_recorded_once() -> Iterator[None]:
+    """While active, Dynamo's package records each inlined function's source once per package.
+    For a compile it will save, Dynamo records the source of every function it inlines, each time it
+    inlines it (``SourceInfo.add_code``: the function's lines through ``inspect``, checked against
+    its module's lines, hashed): a model of twelve identical layers records one forward twelve
+    times, and each record tokenizes the function again. A code object already recorded into the
+    same ``SourceInfo`` gives the same record, so it is skipped (by identity: equal code objects
+    of two files are recorded apart)."""
+    from unittest import mock
+
+    try:
+        from torch._dynamo.package import SourceInfo
+    except ImportError:
+        yield
+        return
+    add = getattr(SourceInfo, "add_code", None)
+    if add is None:
+        yield
+        return
+    seen: dict[int, tuple[object, dict[int, object]]] = {}  # id(SourceInfo) -> (it, {id(code): code})
+
+    def add_once(self: Any, code: Any) -> None:
+        _, done = seen.setdefault(id(self), (self, {}))  # holding both keeps their ids unique
+        if id(code) in done:
+            return
+        add(self, code)
+        done[id(code)] = code
+
+    with mock.patch.object(SourceInfo, "add_code", add_once):
+        yield

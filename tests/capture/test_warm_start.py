@@ -248,6 +248,33 @@ def test_a_guard_on_a_default_argument_is_saved_in_a_form_that_loads() -> None:
     assert loaded == source and loaded.name == source.name
 
 
+def test_an_inlined_functions_source_is_recorded_once_with_the_same_record() -> None:
+    # Dynamo records the source of a function each time it inlines it (a model's identical layers:
+    # one forward many times); within a compile Ember records each code object once.
+    from unittest import mock
+
+    package = pytest.importorskip("torch._dynamo.package")
+    if not hasattr(getattr(package, "SourceInfo", None), "add_code"):
+        pytest.skip("this torch's package records no inlined sources")
+    from ember import compat
+
+    codes = [torch.nn.Linear.forward.__code__, torch.nn.ReLU.forward.__code__, torch.nn.functional.relu.__code__]
+    plain = package.SourceInfo(inlined_sources=set())
+    for code in codes * 4:
+        plain.add_code(code)
+    real = package.SourceInfo.add_code
+    calls = []
+    with mock.patch.object(package.SourceInfo, "add_code", lambda self, code: (calls.append(code), real(self, code))):
+        with compat.inlined_sources_recorded_once():
+            once, other = package.SourceInfo(inlined_sources=set()), package.SourceInfo(inlined_sources=set())
+            for code in codes * 4:
+                once.add_code(code)
+            other.add_code(codes[0])  # another package records it again
+    assert once.inlined_sources == plain.inlined_sources and len(plain.inlined_sources) == 3
+    assert calls == codes + [codes[0]]
+    assert package.SourceInfo.add_code is real
+
+
 class _Pair(torch.nn.Module):
     def __init__(self) -> None:
         super().__init__()

@@ -363,7 +363,7 @@ class WarmStart:
         try:
             with torch._dynamo.config.patch(automatic_dynamic_shapes=False, assume_static_by_default=True), \
                     _functions_by_code(), compat.builtin_references_allowed(), \
-                    compat.guard_sources_pickled_by_init_fields():
+                    compat.guard_sources_pickled_by_init_fields(), compat.inlined_sources_recorded_once():
                 fn = wa.API.aot_compile_fullgraph(self.traced(), (args, kwargs), wa.API.Hooks(guard_filter_fn=keep),
                                                   serializable_backend)
         except Exception as err:  # noqa: BLE001 - a graph break, or anything torch's AOT compile refuses
