@@ -73,6 +73,9 @@ def main() -> None:
     parser.add_argument("--alias-analysis", choices=["skip-idle", "keep"], default="skip-idle",
                         help="keep: run AOTAutograd's first-call aliasing analysis over every program "
                         "(what Ember did before runtime/program.without_idle_alias_analysis)")
+    parser.add_argument("--inlined-sources", choices=["once", "every"], default="once",
+                        help="every: Dynamo records an inlined function's source at each inlining "
+                        "(what Ember's warm-start compile did before compat.inlined_sources_recorded_once)")
     parser.add_argument("--probe-load", action="store_true",
                         help="time each stored program's constants load (twice) and list modules first "
                         "imported inside the first call")
@@ -83,6 +86,11 @@ def main() -> None:
         import ember.runtime.program as program
         program.without_idle_alias_analysis = lambda source: contextlib.nullcontext()
 
+    if args.inlined_sources == "every":
+        import contextlib
+
+        import ember.compat as compat
+        compat.inlined_sources_recorded_once = contextlib.nullcontext
     import torch
     stamp("torch imported")
     from ember.bench import harness, models
