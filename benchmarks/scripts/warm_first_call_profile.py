@@ -157,10 +157,7 @@ def main() -> None:
                            for m in new if not m.startswith(("ember_cpu_", "ember_kernel")))
         print(f"  modules first imported inside the first call: {len(new)}: "
               + ", ".join(f"{k} {v}" for k, v in sorted(families.items())))
-    backend = getattr(fn, "_ember_backend", None)
-    whole = getattr(step, "whole_step", None)  # a whole-step program: its compiled train_fn's backend
-    if backend is None and whole is not None:
-        backend = getattr(whole.compiled_fn, "_ember_backend", None)
+    backend = harness.ember_backend_of(fn if fn is not None else step)
     if backend is not None:
         for line in backend.log.warm_start:
             print("  warm start:", line)

@@ -229,14 +229,21 @@ def _median(values: list[float] | None) -> float | None:
     return statistics.median(values) if values else None
 
 
+def ember_backend_of(fn: Callable[..., Any]) -> Any:
+    """The Ember backend behind a compiled model or a bench step (None for other backends): a whole-step
+    program's is its compiled ``train_fn``'s."""
+    backend = getattr(fn, "_ember_backend", None)
+    whole = getattr(fn, "whole_step", None)
+    if backend is None and whole is not None:
+        backend = getattr(getattr(whole, "compiled_fn", None), "_ember_backend", None)
+    return backend
+
+
 def _compile_split(fn: Callable[..., Any], total_s: float) -> dict[str, Any] | None:
     """Where an Ember first call went: Ember's stages summed over its graphs, the compiled graphs'
     first run, and the rest (Dynamo and AOTAutograd capture, eager code between and after the
     graphs, such as the optimizer's first step). None for other backends."""
-    backend = getattr(fn, "_ember_backend", None)
-    whole = getattr(fn, "whole_step", None)  # a whole-step program: its compiled train_fn's backend
-    if backend is None and whole is not None:
-        backend = getattr(getattr(whole, "compiled_fn", None), "_ember_backend", None)
+    backend = ember_backend_of(fn)
     if backend is None:
         return None
     graphs = backend.log.graphs
