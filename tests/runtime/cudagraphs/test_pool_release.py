@@ -16,9 +16,16 @@ from ember.instruments import instrument
 from ember.runtime.cudagraphs.memory import CapturedGraph, PoolState
 
 
-def _alive() -> int:
+def _pool_objects() -> list[object]:
     gc.collect()
-    return sum(1 for o in gc.get_objects() if type(o) in (CapturedGraph, PoolState))
+    return [o for o in gc.get_objects() if type(o) in (CapturedGraph, PoolState)]
+
+
+def _alive(earlier: list[object]) -> int:
+    """This test's own pool objects: those of earlier tests in the worker are held by `earlier`
+    (so none of them is freed, nor its id reused, while this test counts)."""
+    seen = {id(o) for o in earlier}
+    return sum(1 for o in _pool_objects() if id(o) not in seen)
 
 
 def _model() -> torch.nn.Module:
@@ -27,7 +34,7 @@ def _model() -> torch.nn.Module:
 
 def test_a_dropped_model_leaves_no_pool_behind() -> None:
     torch._dynamo.reset()
-    base = _alive()
+    earlier = _pool_objects()
     backend = FakeGraphs()
     torch.manual_seed(0)
     model = _model()
@@ -45,7 +52,7 @@ def test_a_dropped_model_leaves_no_pool_behind() -> None:
             for _ in range(4):  # captured, then replayed: the output lies on pool memory
                 held = None  # (one held across the next replay would make it hand out a copy)
                 held = compiled(x)  # an output the user keeps after dropping the model
-    assert backend.captured >= 2 and _alive() > base
+    assert backend.captured >= 2 and _alive(earlier) > 0
     assert any(held.untyped_storage().data_ptr() == o.untyped_storage().data_ptr()
                for g in backend.graphs for o in g.outputs if isinstance(o, torch.Tensor))
     want = held.clone()
@@ -53,7 +60,7 @@ def test_a_dropped_model_leaves_no_pool_behind() -> None:
     backend.graphs.clear()  # the stand-in's own record: what a CUDA graph's owner would not keep
     del compiled, model, opt
     torch._dynamo.reset()
-    assert _alive() == base  # runners, captured graphs and pool states are collected
+    assert _alive(earlier) == 0  # runners, captured graphs and pool states are collected
     # The held output's view keeps the pool's graphs (so its memory stays the pool's) and no more.
     assert any(g() is not None for g in graphs)
     torch.testing.assert_close(held, want)
