@@ -43,7 +43,8 @@ result = {
     "forward_err": (out.detach() - out_eager).abs().max().item(),
     "grad_err": max((a - b).abs().max().item() for a, b in zip(got, eager)),
     "scipy_linalg_after_kernels": "scipy.linalg" in sys.modules,
-    "have_blas": sys.modules["numba.np.arraymath"]._HAVE_BLAS,
+    "set_up": "numba.np.arraymath" in sys.modules,
+    "have_blas": getattr(sys.modules.get("numba.np.arraymath"), "_HAVE_BLAS", None),
     "graphs": [(g.title, g.target, g.kernels, g.error) for g in compiled._ember_backend.log.graphs],
     "warm_start": list(compiled._ember_backend.log.warm_start),
 }
@@ -69,12 +70,15 @@ def _run(script: str, env: dict[str, str]) -> dict:
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
-def _check_model_run(result: dict) -> None:
+def _check_model_run(result: dict, compiled_here: bool) -> None:
     assert result["forward_err"] < 1e-5 and result["grad_err"] < 1e-5, result
     assert any(target == "cpu" and kernels >= 1 and error is None for _, target, kernels, error in result["graphs"]), \
         result["graphs"]
     assert not result["scipy_linalg_after_kernels"], "numba's set-up imported scipy.linalg"
-    assert result["have_blas"] is False
+    # A process that compiled kernels ran numba's set-up (without the BLAS check's scipy.linalg);
+    # one that only loaded cached kernels skipped the set-up altogether.
+    assert result["set_up"] is compiled_here, result
+    assert result["have_blas"] is (False if compiled_here else None), result
     # np.dot's codegen imports scipy's BLAS itself (numba/np/linalg.py ensure_blas).
     assert result["dot_err"] < 1e-12 and result["scipy_linalg_after_dot"], result
 
@@ -83,9 +87,9 @@ def test_cpu_kernels_cold_and_warm_without_scipy_linalg(tmp_path: Path) -> None:
     env = {"EMBER_CACHE_DIR": str(tmp_path / "cache"), "EMBER_WARM_START": "1", "XDG_CACHE_HOME": str(tmp_path),
            "EMBER_COMPILE_WORKERS": "0"}
     cold = _run(_MODEL_SCRIPT, env)
-    _check_model_run(cold)
+    _check_model_run(cold, compiled_here=True)
     warm = _run(_MODEL_SCRIPT, env)
-    _check_model_run(warm)
+    _check_model_run(warm, compiled_here=False)
     assert any("loaded" in line for line in warm["warm_start"]), warm["warm_start"]
 
 
@@ -126,3 +130,74 @@ def test_no_op_when_scipy_linalg_or_numba_set_up_already(first: str) -> None:
     # Only a fresh interpreter skips the BLAS check; after scipy.linalg or numba's set-up it ran as usual.
     assert result["have_blas"] is (first != "nothing"), result
     assert result["scipy_linalg"] is (first != "nothing"), result
+
+
+# numba's cached loads inside and outside `numba_for_cached_code`, without torch: a cached
+# parallel function (numba's runtime needed) and a plain one, loaded in a second interpreter.
+_CACHED_LOAD_SCRIPT = r"""
+import json, sys, types
+for name, path in (("ember", sys.argv[2]), ("ember.runtime", sys.argv[2] + "/runtime")):
+    module = types.ModuleType(name)
+    module.__path__ = [path]
+    sys.modules[name] = module
+sys.path.insert(0, sys.argv[1])
+import numpy as np
+from ember.runtime.numba_import import numba_for_cached_code
+with numba_for_cached_code():
+    import cached_fns
+    x = np.random.rand(1000)
+    total = float(cached_fns.parallel_sum(x))
+    inside = "numba.np.arraymath" in sys.modules
+    if sys.argv[3] == "compile-inside":
+        plus = float(cached_fns.fresh(2.0))  # not in the cache yet: compiled here, after numba's set-up
+if sys.argv[3] != "compile-inside":
+    plus = float(cached_fns.plain(2.0))  # cached, loaded outside the block: numba's own load
+print(json.dumps({"sum_err": abs(total - float(x.sum())), "set_up_inside": inside, "plus": plus,
+                  "set_up_after": "numba.np.arraymath" in sys.modules,
+                  "scipy_linalg": "scipy.linalg" in sys.modules}))
+"""
+
+_CACHED_FNS = """
+import numpy as np
+from numba import njit, prange
+
+
+@njit(parallel=True, cache=True)
+def parallel_sum(x):
+    s = 0.0
+    for i in prange(x.shape[0]):
+        s += x[i]
+    return s
+
+
+@njit(cache=True)
+def plain(a):
+    return a + 1.5
+
+
+@njit(cache=True)
+def fresh(a):
+    return a + 1.5
+"""
+
+
+def test_cached_code_loads_without_numbas_set_up_and_compiles_with_it(tmp_path: Path) -> None:
+    (tmp_path / "cached_fns.py").write_text(_CACHED_FNS)
+    warm_up = ("import sys; sys.path.insert(0, sys.argv[1]); import numpy as np, cached_fns; "
+               "cached_fns.parallel_sum(np.ones(4)); cached_fns.plain(1.0)")
+    subprocess.run([sys.executable, "-c", warm_up, str(tmp_path)], check=True, timeout=300)
+
+    def run(mode: str) -> dict:
+        proc = subprocess.run([sys.executable, "-c", _CACHED_LOAD_SCRIPT, str(tmp_path), str(ROOT / "src" / "ember"), mode],
+                              capture_output=True, text=True, timeout=300)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        return json.loads(proc.stdout.strip().splitlines()[-1])
+
+    outside = run("load-outside")
+    assert outside["sum_err"] < 1e-9 and outside["plus"] == 3.5, outside
+    assert not outside["set_up_inside"], "a cached load inside the block ran numba's set-up"
+    assert outside["set_up_after"], "a load outside the block skipped numba's set-up"
+    inside = run("compile-inside")
+    assert inside["sum_err"] < 1e-9 and inside["plus"] == 3.5, inside
+    assert not inside["set_up_inside"] and inside["set_up_after"], inside
+    assert not inside["scipy_linalg"], "the set-up before a compile inside the block imported scipy.linalg"

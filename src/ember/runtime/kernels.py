@@ -136,18 +136,22 @@ def _import_cpu_module(kernel_dir: Path, name: str, path: Path) -> ModuleType:
     key = (str(kernel_dir), name)
     with _CPU_IMPORT_LOCK:
         if key not in _CPU_MODULES:
-            from ember.runtime.numba_import import import_numba_without_scipy_blas
+            from ember.runtime.numba_import import load_launch_helpers, numba_for_cached_code
 
-            import_numba_without_scipy_blas()  # numba's set-up without scipy.linalg (its docstring says why)
             modname = _cpu_module_name(kernel_dir, name)
             spec = importlib.util.spec_from_file_location(modname, path)
             module = importlib.util.module_from_spec(spec)
             sys.modules[modname] = module
-            try:
-                spec.loader.exec_module(module)
-            except BaseException:
-                sys.modules.pop(modname, None)
-                raise
+            # Cached machine code loads without numba's target set-up; a kernel numba compiles
+            # gets the set-up first, without scipy.linalg (runtime/numba_import.py says why).
+            with numba_for_cached_code():
+                try:
+                    spec.loader.exec_module(module)
+                except BaseException:
+                    sys.modules.pop(modname, None)
+                    raise
+                if not _CPU_MODULES:  # the launch helpers every kernel goes through, loaded the same way
+                    load_launch_helpers()
             _CPU_MODULES[key] = module
         return _CPU_MODULES[key]
 

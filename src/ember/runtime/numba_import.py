@@ -1,4 +1,5 @@
-"""numba's import and CPU target set-up without importing ``scipy.linalg``.
+"""numba's import and CPU target set-up without importing ``scipy.linalg``, and cached machine
+code loaded without that set-up.
 
 Called before a generated CPU kernel module is imported (runtime/kernels.py), by the background
 warm-up (runtime/cpu_background.py) and in the compile workers (runtime/cpu_compile.py, which run
@@ -9,13 +10,18 @@ recompile) every cached kernel.
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import importlib.abc
 import sys
 import threading
+from collections.abc import Iterator
 
 _REFUSED = "scipy.linalg"
 _LOCK = threading.Lock()
+# Set on a thread inside `numba_for_cached_code`: numba's cache loads skip the target's set-up.
+_CACHED_CODE = threading.local()
+_NUMBA_LOAD_OVERLOAD = None  # numba's own Cache.load_overload, once ours is installed
 
 
 class _RefuseScipyLinalg(importlib.abc.MetaPathFinder):
@@ -52,19 +58,23 @@ def import_numba_without_scipy_blas() -> None:
     raising as numba's own first use would if that fails too.
     """
     with _LOCK:
-        if "numba.np.arraymath" in sys.modules or _REFUSED in sys.modules:
-            import numba  # noqa: F401
-            return
-        finder = _RefuseScipyLinalg()
-        sys.meta_path.insert(0, finder)
-        try:
-            _set_up_numba()
-            return
-        except Exception:  # noqa: BLE001 - the plain set-up below, as without this function
-            pass
-        finally:
-            sys.meta_path.remove(finder)
+        _set_up_refusing_scipy_linalg()
+
+
+def _set_up_refusing_scipy_linalg() -> None:
+    if "numba.np.arraymath" in sys.modules or _REFUSED in sys.modules:
+        import numba  # noqa: F401
+        return
+    finder = _RefuseScipyLinalg()
+    sys.meta_path.insert(0, finder)
+    try:
         _set_up_numba()
+        return
+    except Exception:  # noqa: BLE001 - the plain set-up below, as without this function
+        pass
+    finally:
+        sys.meta_path.remove(finder)
+    _set_up_numba()
 
 
 def _set_up_numba() -> None:
@@ -72,6 +82,63 @@ def _set_up_numba() -> None:
     from numba.core.registry import cpu_target
 
     cpu_target.target_context.refresh()  # imports numba.np.arraymath (its BLAS check)
+
+
+@contextlib.contextmanager
+def numba_for_cached_code() -> Iterator[None]:
+    """Import numba; inside the block (this thread only), a function that numba finds in its
+    cache loads without the CPU target's one-time set-up.
+
+    Why: numba's ``Cache.load_overload`` runs ``target_context.refresh()`` before every load,
+    and the first one imports and installs every typing and lowering registry numba has (the
+    ``numba.np``, ``numba.cpython``, ``numba.typed`` ... implementations: ~0.2 s of a warm first
+    call on a 2-core CPU, the GIL held). Loading machine code uses none of them: the cached
+    library is linked, its wrapper's address taken, parfors' ``reload_init`` run. Its one need
+    is numba's runtime (NRT) symbols, which the set-up is also where numba initialises:
+    ``rtsys.initialize`` is called instead (without it a cached ``parallel=True`` function
+    crashes at its first call). A function not in the cache is compiled by numba next; the full
+    set-up (``scipy.linalg`` refused, as above) runs first and numba's compiler refreshes as
+    usual. Outside the block, and where numba's cache class lacks the methods this relies on,
+    loads are numba's own."""
+    import numba  # noqa: F401
+
+    if not _install_cached_load():
+        yield
+        return
+    before = getattr(_CACHED_CODE, "on", False)
+    _CACHED_CODE.on = True
+    try:
+        yield
+    finally:
+        _CACHED_CODE.on = before
+
+
+def _install_cached_load() -> bool:
+    global _NUMBA_LOAD_OVERLOAD
+    from numba.core import caching
+
+    with _LOCK:
+        if _NUMBA_LOAD_OVERLOAD is not None:
+            return True
+        if not all(hasattr(caching.Cache, name) for name in
+                   ("load_overload", "_load_overload", "_guard_against_spurious_io_errors")):
+            return False
+        _NUMBA_LOAD_OVERLOAD = caching.Cache.load_overload
+        caching.Cache.load_overload = _load_overload
+        return True
+
+
+def _load_overload(self, sig, target_context):  # noqa: ANN001, ANN202 - numba's Cache.load_overload
+    if not getattr(_CACHED_CODE, "on", False):
+        return _NUMBA_LOAD_OVERLOAD(self, sig, target_context)
+    from numba.core.runtime import rtsys
+
+    rtsys.initialize(target_context)  # NRT's symbols: all a cached function needs of the set-up
+    with self._guard_against_spurious_io_errors():
+        found = self._load_overload(sig, target_context)
+    if found is None:  # numba compiles it next: the set-up first, scipy.linalg refused
+        _set_up_refusing_scipy_linalg()
+    return found
 
 
 def load_launch_helpers() -> None:
