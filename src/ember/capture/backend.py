@@ -18,7 +18,6 @@ recompile is logged with what changed, and whether it made a dynamic-shape graph
 from __future__ import annotations
 
 import contextvars
-import functools
 import inspect
 import itertools
 import logging
@@ -29,7 +28,6 @@ from collections.abc import Callable
 import torch
 import torch.fx as fx
 from torch._dynamo.backends.common import aot_autograd
-from torch._functorch.partitioners import min_cut_rematerialization_partition
 from torch._subclasses.fake_tensor import unset_fake_temporarily
 
 from ember import compat
@@ -37,6 +35,7 @@ from ember.capture.aot_settings import aot_graph_text_off, backward_with_forward
 from ember.capture.decompositions import decomposition_table
 from ember.capture.frame_cache import compile_frame as compile_cached_frame
 from ember.capture.instance_norm import rewrite_instance_norm
+from ember.capture.partition import partition_joint_graph
 from ember.config import Options, settings
 from ember.graph_utils import is_symbolic
 from ember.ops.rnn import rewrite_long_rnns
@@ -304,19 +303,13 @@ class EmberBackend:
         backend = aot_autograd(fw_compiler=make("forward"), bw_compiler=make("backward"),
                                inference_compiler=make("inference"),
                                decompositions=_decompositions(_cpu_inference(example_inputs, self.options, target), gpu),
-                               partition_fn=_PARTITION,
+                               partition_fn=partition_joint_graph,  # min-cut: capture/partition.py
                                # Writes into inputs (batch norm's running statistics) as copy_ nodes at
                                # the end of the graph: they run in Ember's program, inside its CUDA
                                # graph, instead of AOTAutograd's wrapper copying them back per call.
                                keep_inference_input_mutations=settings().input_mutations_in_graph)
         with aot_graph_text_off(), backward_with_forward(gpu), rng_ops_kept(), gc_paused():  # capture/aot_settings.py
             return backend(gm, example_inputs)
-
-
-# The default partitioner saves every forward value the backward reads. The min-cut partitioner
-# (what Inductor uses) saves a minimal set and recomputes cheap pointwise chains in the backward,
-# where they fuse into the backward's kernels: fewer, smaller saved activations, lower peak memory.
-_PARTITION = functools.partial(min_cut_rematerialization_partition, compiler="inductor")
 
 
 try:  # Dynamo re-raises a backend's ShortenTraceback as is, not wrapped in BackendCompilerFailed
