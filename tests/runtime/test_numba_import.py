@@ -24,6 +24,7 @@ import numpy as np
 import torch
 import ember
 
+torch.set_num_threads(1)  # the user's setting: Ember's kernels (numba's thread pool) must keep it
 torch.manual_seed(0)
 model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.GELU(), torch.nn.Linear(16, 4))
 x = torch.randn(5, 8)
@@ -43,6 +44,7 @@ result = {
     "forward_err": (out.detach() - out_eager).abs().max().item(),
     "grad_err": max((a - b).abs().max().item() for a, b in zip(got, eager)),
     "scipy_linalg_after_kernels": "scipy.linalg" in sys.modules,
+    "threads_after_kernels": torch.get_num_threads(),
     "set_up": "numba.np.arraymath" in sys.modules,
     "have_blas": getattr(sys.modules.get("numba.np.arraymath"), "_HAVE_BLAS", None),
     "graphs": [(g.title, g.target, g.kernels, g.error) for g in compiled._ember_backend.log.graphs],
@@ -75,6 +77,7 @@ def _check_model_run(result: dict, compiled_here: bool) -> None:
     assert any(target == "cpu" and kernels >= 1 and error is None for _, target, kernels, error in result["graphs"]), \
         result["graphs"]
     assert not result["scipy_linalg_after_kernels"], "numba's set-up imported scipy.linalg"
+    assert result["threads_after_kernels"] == 1, "numba's thread pool changed torch's thread count"
     # A process that compiled kernels ran numba's set-up (without the BLAS check's scipy.linalg);
     # one that only loaded cached kernels skipped the set-up altogether.
     assert result["set_up"] is compiled_here, result

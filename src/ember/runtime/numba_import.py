@@ -144,12 +144,23 @@ def _load_overload(self, sig, target_context):  # noqa: ANN001, ANN202 - numba's
 def load_launch_helpers() -> None:
     """Compile, or load from numba's cache, the functions every CPU kernel launch goes through
     (``cpu_support.drive`` and ``drive_chunked``) for the argument types launches use: Python
-    ints and a C-contiguous int64 vector. ``units=0`` returns at once. Used by the background
-    warm-up (runtime/cpu_background.py) and by the compile workers' last job
-    (runtime/cpu_compile.py, where ``ember`` is a stub package: hence the import by name)."""
+    ints and a C-contiguous int64 vector. ``units=0`` returns at once. Used when a process imports
+    its first CPU kernel module (runtime/kernels.py, before any launch), by the background warm-up
+    (runtime/cpu_background.py) and by the compile workers' last job (runtime/cpu_compile.py,
+    where ``ember`` is a stub package: hence the import by name)."""
     import numpy as np
 
-    support = importlib.import_module("ember.runtime.cpu_support")
-    argv = np.zeros(1, dtype=np.int64)
-    support.drive(0, 0, 1, argv)
-    support.drive_chunked(0, 0, 1, 1, argv)
+    # The first call of a parallel numba function starts numba's OpenMP thread pool, which sets
+    # the process's OpenMP thread count (torch's too) to numba's: a user's
+    # ``torch.set_num_threads`` would be undone, and inside Dynamo's trace (a compile loading its
+    # kernels) Dynamo stops on the changed global state. Put torch's count back.
+    torch = sys.modules.get("torch")
+    threads = torch.get_num_threads() if torch is not None else None
+    try:
+        support = importlib.import_module("ember.runtime.cpu_support")
+        argv = np.zeros(1, dtype=np.int64)
+        support.drive(0, 0, 1, argv)
+        support.drive_chunked(0, 0, 1, 1, argv)
+    finally:
+        if torch is not None and torch.get_num_threads() != threads:
+            torch.set_num_threads(threads)

@@ -245,7 +245,8 @@ def _aot_graphs(model: nn.Module, x: torch.Tensor, grad: bool) -> list[tuple[str
     """Ember's AOTAutograd graphs of ``model(x)`` (traced on CPU), moved to fake CUDA tensors."""
     from torch._dynamo.backends.common import aot_autograd
 
-    from ember.capture.backend import _PARTITION, _decompositions
+    from ember.capture.backend import _decompositions
+    from ember.capture.partition import partition_joint_graph
 
     graphs: list[tuple[str, fx.GraphModule, list]] = []
 
@@ -258,7 +259,7 @@ def _aot_graphs(model: nn.Module, x: torch.Tensor, grad: bool) -> list[tuple[str
 
     backend = aot_autograd(fw_compiler=grab("forward"), bw_compiler=grab("backward"),
                            inference_compiler=grab("inference"), decompositions=_decompositions(),
-                           partition_fn=_PARTITION)
+                           partition_fn=partition_joint_graph)
     compiled = torch.compile(model, backend=backend)
     with torch.set_grad_enabled(grad):
         out = compiled(x)
