@@ -7,9 +7,9 @@ where they fuse into the backward's kernels: fewer, smaller saved activations, l
 
 Before partitioning, torch's ``fx_graph_cse`` imports ``compute_mutation_region_ids`` and
 ``same_mutation_regions`` from ``torch._inductor.pattern_matcher``; that import loads much of
-Inductor (its lowerings, decompositions, sympy's simplifier, Triton's autotuner): 0.58 s of a
-2.8 s cold training first call on a 2-core CPU, for two functions that number the graph's
-stretches between mutating ops. Where Inductor is not imported yet and the region of every node
+Inductor (its lowerings, decompositions, sympy's simplifier, Triton's autotuner: 0.58 s on a
+2-core CPU, in a cold training first call of 2.2-2.7 s), for two functions that number the
+graph's stretches between mutating ops. Where Inductor is not imported yet and the region of every node
 can be told exactly (every call is an ATen/prims operator overload or ``getitem``: the graphs
 AOTAutograd makes), the partition runs with a stand-in module under that name that supplies
 these two helpers, numbering the regions by torch's own rule (``is_mutation_op``: an operator

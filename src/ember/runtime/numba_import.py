@@ -91,8 +91,8 @@ def numba_for_cached_code() -> Iterator[None]:
 
     Why: numba's ``Cache.load_overload`` runs ``target_context.refresh()`` before every load,
     and the first one imports and installs every typing and lowering registry numba has (the
-    ``numba.np``, ``numba.cpython``, ``numba.typed`` ... implementations: ~0.2 s of a warm first
-    call on a 2-core CPU, the GIL held). Loading machine code uses none of them: the cached
+    ``numba.np``, ``numba.cpython``, ``numba.typed`` ... implementations: ~0.1 s of a 0.35 s warm
+    first call on a 2-core CPU, the GIL held). Loading machine code uses none of them: the cached
     library is linked, its wrapper's address taken, parfors' ``reload_init`` run. Its one need
     is numba's runtime (NRT) symbols, which the set-up is also where numba initialises:
     ``rtsys.initialize`` is called instead (without it a cached ``parallel=True`` function
