@@ -1,5 +1,6 @@
-"""A small model for the tuning tests: a convolution and two linear layers (three library choices
-on the CPU) and a generated softmax."""
+"""Small models for the tuning tests: a convolution and two linear layers (three library choices
+on the CPU) and a generated softmax; two linear layers with a scaled ReLU between them, whose
+generated kernels differ with the first layer's library choice (its rule fuses the ReLU)."""
 
 from __future__ import annotations
 
@@ -16,3 +17,13 @@ class ConvLinearNet(torch.nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = torch.relu(self.conv(x)).flatten(1)
         return torch.softmax(self.head(torch.nn.functional.gelu(self.fc(y))), -1)
+
+
+class ScaleNet(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc1 = torch.nn.Linear(64, 128)
+        self.fc2 = torch.nn.Linear(128, 10)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.softmax(self.fc2(torch.relu(self.fc1(x)) * 2.0 + 1.0), -1)

@@ -8,16 +8,18 @@ from pathlib import Path
 
 import pytest
 import torch
-from tune_models import ConvLinearNet
+from tune_models import ConvLinearNet, ScaleNet
 
 import ember
 import ember.tune.measure as measure
 from ember import config
+from ember.cli import main
 from ember.tune.apply import forget_open
 from ember.tune.db import Result, TuningDB
 from ember.tune.device import device_key
+from ember.tune.kernels import candidates, generate
 from ember.tune.model_check import check_in_model, tuned_choices
-from ember.tune.session import collect_work
+from ember.tune.session import collect_groups, collect_work
 
 
 @pytest.fixture
@@ -141,3 +143,57 @@ def test_subsets_are_left_out_when_the_budget_is_spent(tuned, monkeypatch) -> No
     assert [v.name for v in check.variants] == ["rules", "all"]
     assert check.not_timed == ["better half", "worse half"] and "not timed, the budget" in check.line()
     assert check.kept == "all" and check.demoted == []
+
+
+def test_a_second_tune_finds_every_choice_judged(tmp_path: Path, monkeypatch, capsys) -> None:
+    # The first layer's library choice (ATen, its ReLU left to a kernel) and a configuration for a
+    # kernel that only the rules' program has (the ReLU fused into oneDNN, the scale alone) are in
+    # the database; the whole model is fastest on the rules. The first check demotes the library
+    # choice, which brings that kernel in: the same ``ember tune`` judges it too, so a second tune
+    # times nothing.
+    from ember.tune import model_check
+
+    torch.manual_seed(0)
+    model, x = ScaleNet().eval(), torch.randn(8, 64)
+    dev = device_key("cpu")
+    db_path = tmp_path / "tuning.sqlite"
+    _, sites = collect_work(model, (x,), train=False, target="cpu")
+    rows = [Result(sites[0].key, dev, {}, 2.0, "ok", label=sites[0].label),
+            Result(sites[0].key, dev, {"impl": "aten"}, 1.0, "ok", label=sites[0].label)]
+    for group, target in collect_groups(model, (x,), train=False, target="cpu"):  # the rules' program
+        config_ = next(c.config for c in candidates(group, target) if c.config)
+        name = generate(group, target, {}).name
+        rows += [Result(name, dev, {}, 2.0, "ok"), Result(name, dev, config_, 1.0, "ok")]
+    TuningDB(db_path).record(rows)
+    script = tmp_path / "model.py"
+    script.write_text("import torch\nfrom tune_models import ScaleNet\ntorch.manual_seed(0)\n"
+                      "model = ScaleNet().eval()\nexample_inputs = (torch.randn(8, 64),)\n")
+
+    timed: list[int] = []
+    real_check, real_timer = model_check.check_in_model, measure.time_interleaved_ms
+
+    def rules_fastest(runs, device, budget_s=0.2, rounds=5):
+        for run in runs:
+            run()
+        timed.append(len(runs))
+        return [1.0] + [2.0] * (len(runs) - 1)
+
+    def check(*args, **kwargs):  # the whole-model timing only; the kernels' own is real
+        monkeypatch.setattr(measure, "time_interleaved_ms", rules_fastest)
+        try:
+            return real_check(*args, **kwargs)
+        finally:
+            monkeypatch.setattr(measure, "time_interleaved_ms", real_timer)
+
+    monkeypatch.setattr(model_check, "check_in_model", check)
+    argv = ["tune", str(script), "--device", "cpu", "--budget", "60", "--db", str(db_path)]
+    assert main(argv) == 0
+    first = capsys.readouterr().out
+    assert len(timed) >= 2, first  # the program after the first demotions was judged as well
+    assert "demoted as slower in the model" in first
+    timed.clear()
+    torch._dynamo.reset()
+    assert main(argv) == 0
+    second = capsys.readouterr().out
+    assert timed == [], second
+    assert "no tuned choice differs from the rules here" in second or "judged earlier" in second

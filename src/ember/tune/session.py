@@ -290,6 +290,11 @@ def load_model(spec: str, device: torch.device, mode: str, batch: int | None, sm
     return model, tuple(inputs), (lambda out: case.loss(out, target))
 
 
+# Whole-model checks in one ``ember tune``: a check that demotes choices changes the program, whose
+# choices are then judged too (one more round is enough unless that round demotes again).
+CHECK_ROUNDS = 3
+
+
 def run_cli(args: Any) -> int:
     """``ember tune`` (see cli.py for the arguments)."""
     from rich.console import Console
@@ -357,9 +362,26 @@ def run_cli(args: Any) -> int:
         from ember.tune.model_check import check_in_model
         # Nothing measured now: the choices are those the first compile used (no compile needed).
         known = before if not measured else None
-        with config.patch(tuning_db=str(db_path)):
-            check = check_in_model(model, inputs, args.mode == "train", args.target, db, device_key(device.type),
-                                   known, loss, torch.bfloat16 if args.precision == "bf16" else torch.float32,
-                                   budget_s=max(20.0, args.budget - report.seconds), shared=shared)
-        console.print(check.line())
+        spent = report.seconds
+        for round_ in range(1, CHECK_ROUNDS + 1):
+            with config.patch(tuning_db=str(db_path)):
+                check = check_in_model(model, inputs, args.mode == "train", args.target, db, device_key(device.type),
+                                       known, loss, torch.bfloat16 if args.precision == "bf16" else torch.float32,
+                                       budget_s=max(20.0, args.budget - spent), shared=shared)
+            console.print(check.line())
+            spent += check.seconds
+            if not check.demoted or check.cached or round_ == CHECK_ROUNDS or spent >= args.budget:
+                break
+            # The demoted choices are back on their rules, so the program is another one (a library
+            # call's epilogue fused again, its neighbours grouped otherwise): tune the kernels it has
+            # now and judge the choices it makes, so that the next ``ember tune`` finds them judged.
+            with autocast, config.patch(tuning_db=str(db_path)):
+                groups = collect_groups(model, inputs, args.mode == "train", args.target, loss)
+            more = tune_groups(groups, db, options.kernel_dir(), max(0.0, args.budget - spent), top=args.top,
+                               force=args.force, progress=console.is_terminal, shared=shared)
+            spent += more.seconds
+            known = None
+            if more.measured:
+                console.print(f"the program without the demoted choices: measured {len(more.measured)} more "
+                              f"kernel(s), {sum(k.failed for k in more.measured)} rejected")
     return 0
