@@ -4,6 +4,7 @@ values it was made from, fails for a changed value, and the generated per-call c
 from __future__ import annotations
 
 import collections
+import enum
 import math
 from typing import Any
 
@@ -25,9 +26,20 @@ class Config:
     mode = "fast"
 
 
+class Layout(enum.Enum):
+    NCHW = "NCHW"
+    NHWC = "NHWC"
+
+
+class Access(enum.Flag):
+    READ = 1
+    WRITE = 2
+
+
 def _globals() -> dict[str, Any]:
     return {"FLAG": True, "SCALE": 2.0, "REG": collections.OrderedDict(a=1, b=2), "helper": helper,
-            "Config": Config, "maths": math, "cfg": Config(), "alias": math, "items": [1, 2, 3]}
+            "Config": Config, "maths": math, "cfg": Config(), "alias": math, "items": [1, 2, 3],
+            "LAYOUT": Layout.NCHW}
 
 
 # (kind, expression, argument); the description is what the kind records of the value
@@ -48,6 +60,7 @@ CHECKS = [
     ("same", "G['maths']", "G['alias']"),
     ("notnone", "G['cfg']", None),
     ("eq", "G['REG']['a']", None),  # shares G['REG'] with the checks above
+    ("is", "G['LAYOUT']", None),  # an enum member (timm's layers read Format.NCHW)
 ]
 
 CHANGES = {
@@ -64,6 +77,7 @@ CHANGES = {
     "same": lambda g: g.__setitem__("alias", collections),
     "notnone": lambda g: g.__setitem__("cfg", None),
     "G['REG']['a']": lambda g: g["REG"].__setitem__("a", 5),
+    "G['LAYOUT']": lambda g: g.__setitem__("LAYOUT", Layout.NHWC),
 }
 
 
@@ -126,6 +140,10 @@ def test_descriptions_name_what_a_value_is() -> None:
     assert describe(torch.relu) == "builtin torch._VariableFunctionsClass.relu"
     assert describe((1, "a", None)) == "tuple(int 1, str 'a', NoneType None)"
     assert describe(object()) is None  # no description that survives a new process
+    assert describe(Layout.NCHW).startswith("enum test_warm_rechecks.Layout@") and describe(Layout.NCHW).endswith(".NCHW")
+    assert describe(Layout.NCHW) != describe(Layout.NHWC)
+    assert describe(Access.READ).endswith(".READ")
+    assert describe(Access.READ | Access.WRITE) is None  # a combination has no member of its own
 
 
 def test_globals_dynamo_names_by_an_id_are_named_by_import() -> None:

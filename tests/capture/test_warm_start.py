@@ -17,6 +17,7 @@ WORKER = Path(__file__).parents[1] / "support" / "warm_worker.py"
 ROOT = Path(__file__).resolve().parents[2]
 
 MODEL = '''
+import enum
 import functools
 
 import torch
@@ -64,10 +65,20 @@ SCALE = 2.0  # module globals the forward reads: their values are guards a saved
 USE_RELU = True
 
 
+class Layout(enum.Enum):  # an enum member read from a global, as timm's layers read Format.NCHW
+    FLAT = "flat"
+    FLIPPED = "flipped"
+
+
+LAYOUT = Layout.FLAT
+
+
 class Flagged(Net):
     def forward(self, x):
         h = self.norm(self.fc1(x))
         h = torch.relu(h) if USE_RELU else torch.tanh(h)
+        if LAYOUT is Layout.FLIPPED:
+            h = h.flip(-1)
         return self.fc2(h * SCALE)
 
 
@@ -315,15 +326,16 @@ def test_module_globals_the_forward_reads_are_rechecked(tmp_path: Path) -> None:
     (cold,), _ = _run(tmp_path, models, "train", "flagged")
     assert any("re-checked by Ember" in line for line in cold["log"]), cold["log"]
     assert any(line.startswith("saved") for line in cold["log"]), cold["log"]
-    results, _ = _run(tmp_path, models, "train", "flagged", "flagged_scale", "flagged_tanh", "flagged_between_calls")
+    results, _ = _run(tmp_path, models, "train", "flagged", "flagged_scale", "flagged_tanh", "flagged_layout",
+                      "flagged_between_calls")
     by = {r["variant"]: r for r in results}  # _run checked every result against eager
     assert _loaded(by["flagged"]) and by["flagged"]["traced_graphs"] == 0, by["flagged"]["log"]
-    for name in ("flagged_scale", "flagged_tanh"):
+    for name in ("flagged_scale", "flagged_tanh", "flagged_layout"):
         assert any("a re-checked guard fails" in line for line in by[name]["log"]), (name, by[name]["log"])
         assert _compiled(by[name]) and not _loaded(by[name]), (name, by[name]["log"])
     # Each setting keeps its own file. In one process, the flag flipped after a loaded program ran:
     # the next call does not run that program; it loads the one saved for the other setting.
-    assert len(list((tmp_path / "warm_start").glob("*.ember-warm"))) == 3
+    assert len(list((tmp_path / "warm_start").glob("*.ember-warm"))) == 4
     between = by["flagged_between_calls"]
     loads = [line for line in between["log"] if line.startswith("loaded")]
     assert len(loads) == 2 and loads[0].split()[1] != loads[1].split()[1], between["log"]

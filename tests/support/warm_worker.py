@@ -9,8 +9,8 @@ MODE is infer or train. MODEL_DIR holds ``warm_model.py`` (the test writes it; a
 is a changed file). Each VARIANT compiles a fresh ember.compile of a changed case in this same
 process: base, weight_dtype, weight_shape, ember_version, device_name, graph_break, decorated (a
 decorated forward and a module holding a builtin), decorated_other_act (another builtin there),
-flagged (a forward reading module globals), flagged_scale / flagged_tanh (those globals set otherwise
-before the compile), flagged_between_calls (a global set otherwise after the first call).
+flagged (a forward reading module globals, an enum member among them), flagged_scale / flagged_tanh /
+flagged_layout (those globals set otherwise before the compile), flagged_between_calls (a global set otherwise after the first call).
 """
 
 from __future__ import annotations
@@ -37,6 +37,8 @@ def run(cache_dir: str, mode: str, variant: str) -> dict:
         warm_model.SCALE = 3.0
     if variant == "flagged_tanh":
         warm_model.USE_RELU = False
+    if variant == "flagged_layout":
+        warm_model.LAYOUT = warm_model.Layout.FLIPPED
     if variant.startswith("decorated"):
         act = torch.relu if variant == "decorated_other_act" else torch.nn.functional.gelu
         model = warm_model.Decorated(hidden, act)

@@ -10,8 +10,8 @@ Two kinds of Dynamo guard do not survive torch's save of a traced frame:
 
 Each such guard becomes a re-check: its source expression, a kind (what the guard compares) and a
 description of the value that holds in any process where the value is the same (a constant's repr,
-a module's name, a class's qualified name and source-file hash, a function's code, a length, a key
-list). On load every expression is evaluated (against the model, its forward's globals and the
+a module's name, a class's qualified name and source-file hash, an enum member's class and name, a
+function's code, a length, a key list). On load every expression is evaluated (against the model, its forward's globals and the
 call's arguments) and described; any difference or error is a failed guard (a fresh compile). Once a
 file's re-checks hold, each call checks them as Dynamo's guards do in a process: identity of the
 objects found at load, equality of constants, lengths, keys, in one generated function.
@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import ast
 import builtins
+import enum
 import hashlib
 import importlib
 import inspect
@@ -125,6 +126,13 @@ def describe(value: object) -> str | None:
         return f"function {value.__module__}.{value.__qualname__} {describe(value.__code__)}"
     if isinstance(value, (types.WrapperDescriptorType, types.MethodDescriptorType)):
         return f"descriptor {value.__objclass__.__module__}.{value.__objclass__.__qualname__}.{value.__name__}"
+    if isinstance(value, enum.Enum):  # a member is its class's one object of that name (timm's Format.NCHW)
+        name = value.name
+        try:
+            named = isinstance(name, str) and type(value)[name] is value
+        except KeyError:  # a combination of flags: no member of that name
+            named = False
+        return f"enum {class_source(type(value))}.{name}" if named else None
     return constant(value)
 
 
