@@ -1,11 +1,12 @@
 """Which registry models warm-start, and whether a warm process computes what the cold one did.
 
-For each model: a training step through ``ember.compile(warm_start=True)`` (CPU, small inputs, the
-``aten`` target) in a new process with an empty cache (cold), then again in another new process
-with the cache it left (warm). Prints the warm start's log line of each process and whether the
-loss and every gradient of the warm process equal the cold process's bit for bit.
+For each model: a training step (or, ``--mode infer``, an inference call under ``torch.no_grad()``)
+through ``ember.compile(warm_start=True)`` (CPU, small inputs, the ``aten`` target) in a new process
+with an empty cache (cold), then again in another new process with the cache it left (warm). Prints
+the warm start's log line of the warm process and whether its loss and every gradient (inference:
+its output) equal the cold process's bit for bit.
 
-    PYTHONPATH=src python benchmarks/scripts/warm_start_coverage.py [MODEL ...] [--json out.json]
+    PYTHONPATH=src python benchmarks/scripts/warm_start_coverage.py [MODEL ...] [--mode infer] [--json out.json]
 """
 
 from __future__ import annotations
@@ -21,13 +22,15 @@ CHILD = r"""
 import json, sys, torch, ember
 from ember.bench import models
 from ember.bench.harness import ember_backend_of
-case = models.get_case(sys.argv[1])
+case, train = models.get_case(sys.argv[1]), sys.argv[2] == "train"
 torch.manual_seed(0)
-model = case.build(True).train()
+model = case.build(True).train(train)
 x, y = models.make_batches(case, 2, torch.device("cpu"), small=True, count=1)[0]
 compiled = ember.compile(model, target="aten", warm_start=True)
-loss = case.loss(compiled(*x), y)
-loss.backward()
+with torch.set_grad_enabled(train):
+    loss = case.loss(compiled(*x), y)
+if train:
+    loss.backward()
 grads = [p.grad.double().sum().item() for p in model.parameters() if p.grad is not None]
 backend = ember_backend_of(compiled)
 print("RESULT " + json.dumps({"loss": loss.item(), "grads": grads, "log": list(backend.log.warm_start) if backend else []}))
@@ -38,9 +41,9 @@ DEFAULT = ["resnet18", "tiny_transformer", "mobilenet_v3", "densenet121", "resne
            "bart", "lstm_lm"]
 
 
-def _run(model: str, cache: str) -> dict:
+def _run(model: str, mode: str, cache: str) -> dict:
     env = {**os.environ, "EMBER_CACHE_DIR": cache}
-    proc = subprocess.run([sys.executable, "-c", CHILD, model], env=env, capture_output=True, text=True, timeout=900)
+    proc = subprocess.run([sys.executable, "-c", CHILD, model, mode], env=env, capture_output=True, text=True, timeout=900)
     lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
     if proc.returncode != 0 or not lines:
         return {"error": proc.stderr.strip().splitlines()[-1][:300] if proc.stderr.strip() else f"rc {proc.returncode}"}
@@ -50,17 +53,19 @@ def _run(model: str, cache: str) -> dict:
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("models", nargs="*", default=DEFAULT)
+    parser.add_argument("--mode", choices=["train", "infer"], default="train")
     parser.add_argument("--json")
     args = parser.parse_args()
     rows = []
     for model in args.models:
         with tempfile.TemporaryDirectory() as cache:
-            cold, warm = _run(model, cache), _run(model, cache)
+            cold, warm = _run(model, args.mode, cache), _run(model, args.mode, cache)
         loaded = any(line.startswith("loaded") for line in warm.get("log", []))
         same = "error" not in cold and "error" not in warm and cold["loss"] == warm["loss"] and cold["grads"] == warm["grads"]
         rows.append({"model": model, "cold": cold, "warm": warm, "loaded": loaded, "same": same})
         last = (warm.get("log") or [warm.get("error", "")])[-1]
-        print(f"{model:16s} warm start {'loaded' if loaded else 'NOT loaded'}; loss and gradients "
+        what = "loss and gradients" if args.mode == "train" else "loss of the output"
+        print(f"{model:16s} warm start {'loaded' if loaded else 'NOT loaded'}; {what} "
               f"{'equal' if same else 'DIFFER'} to the cold process's; {last[:150]}", flush=True)
     print(f"{sum(r['loaded'] for r in rows)} of {len(rows)} loaded; {sum(r['same'] for r in rows)} of {len(rows)} equal")
     if args.json:
