@@ -52,9 +52,9 @@ def _code_path(path: Path) -> Path:
 def compile_kept(source: bytes, filename: str, cached: Path) -> CodeType:
     """``compile(source, filename, "exec")``, its code object kept in ``cached`` with the SHA-256 of
     the source and the interpreter's version; a file that does not match, or cannot be read or
-    unmarshalled, is compiled again and rewritten. A kept code object compiled under another file name (a program's title numbers its
-    graph within a process) gets ``filename``, so tracebacks name this one. Kernel modules and
-    programs use it."""
+    unmarshalled, is compiled again and rewritten. A kept code object compiled under another file
+    name (a program's title numbers its graph within a process) gets ``filename``, so tracebacks
+    name this one. Kernel modules and programs use it."""
     # The interpreter's version too: a code object marshalled by another Python is not one to run.
     digest = hashlib.sha256(source + b"\0" + sys.version.encode()).digest()
     try:

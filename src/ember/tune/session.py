@@ -344,8 +344,11 @@ def run_cli(args: Any) -> int:
         # compile again with the new choices to tune the kernels the program will really run.
         with autocast, config.patch(tuning_db=str(db_path)):
             groups = collect_groups(model, inputs, args.mode == "train", args.target, loss)
-    rest = tune_groups(groups, db, options.kernel_dir(), max(0.0, args.budget - report.seconds), top=args.top,
-                       force=args.force, progress=console.is_terminal, shared=shared)
+    def tune_kernels(groups: list, spent_s: float) -> TuneReport:  # within what is left of the budget
+        return tune_groups(groups, db, options.kernel_dir(), max(0.0, args.budget - spent_s), top=args.top,
+                           force=args.force, progress=console.is_terminal, shared=shared)
+
+    rest = tune_kernels(groups, report.seconds)
     report.kernels += rest.kernels
     report.skipped += rest.skipped
     report.seconds += rest.seconds
@@ -377,8 +380,7 @@ def run_cli(args: Any) -> int:
             # now and judge the choices it makes, so that the next ``ember tune`` finds them judged.
             with autocast, config.patch(tuning_db=str(db_path)):
                 groups = collect_groups(model, inputs, args.mode == "train", args.target, loss)
-            more = tune_groups(groups, db, options.kernel_dir(), max(0.0, args.budget - spent), top=args.top,
-                               force=args.force, progress=console.is_terminal, shared=shared)
+            more = tune_kernels(groups, spent)
             spent += more.seconds
             known = None
             if more.measured:
