@@ -157,6 +157,9 @@ def main() -> None:
                            for m in new if not m.startswith(("ember_cpu_", "ember_kernel")))
         print(f"  modules first imported inside the first call: {len(new)}: "
               + ", ".join(f"{k} {v}" for k, v in sorted(families.items())))
+    from ember.runtime import cubin_launch
+    if any(cubin_launch.STATS.values()):
+        print("  cubin launches: " + ", ".join(f"{k} {v}" for k, v in cubin_launch.STATS.items()))
     backend = harness.ember_backend_of(fn if fn is not None else step)
     if backend is not None:
         for line in backend.log.warm_start:

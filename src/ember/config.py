@@ -288,6 +288,10 @@ class Settings:
                                           "Triton's walk over the kernel (runtime/kernel_module.py); a stored "
                                           "program's code object is kept the same way (pipeline._program_code)",
                                     "EMBER_KERNEL_LOAD_CACHE")
+    cubin_launch: bool = _item(True, "a generated Triton kernel launches its recorded binary through torch's "
+                                     "static CUDA launcher, without importing its module or Triton's launch "
+                                     "path; a launch with no recorded binary goes through Triton and records "
+                                     "it (runtime/cubin_launch.py)", "EMBER_CUBIN_LAUNCH")
     input_mutations_in_graph: bool = _item(True, "a graph's writes into its inputs (batch norm's running "
                                                  "statistics, buffer updates) stay in Ember's program as copy_ "
                                                  "into the input; off: AOTAutograd copies them back after each "

@@ -95,17 +95,31 @@ def load_kernel(ks: KernelSource, kernel_dir: Path, interpret: bool) -> Callable
         else:
             _LOADED[key] = _cpu_launcher(text, kernel_dir)
         return _LOADED[key]
-    if not interpret:
-        triton_key.install()
     text = ks.module_source()
     path = _module_file(kernel_dir / f"{ks.name}.py", text)
+    if interpret:
+        _LOADED[key] = _import_jit(ks.name, path, text, interpret)
+        return _LOADED[key]
+    from ember.runtime import cubin_launch
+    if settings().cubin_launch and cubin_launch.available():
+        # Launched from its stored binary; the module is imported only for a launch without one.
+        _LOADED[key] = cubin_launch.CubinKernel(ks.name, text, kernel_dir,
+                                                lambda: _import_jit(ks.name, path, text, False))
+    else:
+        _LOADED[key] = _import_jit(ks.name, path, text, False)
+    return _LOADED[key]
+
+
+def _import_jit(name: str, path: Path, text: str, interpret: bool) -> Callable:
+    """The ``@triton.jit`` function ``name`` of the kernel module in ``path`` (whose text is ``text``)."""
+    if not interpret:
+        triton_key.install()
     keep = settings().kernel_load_cache
     with jit_mode(interpret):
-        module = kernel_module.import_file(f"ember_kernels.{ks.name}", path, keep)
-    fn = getattr(module, ks.name)
+        module = kernel_module.import_file(f"ember_kernels.{name}", path, keep)
+    fn = getattr(module, name)
     if keep and not interpret:
         kernel_module.preset_cache_key(fn, path, text)
-    _LOADED[key] = fn
     return fn
 
 

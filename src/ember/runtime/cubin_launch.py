@@ -1,0 +1,308 @@
+"""Generated Triton kernels launched from their stored binaries, without Triton's launch path.
+
+Triton launches a ``@triton.jit`` function by binding its arguments to a specialisation key,
+looking the binary up (in memory, else in its on-disk cache: a cache key, the metadata file, the
+module load and a launcher library) and calling it. In a process that loads a saved program that
+is most of the first call's Triton work (resnet50 training on an H200 host: the kernel modules'
+182 ``@triton.jit`` decorations 0.33 s, 120 loads from Triton's cache 0.43 s, the first launch
+importing Triton's ``gluon`` package 0.18 s), and every launch outside a CUDA graph binds again.
+
+``CubinKernel`` stands where a program names a generated kernel. A launch is keyed by what a
+binary is specialised on: the launch's meta and, per argument, a tensor's dtype and whether its
+address is 16-byte aligned (an integer by its value). A key with a recorded binary launches it
+through torch's static CUDA launcher (``torch._C._StaticCudaLauncher``, the one Inductor uses).
+A key without one takes Triton's own path (the kernel module is imported then, not before), and
+the binary Triton ran is recorded: its cubin kept by content hash under ``<kernel dir>/cubins/``,
+its launch facts (function, warps, shared memory, the arguments it takes and their types) in a
+JSON file named by the kernel and a tag of its text, Triton's key, torch's version and the GPU.
+A record of another tag is never read; a damaged or missing file, or a binary the static launcher
+cannot run (more than one CTA, scratch memory, a cluster or cooperative launch), leaves that key
+on Triton's path. ``cubin_launch`` (``EMBER_CUBIN_LAUNCH=0``) turns this off.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import threading
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+log = logging.getLogger(__name__)
+
+# Triton's signature types -> the static launcher's argument codes (as Inductor maps them).
+_ARG_CODES = {"i1": "i", "i8": "b", "i16": "h", "i32": "i", "i64": "l", "u1": "I", "u8": "B", "u16": "H",
+              "u32": "I", "u64": "K", "fp16": "f", "bf16": "f", "fp32": "f", "f32": "f", "fp64": "d"}
+_SCRATCH_FIELDS = ("global_scratch_size", "profile_scratch_size")
+_LOCK = threading.Lock()
+STATS = {"stored": 0, "triton": 0, "recorded": 0}  # launch keys resolved each way in this process
+
+
+@dataclass
+class Binary:
+    """One compiled variant of a kernel, as the static launcher runs it."""
+
+    cubin: str  # file name under the cubin folder (the SHA-256 of its bytes)
+    function: str  # the kernel's name inside the cubin
+    num_warps: int
+    shared: int
+    arg_tys: str  # one code per argument the binary takes
+    passed: tuple[int, ...]  # positions of the call's arguments the binary takes (constexprs folded)
+    scratch: int = 0  # trailing null pointers the binary expects (unused scratch buffers)
+    loaded: dict[int, int] = field(default_factory=dict, repr=False)  # device -> function handle
+
+    def to_json(self) -> dict:
+        out = asdict(self)
+        out.pop("loaded")
+        out["passed"] = list(self.passed)
+        return out
+
+    @classmethod
+    def from_json(cls, data: dict) -> Binary:
+        return cls(str(data["cubin"]), str(data["function"]), int(data["num_warps"]), int(data["shared"]),
+                   str(data["arg_tys"]), tuple(int(i) for i in data["passed"]), int(data.get("scratch", 0)))
+
+
+class _OnTriton:
+    """A key launched through Triton's own path (with why, for the log)."""
+
+    def __init__(self, why: str) -> None:
+        self.why = why
+
+
+def available() -> bool:
+    """Whether this torch has the static CUDA launcher and a GPU is present."""
+    return hasattr(torch._C, "_StaticCudaLauncher") and torch.cuda.is_available()
+
+
+def _arg_key(a: Any) -> object:
+    if isinstance(a, torch.Tensor):
+        return (a.dtype, a.data_ptr() % 16 == 0)
+    if isinstance(a, bool | int) or a is None:
+        return a
+    return type(a).__name__
+
+
+def key_text(key: tuple) -> str:
+    """The JSON name of a launch key: ``BLOCK=256;bfloat16:A,float32:U,4``."""
+    meta, args = key
+    parts = []
+    for a in args:
+        if isinstance(a, tuple):
+            parts.append(f"{str(a[0]).removeprefix('torch.')}:{'A' if a[1] else 'U'}")
+        else:
+            parts.append(repr(a))
+    return ";".join([",".join(f"{k}={v}" for k, v in meta), ",".join(parts)])
+
+
+def binary_of(compiled: Any, n_args: int) -> tuple[Binary, bytes] | _OnTriton:
+    """The launch facts and cubin of Triton's ``CompiledKernel`` for a call with ``n_args``
+    positional arguments, or why the static launcher cannot run it."""
+    md = compiled.metadata
+    if getattr(md, "num_ctas", 1) != 1:
+        return _OnTriton("more than one CTA")
+    if getattr(md, "launch_cooperative_grid", False) or getattr(md, "launch_pdl", False):
+        return _OnTriton("cooperative or programmatic-dependent launch")
+    if tuple(getattr(md, "cluster_dims", (1, 1, 1)) or (1, 1, 1)) not in ((1, 1, 1), (1,), ()):
+        return _OnTriton("cluster launch")
+    if getattr(md, "tensordesc_meta", None):
+        return _OnTriton("tensor descriptors")
+    scratch = 0
+    for name in _SCRATCH_FIELDS:
+        if hasattr(md, name):
+            if getattr(md, name):
+                return _OnTriton(f"{name} {getattr(md, name)}")
+            scratch += 1
+    cubin = getattr(compiled, "asm", {}).get("cubin")
+    if not isinstance(cubin, bytes | bytearray):
+        return _OnTriton("no cubin")
+    src = compiled.src
+    names = list(src.fn.arg_names)
+
+    def position(k: Any) -> int:
+        if isinstance(k, str):
+            return names.index(k)
+        return k[0] if isinstance(k, tuple) else int(k)
+
+    signature = {position(k): v for k, v in src.signature.items()}
+    constants = {position(k) for k in getattr(src, "constants", {})}
+    passed, codes = [], []
+    for i in range(len(names)):
+        ty = signature.get(i, "constexpr")
+        if ty == "constexpr" or i in constants:
+            continue
+        if i >= n_args:
+            return _OnTriton(f"argument {names[i]} passed by name")
+        code = "O" if isinstance(ty, str) and ty.startswith("*") else _ARG_CODES.get(ty)
+        if code is None:
+            return _OnTriton(f"argument type {ty}")
+        passed.append(i)
+        codes.append(code)
+    digest = hashlib.sha256(bytes(cubin)).hexdigest()[:32]
+    return Binary(f"{digest}.cubin", str(md.name), int(md.num_warps), int(md.shared), "".join(codes),
+                  tuple(passed), scratch), bytes(cubin)
+
+
+_DEVICE_TAGS: dict[int, str] = {}
+
+
+def _device_tag(device: int) -> str:
+    tag = _DEVICE_TAGS.get(device)
+    if tag is None:
+        import triton.runtime.cache as triton_cache
+
+        from ember.runtime import triton_key
+        triton_key.install()
+        props = torch.cuda.get_device_properties(device)
+        tag = "\n".join([triton_cache.triton_key(), torch.__version__, props.name, f"{props.major}.{props.minor}"])
+        _DEVICE_TAGS[device] = tag
+    return tag
+
+
+def _write_atomic(path: Path, data: bytes) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.{threading.get_ident()}.tmp")
+    try:
+        tmp.write_bytes(data)
+        os.replace(tmp, path)  # a concurrent reader sees the old file or the new one
+    except OSError:
+        tmp.unlink(missing_ok=True)
+
+
+def _intact(path: Path) -> bool:
+    """Whether the cubin file exists and its bytes hash to its name: a damaged one is never loaded."""
+    try:
+        return hashlib.sha256(path.read_bytes()).hexdigest()[:32] == path.stem
+    except OSError:
+        return False
+
+
+class CubinKernel:
+    """A generated kernel as a program names it: ``kernel[(grid,)](*args, **meta)`` launches the
+    stored binary for the call's key, else goes through Triton (``load_jit`` gives the function)."""
+
+    def __init__(self, name: str, text: str, folder: Path, load_jit: Callable[[], Any]) -> None:
+        self.name = name
+        self.folder = folder / "cubins"
+        self._text_hash = hashlib.sha256(text.encode()).hexdigest()
+        self._load_jit = load_jit
+        self._jit: Any = None
+        self._table: dict[tuple, Binary | _OnTriton] = {}
+        self._records: dict[int, dict[str, dict]] = {}  # device -> key text -> stored JSON entry
+
+    def __getitem__(self, grid: tuple) -> Callable[..., None]:
+        return lambda *args, **meta: self.launch(grid, args, meta)
+
+    def jit(self) -> Any:
+        """Triton's function for this kernel (its module imported at the first need)."""
+        if self._jit is None:
+            self._jit = self._load_jit()
+        return self._jit
+
+    def launch(self, grid: tuple, args: tuple, meta: dict) -> None:
+        key = (tuple(meta.items()), tuple(map(_arg_key, args)))
+        binary = self._table.get(key)
+        if binary is None:
+            binary = self._resolve(key, grid, args, meta)
+            if binary is None:
+                return  # launched through Triton while recording it
+        if isinstance(binary, _OnTriton):
+            self.jit()[grid](*args, **meta)
+            return
+        device = torch._C._cuda_getDevice()
+        function = binary.loaded.get(device)
+        if function is None:
+            try:
+                function = self._load(binary, device)
+            except Exception as err:  # noqa: BLE001 - e.g. a cubin this GPU cannot load: Triton's path
+                log.debug("cannot load %s's binary on device %d", self.name, device, exc_info=True)
+                self._table[key] = _OnTriton(f"{type(err).__name__}: {err}")
+                self.jit()[grid](*args, **meta)
+                return
+        passed = tuple(args[i] for i in binary.passed) + (None,) * binary.scratch
+        torch._C._StaticCudaLauncher._launch_kernel(
+            function, grid[0], grid[1] if len(grid) > 1 else 1, grid[2] if len(grid) > 2 else 1,
+            binary.num_warps, binary.shared, binary.arg_tys, passed, torch._C._cuda_getCurrentRawStream(device))
+
+    # -- records ---------------------------------------------------------------------------------
+
+    def _record_path(self, device: int) -> Path:
+        tag = hashlib.sha256(f"{self._text_hash}\n{_device_tag(device)}".encode()).hexdigest()[:16]
+        return self.folder / f"{self.name}.{tag}.json"
+
+    def _stored(self, device: int) -> dict[str, dict]:
+        records = self._records.get(device)
+        if records is None:
+            try:
+                data = json.loads(self._record_path(device).read_text())
+                records = data["binaries"] if data.get("kernel") == self.name else {}
+                if not isinstance(records, dict):
+                    records = {}
+            except (OSError, ValueError, KeyError, TypeError, AttributeError):
+                records = {}  # none yet, or damaged: Triton's path records anew
+            self._records[device] = records
+        return records
+
+    def _resolve(self, key: tuple, grid: tuple, args: tuple, meta: dict) -> Binary | _OnTriton | None:
+        device = torch._C._cuda_getDevice()
+        entry = self._stored(device).get(key_text(key))
+        if entry is not None:
+            try:
+                binary: Binary | _OnTriton = (_OnTriton(str(entry["triton"])) if "triton" in entry
+                                              else Binary.from_json(entry))
+                if isinstance(binary, Binary):
+                    self._load(binary, device)
+                STATS["stored"] += 1
+                self._table[key] = binary
+                return binary
+            except Exception:  # noqa: BLE001 - a damaged record or cubin: Triton's path below
+                log.debug("stored binary of %s unusable", self.name, exc_info=True)
+        fn = self.jit()
+        fn[grid](*args, **meta)
+        STATS["triton"] += 1
+        try:
+            found = binary_of(fn.warmup(*args, grid=grid, **meta), len(args))
+            binary = found if isinstance(found, _OnTriton) else found[0]
+            self._save(found, key, device)
+        except Exception as err:  # noqa: BLE001 - keep Triton's path for this key
+            log.debug("no stored binary for %s", self.name, exc_info=True)
+            binary = _OnTriton(f"{type(err).__name__}: {err}")
+        self._table[key] = binary
+        return None
+
+    def _save(self, found: tuple[Binary, bytes] | _OnTriton, key: tuple, device: int) -> None:
+        if isinstance(found, _OnTriton):
+            entry = {"triton": found.why}
+        else:
+            binary, data = found
+            path = self.folder / binary.cubin
+            if not _intact(path):
+                _write_atomic(path, data)
+            entry = binary.to_json()
+        with _LOCK:
+            records = self._stored(device)
+            records[key_text(key)] = entry
+            record = self._record_path(device)
+            try:  # merge what another process recorded meanwhile
+                on_disk = json.loads(record.read_text()).get("binaries", {})
+                records.update({k: v for k, v in on_disk.items() if k not in records})
+            except (OSError, ValueError, AttributeError):
+                pass
+            _write_atomic(record, json.dumps({"kernel": self.name, "binaries": records}, indent=1).encode())
+        STATS["recorded"] += 1
+
+    def _load(self, binary: Binary, device: int) -> int:
+        path = self.folder / binary.cubin
+        if not _intact(path):
+            raise ValueError(f"{path.name} is missing or does not match its hash")
+        loaded = torch._C._StaticCudaLauncher._load_kernel(str(path), binary.function, binary.shared, device)
+        # torch 2.11 returns (function, registers, spills); later ones put the module first.
+        function = loaded[1] if len(loaded) == 4 else loaded[0]
+        binary.loaded[device] = function
+        return function
