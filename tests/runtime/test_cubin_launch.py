@@ -55,11 +55,11 @@ def compiled_for(jit_fn, flag_is_one: bool, **meta_fields) -> SimpleNamespace:
 
 def test_launch_facts_come_from_tritons_signature(jit_fn):
     binary, cubin = binary_of(compiled_for(jit_fn, flag_is_one=False), n_args=5)
-    assert binary.passed == (0, 1, 2, 3, 4) and binary.arg_tys == "OOOii"
+    assert binary.passed == (0, 1, 2, 3, 4) and binary.arg_tys == "OOOiiOO"  # two null scratch pointers
     assert (binary.num_warps, binary.shared, binary.function, binary.scratch) == (4, 128, "scaled_sum", 2)
     assert cubin.startswith(b"\x7fELF")
     folded, _ = binary_of(compiled_for(jit_fn, flag_is_one=True), n_args=5)
-    assert folded.passed == (0, 1, 2, 3) and folded.arg_tys == "OOOi"  # a constant is not passed
+    assert folded.passed == (0, 1, 2, 3) and folded.arg_tys == "OOOiOO"  # a constant is not passed
     assert Binary.from_json(folded.to_json()) == folded
 
 
@@ -84,6 +84,8 @@ class FakeLauncher:
         return (f"function:{name}", 32, 0)  # torch 2.11's shape: (function, registers, spills)
 
     def _launch_kernel(self, function, gx, gy, gz, num_warps, shared, arg_tys, args, stream):
+        if len(arg_tys) != len(args):  # what torch's launcher checks before launching
+            raise RuntimeError("Mismatch between number of argument types and provided arguments")
         self.launches.append((function, (gx, gy, gz), num_warps, shared, arg_tys, args, stream))
 
 
@@ -133,7 +135,8 @@ def test_a_launch_records_the_binary_and_the_next_launches_it(tmp_path, jit_fn, 
     kernel[(3,)](x, y, out, 64, 5, XBLOCK=64)
     assert len(jit.launches) == 1
     function, grid, warps, shared, tys, args, stream = gpu_stand_ins.launches[0]
-    assert (function, grid, warps, shared, tys, stream) == ("function:scaled_sum", (3, 1, 1), 4, 128, "OOOii", 1234)
+    assert (function, grid, warps, shared, tys, stream) == ("function:scaled_sum", (3, 1, 1), 4, 128, "OOOiiOO", 1234)
+    assert len(tys) == len(args)
     assert args[:5] == (x, y, out, 64, 5) and args[5:] == (None, None)  # the two unused scratch pointers
     assert list((tmp_path / "cubins").glob("*.cubin")) and list((tmp_path / "cubins").glob("scaled_sum.*.json"))
 
@@ -158,7 +161,7 @@ def test_other_specialisations_take_tritons_path_and_are_recorded(tmp_path, jit_
     kernel[(3,)](x, y, out, 64, 5, XBLOCK=128)  # other meta
     assert len(jit.launches) == 4 and not gpu_stand_ins.launches
     kernel[(3,)](x, y, out, 64, 1, XBLOCK=64)
-    assert gpu_stand_ins.launches[-1][4] == "OOOi" and len(gpu_stand_ins.launches[-1][5]) == 6
+    assert gpu_stand_ins.launches[-1][4] == "OOOiOO" and len(gpu_stand_ins.launches[-1][5]) == 6
     warm = make(tmp_path, None)
     for args, meta in [((xu, yu, outu, 64, 5), 64), ((x, y, out, 64, 1), 64), ((x, y, out, 64, 5), 128)]:
         warm[(3,)](*args, XBLOCK=meta)
@@ -201,3 +204,15 @@ def test_a_binary_the_launcher_cannot_run_stays_on_triton_in_later_processes(tmp
     jit = FakeJit(jit_fn)
     make(tmp_path, jit)[(3,)](x, y, out, 64, 5, XBLOCK=64)
     assert len(jit.launches) == 1 and not gpu_stand_ins.launches and not gpu_stand_ins.loads
+
+
+def test_a_binary_the_launcher_refuses_launches_through_triton_once(tmp_path, jit_fn, gpu_stand_ins, monkeypatch):
+    x, y, out = tensors()
+    make(tmp_path, FakeJit(jit_fn))[(3,)](x, y, out, 64, 5, XBLOCK=64)
+    record = next((tmp_path / "cubins").glob("scaled_sum.*.json"))
+    record.write_text(record.read_text().replace('"OOOiiOO"', '"OOOii"'))  # a record the launcher refuses
+    jit = FakeJit(jit_fn)
+    kernel = make(tmp_path, jit)
+    kernel[(3,)](x, y, out, 64, 5, XBLOCK=64)
+    kernel[(3,)](x, y, out, 64, 5, XBLOCK=64)
+    assert len(jit.launches) == 2 and not gpu_stand_ins.launches

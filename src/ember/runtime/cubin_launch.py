@@ -52,7 +52,7 @@ class Binary:
     function: str  # the kernel's name inside the cubin
     num_warps: int
     shared: int
-    arg_tys: str  # one code per argument the binary takes
+    arg_tys: str  # one code per argument the binary takes (the scratch pointers' included)
     passed: tuple[int, ...]  # positions of the call's arguments the binary takes (constexprs folded)
     scratch: int = 0  # trailing null pointers the binary expects (unused scratch buffers)
     loaded: dict[int, int] = field(default_factory=dict, repr=False)  # device -> function handle
@@ -145,7 +145,7 @@ def binary_of(compiled: Any, n_args: int) -> tuple[Binary, bytes] | _OnTriton:
         passed.append(i)
         codes.append(code)
     digest = hashlib.sha256(bytes(cubin)).hexdigest()[:32]
-    return Binary(f"{digest}.cubin", str(md.name), int(md.num_warps), int(md.shared), "".join(codes),
+    return Binary(f"{digest}.cubin", str(md.name), int(md.num_warps), int(md.shared), "".join(codes) + "O" * scratch,
                   tuple(passed), scratch), bytes(cubin)
 
 
@@ -226,9 +226,15 @@ class CubinKernel:
                 self.jit()[grid](*args, **meta)
                 return
         passed = tuple(args[i] for i in binary.passed) + (None,) * binary.scratch
-        torch._C._StaticCudaLauncher._launch_kernel(
-            function, grid[0], grid[1] if len(grid) > 1 else 1, grid[2] if len(grid) > 2 else 1,
-            binary.num_warps, binary.shared, binary.arg_tys, passed, torch._C._cuda_getCurrentRawStream(device))
+        try:
+            torch._C._StaticCudaLauncher._launch_kernel(
+                function, grid[0], grid[1] if len(grid) > 1 else 1, grid[2] if len(grid) > 2 else 1,
+                binary.num_warps, binary.shared, binary.arg_tys, passed, torch._C._cuda_getCurrentRawStream(device))
+        except Exception as err:  # noqa: BLE001 - the launcher refused before launching: Triton's path
+            log.warning("ember: %s launches through Triton: the static launcher refused its binary (%s)",
+                        self.name, err)
+            self._table[key] = _OnTriton(f"{type(err).__name__}: {err}")
+            self.jit()[grid](*args, **meta)
 
     # -- records ---------------------------------------------------------------------------------
 
