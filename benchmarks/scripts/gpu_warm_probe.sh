@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
 # Where warm first calls go on a GPU: for each model, one cold process (it fills the caches), then
 # warm processes with the constants-load probe, and one under cProfile or torch.profiler.
-#   [BACKEND=ember-whole-step] [TORCH_PROFILE=0] bash benchmarks/scripts/gpu_warm_probe.sh "bert resnet50" [EXTRA ENV ASSIGNMENTS...]
+#   [BACKEND=ember-whole-step] [TORCH_PROFILE=0] [AB_ENV="EMBER_X=0"] bash benchmarks/scripts/gpu_warm_probe.sh "bert resnet50" [EXTRA ENV ASSIGNMENTS...]
 # Results under $OUT/warm_probe/: MODEL_cold.txt, MODEL_warm_N.txt, MODEL_warm_cprofile.txt,
-# MODEL_warm_torch_profile.txt, and a summary line per process in summary.txt.
+# MODEL_warm_torch_profile.txt, and a summary line per process in summary.txt. AB_ENV: two more warm
+# processes with those assignments (MODEL_warm_ab_N.txt), alternating with two plain ones.
 set -u
 MODELS=${1:-"bert resnet50"}
 BACKEND=${BACKEND:-ember}
@@ -21,6 +22,12 @@ for model in $MODELS; do
   run 90 "${model}_warm_1" --probe-load
   run 90 "${model}_warm_2" --probe-load
   run 90 "${model}_warm_cprofile" --profile "$caches/p.prof" --top 60
+  if [ -n "${AB_ENV:-}" ]; then
+    for i in 1 2; do
+      (export $AB_ENV; run 90 "${model}_warm_ab_$i" --probe-load)
+      run 90 "${model}_warm_plain_$i" --probe-load
+    done
+  fi
   [ "$TORCH_PROFILE" = 1 ] && run 90 "${model}_warm_torch_profile" --torch-profile --top 30
   rm -rf "$caches"
 done
