@@ -216,3 +216,23 @@ def test_a_binary_the_launcher_refuses_launches_through_triton_once(tmp_path, ji
     kernel[(3,)](x, y, out, 64, 5, XBLOCK=64)
     kernel[(3,)](x, y, out, 64, 5, XBLOCK=64)
     assert len(jit.launches) == 2 and not gpu_stand_ins.launches
+
+
+def test_a_module_of_hand_written_kernels_is_imported_only_for_a_launch_without_a_binary(
+        tmp_path, jit_fn, gpu_stand_ins):
+    source = tmp_path / "ops_kernels.py"
+    source.write_text(KERNEL)
+    imports = []
+
+    def load(jit):
+        imports.append(1)
+        return SimpleNamespace(scaled_sum=jit)
+    x, y, out = tensors()
+    cold = cubin_launch.KernelModule(source, tmp_path / "kernels", lambda: load(FakeJit(jit_fn)))
+    cold.scaled_sum[(3,)](x, y, out, 64, 5, XBLOCK=64)
+    assert imports == [1] and cold.scaled_sum is cold.scaled_sum
+    warm = cubin_launch.KernelModule(source, tmp_path / "kernels", lambda: load(None))
+    warm.scaled_sum[(3,)](x, y, out, 64, 5, XBLOCK=64)
+    assert imports == [1] and len(gpu_stand_ins.launches) == 1
+    with pytest.raises(AttributeError):
+        warm._private  # noqa: B018

@@ -166,9 +166,9 @@ def _device_tag(device: int) -> str:
 
 
 def _write_atomic(path: Path, data: bytes) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.{os.getpid()}.{threading.get_ident()}.tmp")
     try:
+        path.parent.mkdir(parents=True, exist_ok=True)
         tmp.write_bytes(data)
         os.replace(tmp, path)  # a concurrent reader sees the old file or the new one
     except OSError:
@@ -312,3 +312,30 @@ class CubinKernel:
         function = loaded[1] if len(loaded) == 4 else loaded[0]
         binary.loaded[device] = function
         return function
+
+
+class KernelModule:
+    """A module of hand-written ``@triton.jit`` kernels as ops launch them
+    (``module.kernel[grid](...)``): each kernel named is a ``CubinKernel``, and the module itself
+    is imported (``load``) only for a launch that has no recorded binary."""
+
+    def __init__(self, path: Path, folder: Path, load: Callable[[], Any]) -> None:
+        self._path, self._folder, self._load = path, folder, load
+        self._text = path.read_text()
+        self._module: Any = None
+        self._kernels: dict[str, CubinKernel] = {}
+
+    def _real(self) -> Any:
+        if self._module is None:
+            self._module = self._load()
+        return self._module
+
+    def __getattr__(self, name: str) -> CubinKernel:
+        if name.startswith("_"):
+            raise AttributeError(name)
+        kernel = self._kernels.get(name)
+        if kernel is None:
+            kernel = CubinKernel(f"{self._path.stem}.{name}", self._text, self._folder,
+                                 lambda: getattr(self._real(), name))
+            self._kernels[name] = kernel
+        return kernel

@@ -131,11 +131,20 @@ def load_module(path: Path, interpret: bool) -> ModuleType:
     helpers they call are interpreted (CPU tensors) or compiled alike."""
     key = (str(path), interpret)
     if key not in _MODULES:
-        if not interpret:
-            triton_key.install()
-        with jit_mode(interpret):
-            _MODULES[key] = kernel_module.import_file(f"ember_kernels.{path.stem}_{int(interpret)}", path,
-                                                      settings().kernel_load_cache)
+        def load() -> ModuleType:
+            if not interpret:
+                triton_key.install()
+            with jit_mode(interpret):
+                return kernel_module.import_file(f"ember_kernels.{path.stem}_{int(interpret)}", path,
+                                                 settings().kernel_load_cache)
+        from ember.runtime import cubin_launch
+        if not interpret and settings().cubin_launch and cubin_launch.available():
+            from ember.config import Options
+            # Its kernels launch recorded binaries (kept in the default kernel folder); the module
+            # is imported for a launch without one.
+            _MODULES[key] = cubin_launch.KernelModule(path, Options().kernel_dir(), load)  # type: ignore[assignment]
+        else:
+            _MODULES[key] = load()
     return _MODULES[key]
 
 
