@@ -108,7 +108,7 @@ def gpu_stand_ins(monkeypatch):
     monkeypatch.setattr(torch._C, "_StaticCudaLauncher", launcher, raising=False)
     monkeypatch.setattr(torch._C, "_cuda_getDevice", lambda: 0, raising=False)
     monkeypatch.setattr(torch._C, "_cuda_getCurrentRawStream", lambda device: 1234, raising=False)
-    monkeypatch.setattr(cubin_launch, "_device_tag", lambda device: "triton-key\ntorch\nGPU\n9.0")
+    monkeypatch.setattr(cubin_launch, "device_tag", lambda device: "triton-key\ntorch\nGPU\n9.0")
     monkeypatch.setattr(cubin_launch, "STATS", {"stored": 0, "triton": 0, "recorded": 0})
     return launcher
 
@@ -123,7 +123,7 @@ def make(folder, jit, text=KERNEL):
         if jit is None:
             raise AssertionError("the kernel module was imported")
         return jit
-    return CubinKernel("scaled_sum", text, folder, load_jit)
+    return CubinKernel("scaled_sum", text, folder / "cubins", load_jit)
 
 
 def test_a_launch_records_the_binary_and_the_next_launches_it(tmp_path, jit_fn, gpu_stand_ins):
@@ -189,7 +189,7 @@ def test_a_damaged_cubin_or_record_is_never_launched(tmp_path, jit_fn, gpu_stand
 def test_a_record_of_another_gpu_torch_or_text_is_not_read(tmp_path, jit_fn, gpu_stand_ins, monkeypatch):
     x, y, out = tensors()
     make(tmp_path, FakeJit(jit_fn))[(3,)](x, y, out, 64, 5, XBLOCK=64)
-    monkeypatch.setattr(cubin_launch, "_device_tag", lambda device: "triton-key\ntorch\nanother GPU\n8.0")
+    monkeypatch.setattr(cubin_launch, "device_tag", lambda device: "triton-key\ntorch\nanother GPU\n8.0")
     jit = FakeJit(jit_fn)
     make(tmp_path, jit)[(3,)](x, y, out, 64, 5, XBLOCK=64)
     assert len(jit.launches) == 1 and not gpu_stand_ins.launches
@@ -236,3 +236,18 @@ def test_a_module_of_hand_written_kernels_is_imported_only_for_a_launch_without_
     assert imports == [1] and len(gpu_stand_ins.launches) == 1
     with pytest.raises(AttributeError):
         warm._private  # noqa: B018
+
+
+def test_a_compile_workers_binary_is_launched_at_the_parents_first_launch(tmp_path, jit_fn, gpu_stand_ins):
+    from ember.runtime import precompile
+    module = tmp_path / "scaled_sum.py"  # a generated kernel's file is named after it
+    module.write_text(KERNEL)
+    job = precompile.job_for(module, "scaled_sum", [torch.float32] * 3 + [precompile.int_arg(64),
+                                                                         precompile.int_arg(5)], {"XBLOCK": 64})
+    job = precompile.dataclasses.replace(job, cubin_tag=cubin_launch.device_tag(0), cubin_folder=str(tmp_path))
+    precompile._record_binary(job, compiled_for(jit_fn, flag_is_one=False))
+    folder, name = cubin_launch.record_place(module, "scaled_sum", tmp_path)
+    parent = CubinKernel(name, KERNEL, folder, lambda: pytest.fail("the parent went through Triton"))
+    x, y, out = tensors()
+    parent[(3,)](x, y, out, 64, 5, XBLOCK=64)
+    assert len(gpu_stand_ins.launches) == 1 and gpu_stand_ins.launches[0][4] == "OOOiiOO"

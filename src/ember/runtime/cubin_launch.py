@@ -90,7 +90,7 @@ def _arg_key(a: Any) -> object:
 
 
 def key_text(key: tuple) -> str:
-    """The JSON name of a launch key: ``BLOCK=256;bfloat16:A,float32:U,4``."""
+    """The JSON name of a launch key: ``BLOCK=256;bfloat16:A,float32:U,4`` (meta by name)."""
     meta, args = key
     parts = []
     for a in args:
@@ -98,7 +98,7 @@ def key_text(key: tuple) -> str:
             parts.append(f"{str(a[0]).removeprefix('torch.')}:{'A' if a[1] else 'U'}")
         else:
             parts.append(repr(a))
-    return ";".join([",".join(f"{k}={v}" for k, v in meta), ",".join(parts)])
+    return ";".join([",".join(f"{k}={v}" for k, v in sorted(meta)), ",".join(parts)])
 
 
 def binary_of(compiled: Any, n_args: int) -> tuple[Binary, bytes] | _OnTriton:
@@ -152,7 +152,8 @@ def binary_of(compiled: Any, n_args: int) -> tuple[Binary, bytes] | _OnTriton:
 _DEVICE_TAGS: dict[int, str] = {}
 
 
-def _device_tag(device: int) -> str:
+def device_tag(device: int) -> str:
+    """What a binary recorded for ``device`` is valid for: Triton's key, torch's version, the GPU."""
     tag = _DEVICE_TAGS.get(device)
     if tag is None:
         import triton.runtime.cache as triton_cache
@@ -175,6 +176,57 @@ def _write_atomic(path: Path, data: bytes) -> None:
         tmp.unlink(missing_ok=True)
 
 
+def record_place(path: Path, name: str, default_folder: Path) -> tuple[Path, str]:
+    """Where kernel ``name`` of the module file ``path`` keeps its binaries, and its record's name:
+    a generated kernel (its file is named after it, in a kernel folder) beside its file; a kernel
+    of a hand-written module (in Ember's package) under ``default_folder`` as ``module.kernel``."""
+    if path.stem == name:
+        return path.parent / "cubins", name
+    return default_folder / "cubins", f"{path.stem}.{name}"
+
+
+def record_path(folder: Path, name: str, text: str, tag: str) -> Path:
+    """The record file of kernel ``name`` with module text ``text`` for the device ``tag``."""
+    text_hash = hashlib.sha256(text.encode()).hexdigest()
+    return folder / f"{name}.{hashlib.sha256(f'{text_hash}{chr(10)}{tag}'.encode()).hexdigest()[:16]}.json"
+
+
+def read_records(path: Path, name: str) -> dict[str, dict]:
+    """Key text -> stored entry of a record file ({} when missing or damaged)."""
+    try:
+        data = json.loads(path.read_text())
+        records = data["binaries"] if data.get("kernel") == name else {}
+        return records if isinstance(records, dict) else {}
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        return {}
+
+
+def save_record(path: Path, name: str, key: str, found: tuple[Binary, bytes] | _OnTriton,
+                records: dict[str, dict] | None = None) -> None:
+    """Add ``found`` under ``key`` to the record file ``path`` (its cubin beside it), merged with
+    what another process recorded meanwhile; ``records``: this process's copy, updated in place."""
+    if isinstance(found, _OnTriton):
+        entry = {"triton": found.why}
+    else:
+        binary, data = found
+        if not _intact(path.parent / binary.cubin):
+            _write_atomic(path.parent / binary.cubin, data)
+        entry = binary.to_json()
+    with _LOCK:
+        records = records if records is not None else {}
+        records[key] = entry
+        records.update({k: v for k, v in read_records(path, name).items() if k not in records})
+        _write_atomic(path, json.dumps({"kernel": name, "binaries": records}, indent=1).encode())
+
+
+def record_compiled(module_path: Path, name: str, default_folder: Path, tag: str, key: str,
+                    compiled: Any, n_args: int) -> None:
+    """Record a binary a compile worker built (``key``: what the parent's launch will look up)."""
+    folder, record_name = record_place(module_path, name, default_folder)
+    save_record(record_path(folder, record_name, module_path.read_text(), tag), record_name, key,
+                binary_of(compiled, n_args))
+
+
 def _intact(path: Path) -> bool:
     """Whether the cubin file exists and its bytes hash to its name: a damaged one is never loaded."""
     try:
@@ -188,9 +240,9 @@ class CubinKernel:
     stored binary for the call's key, else goes through Triton (``load_jit`` gives the function)."""
 
     def __init__(self, name: str, text: str, folder: Path, load_jit: Callable[[], Any]) -> None:
-        self.name = name
-        self.folder = folder / "cubins"
-        self._text_hash = hashlib.sha256(text.encode()).hexdigest()
+        self.name = name  # the record's name (record_place)
+        self.folder = folder  # where its binaries are kept
+        self._text = text
         self._load_jit = load_jit
         self._jit: Any = None
         self._table: dict[tuple, Binary | _OnTriton] = {}
@@ -239,20 +291,12 @@ class CubinKernel:
     # -- records ---------------------------------------------------------------------------------
 
     def _record_path(self, device: int) -> Path:
-        tag = hashlib.sha256(f"{self._text_hash}\n{_device_tag(device)}".encode()).hexdigest()[:16]
-        return self.folder / f"{self.name}.{tag}.json"
+        return record_path(self.folder, self.name, self._text, device_tag(device))
 
     def _stored(self, device: int) -> dict[str, dict]:
         records = self._records.get(device)
         if records is None:
-            try:
-                data = json.loads(self._record_path(device).read_text())
-                records = data["binaries"] if data.get("kernel") == self.name else {}
-                if not isinstance(records, dict):
-                    records = {}
-            except (OSError, ValueError, KeyError, TypeError, AttributeError):
-                records = {}  # none yet, or damaged: Triton's path records anew
-            self._records[device] = records
+            records = self._records[device] = read_records(self._record_path(device), self.name)
         return records
 
     def _resolve(self, key: tuple, grid: tuple, args: tuple, meta: dict) -> Binary | _OnTriton | None:
@@ -283,24 +327,7 @@ class CubinKernel:
         return None
 
     def _save(self, found: tuple[Binary, bytes] | _OnTriton, key: tuple, device: int) -> None:
-        if isinstance(found, _OnTriton):
-            entry = {"triton": found.why}
-        else:
-            binary, data = found
-            path = self.folder / binary.cubin
-            if not _intact(path):
-                _write_atomic(path, data)
-            entry = binary.to_json()
-        with _LOCK:
-            records = self._stored(device)
-            records[key_text(key)] = entry
-            record = self._record_path(device)
-            try:  # merge what another process recorded meanwhile
-                on_disk = json.loads(record.read_text()).get("binaries", {})
-                records.update({k: v for k, v in on_disk.items() if k not in records})
-            except (OSError, ValueError, AttributeError):
-                pass
-            _write_atomic(record, json.dumps({"kernel": self.name, "binaries": records}, indent=1).encode())
+        save_record(self._record_path(device), self.name, key_text(key), found, self._stored(device))
         STATS["recorded"] += 1
 
     def _load(self, binary: Binary, device: int) -> int:
@@ -320,7 +347,7 @@ class KernelModule:
     is imported (``load``) only for a launch that has no recorded binary."""
 
     def __init__(self, path: Path, folder: Path, load: Callable[[], Any]) -> None:
-        self._path, self._folder, self._load = path, folder, load
+        self._path, self._folder, self._load = path, folder, load  # folder: the default kernel folder
         self._text = path.read_text()
         self._module: Any = None
         self._kernels: dict[str, CubinKernel] = {}
@@ -335,7 +362,7 @@ class KernelModule:
             raise AttributeError(name)
         kernel = self._kernels.get(name)
         if kernel is None:
-            kernel = CubinKernel(f"{self._path.stem}.{name}", self._text, self._folder,
-                                 lambda: getattr(self._real(), name))
+            folder, record_name = record_place(self._path, name, self._folder)
+            kernel = CubinKernel(record_name, self._text, folder, lambda: getattr(self._real(), name))
             self._kernels[name] = kernel
         return kernel

@@ -103,8 +103,8 @@ def load_kernel(ks: KernelSource, kernel_dir: Path, interpret: bool) -> Callable
     from ember.runtime import cubin_launch
     if settings().cubin_launch and cubin_launch.available():
         # Launched from its stored binary; the module is imported only for a launch without one.
-        _LOADED[key] = cubin_launch.CubinKernel(ks.name, text, kernel_dir,
-                                                lambda: _import_jit(ks.name, path, text, False))
+        folder, name = cubin_launch.record_place(path, ks.name, kernel_dir)
+        _LOADED[key] = cubin_launch.CubinKernel(name, text, folder, lambda: _import_jit(ks.name, path, text, False))
     else:
         _LOADED[key] = _import_jit(ks.name, path, text, False)
     return _LOADED[key]

@@ -78,6 +78,10 @@ class CompileJob:
     cache_dir: str = ""
     # The parent's worker_niceness setting at submission (a config.patch does not reach the workers).
     niceness: int = 10
+    # Where the binary is recorded for the parent's static launches (runtime/cubin_launch.py): the
+    # parent's device tag ("": not recorded) and its default kernel folder.
+    cubin_tag: str = ""
+    cubin_folder: str = ""
 
 
 @dataclass
@@ -189,10 +193,34 @@ def compile_job(job: CompileJob) -> tuple[str | None, float, float]:
         fn = getattr(module, job.name)
         args = [SCALAR_ARG if d == SCALAR_INT32 else int(d[len(INT_VALUE):]) if d.startswith(INT_VALUE)
                 else getattr(torch, d) for d in job.arg_dtypes]
-        _build_launcher(fn.warmup(*args, grid=(1,), **dict(job.meta)))
+        compiled = fn.warmup(*args, grid=(1,), **dict(job.meta))
+        if job.cubin_tag:
+            _record_binary(job, compiled)
+        else:
+            _build_launcher(compiled)
     except Exception as err:  # the launch in the parent compiles it again and reports properly
         return f"{job.name}: {type(err).__name__}: {err}", began, time.time() - began
     return None, began, time.time() - began
+
+
+def _record_binary(job: CompileJob, compiled: object) -> None:
+    """Record the binary for the parent's launch with 16-byte aligned tensors (what the warm-up
+    assumed), so its first launch goes straight to it; best effort. A job with an unspecialised
+    integer does not know the launch's value, so the parent records that one at its first launch."""
+    import torch
+
+    from ember.runtime import cubin_launch
+    if SCALAR_INT32 in job.arg_dtypes:
+        _build_launcher(compiled)
+        return
+    args = tuple(int(d[len(INT_VALUE):]) if d.startswith(INT_VALUE) else (getattr(torch, d), True)
+                 for d in job.arg_dtypes)
+    try:
+        cubin_launch.record_compiled(Path(job.path), job.name, Path(job.cubin_folder), job.cubin_tag,
+                                     cubin_launch.key_text((job.meta, args)), compiled, len(args))
+    except Exception:  # noqa: BLE001 - the parent's first launch records it instead
+        log.debug("no record for %s", job.name, exc_info=True)
+        _build_launcher(compiled)
 
 
 def _pool(workers: int) -> cf.ProcessPoolExecutor:
@@ -357,11 +385,29 @@ def submit(jobs: Sequence[CompileJob]) -> PendingCompile:
     (with no workers, or one job, it compiles them here first)."""
     here = os.environ.get("TRITON_CACHE_DIR", "")
     niceness = settings().worker_niceness
-    jobs = [dataclasses.replace(j, cache_dir=here, niceness=niceness) for j in jobs]
+    tag, folder = _cubin_place()
+    jobs = [dataclasses.replace(j, cache_dir=here, niceness=niceness, cubin_tag=tag, cubin_folder=folder)
+            for j in jobs]
     todo = [j for j in {_key(j): j for j in jobs}.values() if _key(j) not in _DONE]
     _DONE.update(_key(j) for j in todo)
     workers = worker_count()
     return PendingCompile(todo, 0 if len(todo) == 1 else workers)
+
+
+def _cubin_place() -> tuple[str, str]:
+    """The device tag and default kernel folder the workers record binaries under ("" when the
+    static launches are off or impossible here)."""
+    from ember.runtime import cubin_launch
+    if not (settings().cubin_launch and cubin_launch.available()):
+        return "", ""
+    import torch
+
+    from ember.config import Options
+    try:
+        return cubin_launch.device_tag(torch.cuda.current_device()), str(Options().kernel_dir())
+    except Exception:  # noqa: BLE001 - no tag: the parent records at its first launches
+        log.debug("no device tag for cubin records", exc_info=True)
+        return "", ""
 
 
 def precompile(jobs: Sequence[CompileJob]) -> PrecompileStats:
