@@ -251,3 +251,23 @@ def test_a_compile_workers_binary_is_launched_at_the_parents_first_launch(tmp_pa
     x, y, out = tensors()
     parent[(3,)](x, y, out, 64, 5, XBLOCK=64)
     assert len(gpu_stand_ins.launches) == 1 and gpu_stand_ins.launches[0][4] == "OOOiiOO"
+
+
+def test_a_program_gets_a_cubin_kernel_on_a_gpu_and_tritons_function_when_turned_off(tmp_path, monkeypatch):
+    from ember import config
+    from ember.codegen.kernel_source import KernelSource
+    from ember.runtime import kernels
+    monkeypatch.setattr(cubin_launch, "available", lambda: True)
+    header, body = KERNEL.split("\n\n\n", 1)
+    ks = KernelSource(name="scaled_sum", source=body, digest="0" * 16, args=[], n_inputs=0, grid=1, meta={},
+                      header=header, canonical=body)
+    kernels.forget_loaded()
+    try:
+        fn = kernels.load_kernel(ks, tmp_path, interpret=False)
+        assert isinstance(fn, CubinKernel) and fn.folder == tmp_path / "cubins" and fn._jit is None
+        kernels.forget_loaded()
+        with config.patch(cubin_launch=False):
+            fn = kernels.load_kernel(ks, tmp_path, interpret=False)
+        assert type(fn).__name__ == "JITFunction"
+    finally:
+        kernels.forget_loaded()
