@@ -25,7 +25,6 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
-import os
 import threading
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
@@ -33,6 +32,8 @@ from pathlib import Path
 from typing import Any
 
 import torch
+
+from ember.runtime.kernel_module import replace_atomic
 
 log = logging.getLogger(__name__)
 
@@ -166,16 +167,6 @@ def device_tag(device: int) -> str:
     return tag
 
 
-def _write_atomic(path: Path, data: bytes) -> None:
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.{threading.get_ident()}.tmp")
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp.write_bytes(data)
-        os.replace(tmp, path)  # a concurrent reader sees the old file or the new one
-    except OSError:
-        tmp.unlink(missing_ok=True)
-
-
 def record_place(path: Path, name: str, default_folder: Path) -> tuple[Path, str]:
     """Where kernel ``name`` of the module file ``path`` keeps its binaries, and its record's name:
     a generated kernel (its file is named after it, in a kernel folder) beside its file; a kernel
@@ -210,13 +201,13 @@ def save_record(path: Path, name: str, key: str, found: tuple[Binary, bytes] | _
     else:
         binary, data = found
         if not _intact(path.parent / binary.cubin):
-            _write_atomic(path.parent / binary.cubin, data)
+            replace_atomic(path.parent / binary.cubin, data)
         entry = binary.to_json()
     with _LOCK:
         records = records if records is not None else {}
         records[key] = entry
         records.update({k: v for k, v in read_records(path, name).items() if k not in records})
-        _write_atomic(path, json.dumps({"kernel": name, "binaries": records}, indent=1).encode())
+        replace_atomic(path, json.dumps({"kernel": name, "binaries": records}, indent=1).encode())
 
 
 def record_compiled(module_path: Path, name: str, default_folder: Path, tag: str, key: str,

@@ -28,6 +28,7 @@ import json
 import marshal
 import os
 import sys
+import threading
 from pathlib import Path
 from types import CodeType, ModuleType
 from typing import Any
@@ -35,8 +36,10 @@ from typing import Any
 _CODE_MAGIC = b"EMBERCODE1"
 
 
-def _replace_atomic(path: Path, data: bytes) -> None:
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+def replace_atomic(path: Path, data: bytes) -> None:
+    """Write ``data`` to ``path`` through a temporary file: readers see the old file or the new one;
+    a folder that cannot be written leaves it as it was."""
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.{threading.get_ident()}.tmp")
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp.write_bytes(data)
@@ -65,7 +68,7 @@ def compile_kept(source: bytes, filename: str, cached: Path) -> CodeType:
     except (OSError, ValueError, EOFError, TypeError):
         pass  # missing or damaged: compile below
     code = compile(source, filename, "exec", dont_inherit=True)
-    _replace_atomic(cached, _CODE_MAGIC + digest + marshal.dumps(code))
+    replace_atomic(cached, _CODE_MAGIC + digest + marshal.dumps(code))
     return code
 
 
@@ -129,4 +132,4 @@ def preset_cache_key(fn: Any, path: Path, text: str) -> None:
         key = fn.cache_key
     except Exception:  # noqa: BLE001 - let the first launch raise what Triton raises
         return
-    _replace_atomic(record, json.dumps({"check": check, "key": key}).encode())
+    replace_atomic(record, json.dumps({"check": check, "key": key}).encode())
