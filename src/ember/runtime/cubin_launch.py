@@ -211,11 +211,13 @@ def save_record(path: Path, name: str, key: str, found: tuple[Binary, bytes] | _
 
 
 def record_compiled(module_path: Path, name: str, default_folder: Path, tag: str, key: str,
-                    compiled: Any, n_args: int) -> None:
-    """Record a binary a compile worker built (``key``: what the parent's launch will look up)."""
+                    compiled: Any, n_args: int) -> bool:
+    """Record a binary a compile worker built (``key``: what the parent's launch will look up);
+    False where the static launcher cannot run it (recorded as such: the launch takes Triton's path)."""
     folder, record_name = record_place(module_path, name, default_folder)
-    save_record(record_path(folder, record_name, module_path.read_text(), tag), record_name, key,
-                binary_of(compiled, n_args))
+    found = binary_of(compiled, n_args)
+    save_record(record_path(folder, record_name, module_path.read_text(), tag), record_name, key, found)
+    return not isinstance(found, _OnTriton)
 
 
 def _intact(path: Path) -> bool:
@@ -335,7 +337,8 @@ class CubinKernel:
 class KernelModule:
     """A module of hand-written ``@triton.jit`` kernels as ops launch them
     (``module.kernel[grid](...)``): each kernel named is a ``CubinKernel``, and the module itself
-    is imported (``load``) only for a launch that has no recorded binary."""
+    is imported (``load``) only for a launch that has no recorded binary. Every public name asked
+    of it is taken as a kernel: ops read nothing else from these modules."""
 
     def __init__(self, path: Path, folder: Path, load: Callable[[], Any]) -> None:
         self._path, self._folder, self._load = path, folder, load  # folder: the default kernel folder

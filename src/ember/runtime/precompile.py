@@ -216,11 +216,12 @@ def _record_binary(job: CompileJob, compiled: object) -> None:
     args = tuple(int(d[len(INT_VALUE):]) if d.startswith(INT_VALUE) else (getattr(torch, d), True)
                  for d in job.arg_dtypes)
     try:
-        cubin_launch.record_compiled(Path(job.path), job.name, Path(job.cubin_folder), job.cubin_tag,
-                                     cubin_launch.key_text((job.meta, args)), compiled, len(args))
+        if cubin_launch.record_compiled(Path(job.path), job.name, Path(job.cubin_folder), job.cubin_tag,
+                                        cubin_launch.key_text((job.meta, args)), compiled, len(args)):
+            return
     except Exception:  # noqa: BLE001 - the parent's first launch records it instead
         log.debug("no record for %s", job.name, exc_info=True)
-        _build_launcher(compiled)
+    _build_launcher(compiled)  # the parent launches this one through Triton
 
 
 def _pool(workers: int) -> cf.ProcessPoolExecutor:
