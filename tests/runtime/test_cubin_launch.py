@@ -271,3 +271,13 @@ def test_a_program_gets_a_cubin_kernel_on_a_gpu_and_tritons_function_when_turned
         assert type(fn).__name__ == "JITFunction"
     finally:
         kernels.forget_loaded()
+
+
+def test_explain_says_how_the_kernels_launched(monkeypatch):
+    from ember.report.explain import explain
+    monkeypatch.setattr(cubin_launch, "STATS", {"stored": 126, "kept": 1, "triton": 3, "recorded": 3})
+    text = str(explain(lambda x: (x.sin() + 1).relu(), torch.randn(4, 8)))
+    assert ("126 from recorded binaries (torch's static CUDA launcher), 3 through Triton's launch path and "
+            "recorded for the next process, 1 kept on Triton's path") in " ".join(text.split())
+    monkeypatch.setattr(cubin_launch, "STATS", {"stored": 0, "kept": 0, "triton": 0, "recorded": 0})
+    assert "from recorded binaries" not in str(explain(lambda x: x.cos() * 2, torch.randn(4, 8)))

@@ -311,6 +311,9 @@ class ExplainReport:
             ["whole first call" + (" (forward + backward)" if self.training else ""), _ms(self.total_s)],
         ], bold_last=True)
         notes = [f"kernel_compile, {g.title}: {g.compile_note}" for g in self.graphs if g.compile_note]
+        from ember.runtime.cubin_launch import describe_launches
+        launches = describe_launches()
+        notes += [launches] if launches else []
         return Section("Compile time", notes, [first, table])
 
     def _categories(self) -> Section:

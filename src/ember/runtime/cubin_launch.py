@@ -42,7 +42,9 @@ _ARG_CODES = {"i1": "i", "i8": "b", "i16": "h", "i32": "i", "i64": "l", "u1": "I
               "u32": "I", "u64": "K", "fp16": "f", "bf16": "f", "fp32": "f", "f32": "f", "fp64": "d"}
 _SCRATCH_FIELDS = ("global_scratch_size", "profile_scratch_size")
 _LOCK = threading.Lock()
-STATS = {"stored": 0, "triton": 0, "recorded": 0}  # launch keys resolved each way in this process
+# Launch keys resolved in this process: from a recorded binary; kept on Triton's path by a record;
+# through Triton's path (then recorded). ``ember.explain`` reports them.
+STATS = {"stored": 0, "kept": 0, "triton": 0, "recorded": 0}
 
 
 @dataclass
@@ -301,7 +303,7 @@ class CubinKernel:
                                               else Binary.from_json(entry))
                 if isinstance(binary, Binary):
                     self._load(binary, device)
-                STATS["stored"] += 1
+                STATS["stored" if isinstance(binary, Binary) else "kept"] += 1
                 self._table[key] = binary
                 return binary
             except Exception:  # noqa: BLE001 - a damaged record or cubin: Triton's path below
@@ -360,3 +362,12 @@ class KernelModule:
             kernel = CubinKernel(record_name, self._text, folder, lambda: getattr(self._real(), name))
             self._kernels[name] = kernel
         return kernel
+
+
+def describe_launches() -> str | None:
+    """One line on how this process's generated GPU kernels launched (None when none did)."""
+    if not any(STATS[k] for k in ("stored", "kept", "triton")):
+        return None
+    return (f"GPU kernel launch keys in this process: {STATS['stored']} from recorded binaries (torch's "
+            f"static CUDA launcher), {STATS['triton']} through Triton's launch path and recorded for the "
+            f"next process, {STATS['kept']} kept on Triton's path by their record")
