@@ -109,7 +109,7 @@ def gpu_stand_ins(monkeypatch):
     monkeypatch.setattr(torch._C, "_cuda_getDevice", lambda: 0, raising=False)
     monkeypatch.setattr(torch._C, "_cuda_getCurrentRawStream", lambda device: 1234, raising=False)
     monkeypatch.setattr(cubin_launch, "device_tag", lambda device: "triton-key\ntorch\nGPU\n9.0")
-    monkeypatch.setattr(cubin_launch, "STATS", {"stored": 0, "triton": 0, "recorded": 0})
+    monkeypatch.setattr(cubin_launch, "STATS", {"stored": 0, "kept": 0, "triton": 0, "recorded": 0})
     return launcher
 
 
@@ -281,3 +281,13 @@ def test_explain_says_how_the_kernels_launched(monkeypatch):
             "recorded for the next process, 1 kept on Triton's path") in " ".join(text.split())
     monkeypatch.setattr(cubin_launch, "STATS", {"stored": 0, "kept": 0, "triton": 0, "recorded": 0})
     assert "from recorded binaries" not in str(explain(lambda x: x.cos() * 2, torch.randn(4, 8)))
+
+
+def test_each_device_loads_its_own_copy_of_the_binary(tmp_path, jit_fn, gpu_stand_ins, monkeypatch):
+    x, y, out = tensors()
+    make(tmp_path, FakeJit(jit_fn))[(3,)](x, y, out, 64, 5, XBLOCK=64)
+    warm = make(tmp_path, None)
+    warm[(3,)](x, y, out, 64, 5, XBLOCK=64)
+    monkeypatch.setattr(torch._C, "_cuda_getDevice", lambda: 1)
+    warm[(3,)](x, y, out, 64, 5, XBLOCK=64)
+    assert [load[3] for load in gpu_stand_ins.loads] == [0, 1] and len(gpu_stand_ins.launches) == 2

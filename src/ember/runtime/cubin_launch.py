@@ -253,25 +253,17 @@ class CubinKernel:
         return self._jit
 
     def launch(self, grid: tuple, args: tuple, meta: dict) -> None:
+        device = torch._C._cuda_getDevice()  # Triton launches on the current device too
         key = (tuple(meta.items()), tuple(map(_arg_key, args)))
-        binary = self._table.get(key)
+        binary = self._table.get((device, key))
         if binary is None:
-            binary = self._resolve(key, grid, args, meta)
+            binary = self._resolve(device, key, grid, args, meta)
             if binary is None:
                 return  # launched through Triton while recording it
         if isinstance(binary, _OnTriton):
             self.jit()[grid](*args, **meta)
             return
-        device = torch._C._cuda_getDevice()
-        function = binary.loaded.get(device)
-        if function is None:
-            try:
-                function = self._load(binary, device)
-            except Exception as err:  # noqa: BLE001 - e.g. a cubin this GPU cannot load: Triton's path
-                log.debug("cannot load %s's binary on device %d", self.name, device, exc_info=True)
-                self._table[key] = _OnTriton(f"{type(err).__name__}: {err}")
-                self.jit()[grid](*args, **meta)
-                return
+        function = binary.loaded[device]
         passed = tuple(args[i] for i in binary.passed) + (None,) * binary.scratch
         try:
             torch._C._StaticCudaLauncher._launch_kernel(
@@ -280,7 +272,7 @@ class CubinKernel:
         except Exception as err:  # noqa: BLE001 - the launcher refused before launching: Triton's path
             log.warning("ember: %s launches through Triton: the static launcher refused its binary (%s)",
                         self.name, err)
-            self._table[key] = _OnTriton(f"{type(err).__name__}: {err}")
+            self._table[(device, key)] = _OnTriton(f"{type(err).__name__}: {err}")
             self.jit()[grid](*args, **meta)
 
     # -- records ---------------------------------------------------------------------------------
@@ -294,8 +286,9 @@ class CubinKernel:
             records = self._records[device] = read_records(self._record_path(device), self.name)
         return records
 
-    def _resolve(self, key: tuple, grid: tuple, args: tuple, meta: dict) -> Binary | _OnTriton | None:
-        device = torch._C._cuda_getDevice()
+    def _resolve(self, device: int, key: tuple, grid: tuple, args: tuple, meta: dict) -> Binary | _OnTriton | None:
+        """The binary (or Triton's path) for ``key`` on ``device``, from its record; without a usable
+        record, launch through Triton, record what it ran and return None (launched)."""
         entry = self._stored(device).get(key_text(key))
         if entry is not None:
             try:
@@ -304,7 +297,7 @@ class CubinKernel:
                 if isinstance(binary, Binary):
                     self._load(binary, device)
                 STATS["stored" if isinstance(binary, Binary) else "kept"] += 1
-                self._table[key] = binary
+                self._table[(device, key)] = binary
                 return binary
             except Exception:  # noqa: BLE001 - a damaged record or cubin: Triton's path below
                 log.debug("stored binary of %s unusable", self.name, exc_info=True)
@@ -318,7 +311,12 @@ class CubinKernel:
         except Exception as err:  # noqa: BLE001 - keep Triton's path for this key
             log.debug("no stored binary for %s", self.name, exc_info=True)
             binary = _OnTriton(f"{type(err).__name__}: {err}")
-        self._table[key] = binary
+        if isinstance(binary, Binary):
+            try:
+                self._load(binary, device)
+            except Exception as err:  # noqa: BLE001 - a cubin this GPU cannot load: Triton's path
+                binary = _OnTriton(f"{type(err).__name__}: {err}")
+        self._table[(device, key)] = binary
         return None
 
     def _save(self, found: tuple[Binary, bytes] | _OnTriton, key: tuple, device: int) -> None:
