@@ -84,6 +84,18 @@ def available() -> bool:
     return hasattr(torch._C, "_StaticCudaLauncher") and torch.cuda.is_available()
 
 
+def enabled() -> bool:
+    """Whether kernels launch recorded binaries here: the ``cubin_launch`` setting on, and available."""
+    from ember.config import settings
+    return settings().cubin_launch and available()
+
+
+def default_folder() -> Path:
+    """The kernel folder of hand-written kernel modules' binaries (they have no compile of their own)."""
+    from ember.config import Options
+    return Options().kernel_dir()
+
+
 def _arg_key(a: Any) -> object:
     if isinstance(a, torch.Tensor):
         return (a.dtype, a.data_ptr() % 16 == 0)
@@ -181,7 +193,8 @@ def record_place(path: Path, name: str, default_folder: Path) -> tuple[Path, str
 def record_path(folder: Path, name: str, text: str, tag: str) -> Path:
     """The record file of kernel ``name`` with module text ``text`` for the device ``tag``."""
     text_hash = hashlib.sha256(text.encode()).hexdigest()
-    return folder / f"{name}.{hashlib.sha256(f'{text_hash}{chr(10)}{tag}'.encode()).hexdigest()[:16]}.json"
+    tag_hash = hashlib.sha256(f"{text_hash}\n{tag}".encode()).hexdigest()[:16]
+    return folder / f"{name}.{tag_hash}.json"
 
 
 def read_records(path: Path, name: str) -> dict[str, dict]:
@@ -306,16 +319,13 @@ class CubinKernel:
         STATS["triton"] += 1
         try:
             found = binary_of(fn.warmup(*args, grid=grid, **meta), len(args))
-            binary = found if isinstance(found, _OnTriton) else found[0]
             self._save(found, key, device)
-        except Exception as err:  # noqa: BLE001 - keep Triton's path for this key
+            binary = found if isinstance(found, _OnTriton) else found[0]
+            if isinstance(binary, Binary):
+                self._load(binary, device)  # the next launch of this key goes to it
+        except Exception as err:  # noqa: BLE001 - not recorded, or not loadable here: Triton's path
             log.debug("no stored binary for %s", self.name, exc_info=True)
             binary = _OnTriton(f"{type(err).__name__}: {err}")
-        if isinstance(binary, Binary):
-            try:
-                self._load(binary, device)
-            except Exception as err:  # noqa: BLE001 - a cubin this GPU cannot load: Triton's path
-                binary = _OnTriton(f"{type(err).__name__}: {err}")
         self._table[(device, key)] = binary
         return None
 

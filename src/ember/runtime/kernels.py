@@ -101,7 +101,7 @@ def load_kernel(ks: KernelSource, kernel_dir: Path, interpret: bool) -> Callable
         _LOADED[key] = _import_jit(ks.name, path, text, interpret)
         return _LOADED[key]
     from ember.runtime import cubin_launch
-    if settings().cubin_launch and cubin_launch.available():
+    if cubin_launch.enabled():
         # Launched from its stored binary; the module is imported only for a launch without one.
         folder, name = cubin_launch.record_place(path, ks.name, kernel_dir)
         _LOADED[key] = cubin_launch.CubinKernel(name, text, folder, lambda: _import_jit(ks.name, path, text, False))
@@ -138,11 +138,9 @@ def load_module(path: Path, interpret: bool) -> ModuleType:
                 return kernel_module.import_file(f"ember_kernels.{path.stem}_{int(interpret)}", path,
                                                  settings().kernel_load_cache)
         from ember.runtime import cubin_launch
-        if not interpret and settings().cubin_launch and cubin_launch.available():
-            from ember.config import Options
-            # Its kernels launch recorded binaries (kept in the default kernel folder); the module
-            # is imported for a launch without one.
-            _MODULES[key] = cubin_launch.KernelModule(path, Options().kernel_dir(), load)  # type: ignore[assignment]
+        if not interpret and cubin_launch.enabled():
+            # Its kernels launch recorded binaries; the module is imported for a launch without one.
+            _MODULES[key] = cubin_launch.KernelModule(path, cubin_launch.default_folder(), load)  # type: ignore[assignment]
         else:
             _MODULES[key] = load()
     return _MODULES[key]

@@ -399,13 +399,11 @@ def _cubin_place() -> tuple[str, str]:
     """The device tag and default kernel folder the workers record binaries under ("" when the
     static launches are off or impossible here)."""
     from ember.runtime import cubin_launch
-    if not (settings().cubin_launch and cubin_launch.available()):
+    if not cubin_launch.enabled():
         return "", ""
     import torch
-
-    from ember.config import Options
     try:
-        return cubin_launch.device_tag(torch.cuda.current_device()), str(Options().kernel_dir())
+        return cubin_launch.device_tag(torch.cuda.current_device()), str(cubin_launch.default_folder())
     except Exception:  # noqa: BLE001 - no tag: the parent records at its first launches
         log.debug("no device tag for cubin records", exc_info=True)
         return "", ""
