@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import sys
 import threading
 import time
 
@@ -29,6 +30,8 @@ def main() -> None:
     parser.add_argument("--opening", choices=["main", "busy", "thread"], required=True)
     parser.add_argument("--busy", type=float, default=0.6)
     parser.add_argument("--batch", type=int, default=None)
+    parser.add_argument("--switch-interval", type=float, default=1e-4,
+                        help="sys.setswitchinterval while the helper runs (Python's default: 0.005 s)")
     args = parser.parse_args()
 
     import torch
@@ -63,6 +66,7 @@ def main() -> None:
             done["s"] = time.perf_counter() - t0
 
         worker = threading.Thread(target=helper)
+        sys.setswitchinterval(args.switch_interval)  # the helper gets the GIL back soon after each op
         worker.start()
     busy_s = 0.0
     if args.opening in ("busy", "thread"):
@@ -74,6 +78,7 @@ def main() -> None:
         busy_s = time.perf_counter() - t0
     if args.opening == "thread":
         worker.join()
+        sys.setswitchinterval(0.005)
         helper_s = done.get("s", float("nan"))
         del other
     t0 = time.perf_counter()
