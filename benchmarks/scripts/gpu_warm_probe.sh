@@ -13,7 +13,7 @@ shift || true
 OUT=${OUT:-out}/warm_probe
 mkdir -p "$OUT"
 export PYTHONPATH=src EMBER_WARM_START=1 "$@"
-summary() { grep -E "first call done|warm start: loaded|constants load|modules first imported|first run|cubin launches" "$1" | sed "s#^#$(basename "$1" .txt): #" >> "$OUT/summary.txt"; }
+summary() { grep -E "first call done|warm start: loaded|beside the load|meanwhile|constants load|modules first imported|first run|cubin launches" "$1" | sed "s#^#$(basename "$1" .txt): #" >> "$OUT/summary.txt"; }
 for model in $MODELS; do
   caches=$(mktemp -d)
   export EMBER_CACHE_DIR=$caches/ember TORCHINDUCTOR_CACHE_DIR=$caches/inductor TRITON_CACHE_DIR=$caches/triton

@@ -167,7 +167,7 @@ def main() -> None:
         for line in backend.log.frame_cache:
             print("  frame cache:", line)
         for g in backend.log.graphs:
-            print(f"  graph {g.title}: cache {g.cache}, first run {g.first_call_s}")
+            print(f"  graph {g.title}: cache {g.cache}, first run {g.first_call_s}; {g.compile_note}")
     if tprof is not None:
         averages = tprof.key_averages()
         print(averages.table(sort_by="self_cpu_time_total", row_limit=args.top))

@@ -351,6 +351,10 @@ class Settings:
                                        "the program switches to the kernels at the first call after they are ready "
                                        "(runtime/aten_first.py)",
                                  "EMBER_CPU_ATEN_FIRST")
+    library_warmup: bool = _item(True, "CUDA: a program's library calls (cuDNN, cuBLAS, attention) run once on "
+                                       "scratch tensors where the process waits anyway: beside a warm start's load, "
+                                       "in the first call's wait for kernels (runtime/library_warmup.py)",
+                                 "EMBER_LIBRARY_WARMUP")
     git_commit: str | None = _item(None, "the commit `ember bench` records, for runs from a copy of the working "
                                          "tree without its .git", "EMBER_GIT_COMMIT", "str")
 

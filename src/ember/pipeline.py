@@ -52,6 +52,9 @@ from ember.runtime.cudagraphs.rules import cudagraph_blocker, read_only_inputs, 
 from ember.runtime.cudagraphs.runner import CudaGraphRunner
 from ember.runtime.kernel_module import compile_kept
 from ember.runtime.kernels import kernel_file
+from ember.runtime.library_warmup import collect as collect_library_calls
+from ember.runtime.library_warmup import library_calls
+from ember.runtime.library_warmup import replay as replay_library_calls
 from ember.runtime.precompile import PendingCompile, job_for, submit
 from ember.runtime.program import CompiledGraph, boxed, expect_strides
 from ember.schedule.batched_casts import batch_input_casts
@@ -158,16 +161,20 @@ def _compile(job: GraphJob, reference: fx.GraphModule | None) -> CompiledGraph:
     program = run_stage("program", record, _program_stage, job, plan, kernels, behind)
     if behind is not None:
         pending = None
+    calls = library_calls(plan.steps)
     job.stored = stored_program(program.source.text, [(ks.name, ks.module_source()) for ks in program.kernels],
-                                program.source.namespace["_consts"], program.source.attrs, job.record)
+                                program.source.namespace["_consts"], program.source.attrs, job.record, calls)
     if store is not None and key is not None:
         _save(job, store, key)
-    return _keep(job, _replay_stage(job, program.run, blocker, read_only, reference, pending), blocker, read_only)
+    return _keep(job, _replay_stage(job, program.run, blocker, read_only, reference, pending, calls), blocker,
+                 read_only)
 
 
 def _keep(job: GraphJob, graph: CompiledGraph, blocker: str | None, read_only: frozenset[int]) -> CompiledGraph:
     """Note on the compiled graph what relinking it elsewhere needs (capture/warm_start.py)."""
     graph.saved = {"program": job.stored, "blocker": blocker, "read_only": sorted(read_only)}
+    if job.stored is not None:
+        collect_library_calls(job.stored.library_calls)
     return graph
 
 
@@ -304,7 +311,8 @@ def _aten_first(job: GraphJob, plan: KernelPlan, behind: BehindCompile,
 
 
 def _replay_stage(job: GraphJob, run: Callable[[list], object], blocker: str | None, read_only: frozenset[int],
-                  reference: fx.GraphModule | None, pending: PendingCompile | None = None) -> CompiledGraph:
+                  reference: fx.GraphModule | None, pending: PendingCompile | None = None,
+                  library: list[str] | None = None) -> CompiledGraph:
     """Wrap the program: a CUDA-graph runner where the capture rule allows, the first-call wait
     for kernels still compiling, and check=True's comparison with the captured graph."""
     record = job.record
@@ -318,7 +326,7 @@ def _replay_stage(job: GraphJob, run: Callable[[list], object], blocker: str | N
     graph = CompiledGraph(record.title, record.program, run, reference, job.options.check)
     graph.after_first_call = lambda seconds: setattr(record, "first_call_s", seconds)
     if pending is not None:
-        graph.before_first_call = lambda: _await_kernels(record, pending)
+        graph.before_first_call = lambda: _await_kernels(record, pending, library or [])
     return graph
 
 
@@ -373,15 +381,20 @@ def _save(job: GraphJob, store: ProgramStore, key: str) -> None:
 
 # -- helpers -------------------------------------------------------------------------------------
 
-def _await_kernels(record: GraphRecord, pending: PendingCompile) -> None:
-    """Before a program's first run: wait for its kernels. The wait counts as kernel_compile
-    (what the stage cost the first call beyond the time the next graph's compile overlapped)."""
+def _await_kernels(record: GraphRecord, pending: PendingCompile, library: list[str]) -> None:
+    """Before a program's first run: wait for its kernels, setting up its library calls while the
+    workers still compile (runtime/library_warmup.py). The wait counts as kernel_compile (what the
+    stage cost the first call beyond the time the next graph's compile overlapped)."""
     start = time.perf_counter()
     progress.waiting_for_kernels(pending)
+    replayed = (replay_library_calls(library) if library and settings().library_warmup and not pending.finished()
+                else None)
     stats = pending.wait()
     stage = record.stage_seconds
     stage["kernel_compile"] = stage.get("kernel_compile", 0.0) + time.perf_counter() - start
     record.compile_note = stats.describe()
+    if replayed is not None:
+        record.compile_note += f"; meanwhile {replayed.describe()}"
     if config.debug_level() >= 1:
         print(f"# ember: kernel compile of {record.title}: {record.compile_note}")
         for err in stats.errors:

@@ -61,6 +61,9 @@ from ember.capture.warm_rechecks import (
     recheck_for,
     replaceable,
 )
+from ember.config import settings
+from ember.runtime.library_warmup import BackgroundReplay
+from ember.runtime.library_warmup import collecting as collecting_library_calls
 
 MAGIC = b"EMBERWARM2\n"
 SUFFIX = ".ember-warm"
@@ -289,7 +292,6 @@ class WarmStart:
         return self._compile(self.folder() / stem, parts, args, kwargs)
 
     def _load(self, path: Path, args: tuple, kwargs: dict) -> Any:
-        from ember.capture import warm_artifact as wa
         blob = path.read_bytes()
         if not blob.startswith(MAGIC):
             raise ValueError("not an Ember warm-start file")
@@ -300,6 +302,20 @@ class WarmStart:
         modules = head.get("modules", {})
         if _checksum(data, rechecks.items, modules) != head.get("sha256"):
             raise ValueError("checksum mismatch")
+        # cuDNN's and cuBLAS's first-call set-up in a helper thread while this one loads
+        library = head.get("library_calls") or []
+        helper = BackgroundReplay(library) if library and settings().library_warmup else None
+        try:
+            return self._link_saved(path, data, rechecks, modules, args, kwargs)
+        finally:
+            if helper is not None:
+                replayed = helper.join()
+                self.note(f"beside the load: {replayed.describe()}" if replayed else
+                          "beside the load: the library set-up thread ended without a result")
+
+    def _link_saved(self, path: Path, data: bytes, rechecks: Rechecks, modules: dict[str, str], args: tuple,
+                    kwargs: dict) -> Any:
+        from ember.capture import warm_artifact as wa
         f_globals = {**self.frame_globals(), **{name: importlib.import_module(m) for name, m in modules.items()}}
         token = wa.LOADING.set(self.backend)
         try:
@@ -362,6 +378,7 @@ class WarmStart:
         compile_id = WARM_COMPILE_ID.set(f"warm/{len(self.entries)}")  # the graphs' titles and the log
         try:
             with torch._dynamo.config.patch(automatic_dynamic_shapes=False, assume_static_by_default=True), \
+                    collecting_library_calls() as library_calls, \
                     _functions_by_code(), compat.builtin_references_allowed(), \
                     compat.guard_sources_pickled_by_init_fields(), compat.inlined_sources_recorded_once():
                 fn = wa.API.aot_compile_fullgraph(self.traced(), (args, kwargs), wa.API.Hooks(guard_filter_fn=keep),
@@ -401,7 +418,7 @@ class WarmStart:
             data = getattr(result, "serialized_data", result)  # torch >= 2.13 wraps the bytes
             variant = hashlib.sha256(json.dumps(rechecked, default=str).encode()).hexdigest()[:12]
             path = path.with_name(f"{path.name}-{variant}{SUFFIX}")
-            _write(path, data, parts, rechecked, modules)
+            _write(path, data, parts, rechecked, modules, library_calls)
             self.note(f"saved {path.name} ({len(data)} bytes)")
         except Exception as err:  # noqa: BLE001 - it still runs in this process, just not saved
             self.note(f"not saved: {type(err).__name__}: {_first_line(err)}")
@@ -503,10 +520,11 @@ def _checksum(data: bytes, rechecks: list[list[str]], modules: dict[str, str]) -
     return hashlib.sha256(data + json.dumps([rechecks, modules], sort_keys=True).encode()).hexdigest()
 
 
-def _write(path: Path, data: bytes, parts: dict, rechecks: list[list[str]], modules: dict[str, str]) -> None:
+def _write(path: Path, data: bytes, parts: dict, rechecks: list[list[str]], modules: dict[str, str],
+           library_calls: list[str]) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     head = json.dumps({"sha256": _checksum(data, rechecks, modules), "rechecks": rechecks, "modules": modules,
-                       "key": parts}, default=str).encode()
+                       "key": parts, "library_calls": library_calls}, default=str).encode()
     buf = io.BytesIO()
     buf.write(MAGIC)
     buf.write(len(head).to_bytes(8, "little"))

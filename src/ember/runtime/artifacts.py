@@ -28,7 +28,7 @@ import os
 import sqlite3
 import time
 from collections import Counter
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -66,6 +66,7 @@ class StoredProgram:
     consts: list
     attrs: dict[str, str]
     record: dict[str, Any]
+    library_calls: list[str] = field(default_factory=list)  # runtime/library_warmup.py
 
 
 _SOURCE_DIGEST: str | None = None
@@ -287,7 +288,7 @@ def _encode(p: StoredProgram) -> bytes:
     with compat.real_tensors():
         torch.save(p.consts, consts)
     meta = {"text": p.text, "kernels": [[k.name, k.text] for k in p.kernels], "attrs": p.attrs,
-            "record": p.record}
+            "record": p.record, "library_calls": p.library_calls}
     head = json.dumps(meta).encode()
     return len(head).to_bytes(8, "little") + head + consts.getvalue()
 
@@ -298,9 +299,10 @@ def _decode(payload: bytes) -> StoredProgram:
     with compat.real_tensors():  # inside a compile tensors would load as meta or fake (no data)
         consts = torch.load(io.BytesIO(payload[8 + n:]), weights_only=True)
     return StoredProgram(meta["text"], [StoredKernel(a, b) for a, b in meta["kernels"]], consts,
-                         meta["attrs"], meta["record"])
+                         meta["attrs"], meta["record"], meta.get("library_calls", []))
 
 
 def stored_program(text: str, kernels: list[tuple[str, str]], consts: list, attrs: dict[str, str],
-                   record: GraphRecord) -> StoredProgram:
-    return StoredProgram(text, [StoredKernel(n, t) for n, t in kernels], consts, attrs, _record_dict(record))
+                   record: GraphRecord, library_calls: list[str]) -> StoredProgram:
+    return StoredProgram(text, [StoredKernel(n, t) for n, t in kernels], consts, attrs, _record_dict(record),
+                         library_calls)

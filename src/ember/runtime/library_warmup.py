@@ -1,0 +1,229 @@
+"""cuDNN's and cuBLAS's first-call set-up, paid where the process waits anyway.
+
+A library's first calls in a process load its kernels and sub-libraries and build a plan per
+shape. Measured on the H100 (torch 2.11, bf16, eager, a new process): ResNet-50's first training
+step took 0.51 s against 0.06 s for the next, BERT's 0.33 s against 0.026 s. That set-up serves
+every host thread: the same step run first in a helper thread, while the main thread ran Python,
+brought the main thread's first step to 0.088 s (ResNet-50) and 0.064 s (BERT)
+(benchmarks/scripts/library_first_call_probe.py).
+
+So a program keeps a list of its library calls (its ``extern`` steps, schedule/rules.EXTERN_OPS,
+on a CUDA device: the op, its tensor arguments' shapes, strides and dtypes, its other arguments)
+and Ember replays them once on scratch tensors where the wait is free:
+
+- a warm start (capture/warm_start.py): in a helper thread while the main thread loads the saved
+  frame, joined before the program first runs;
+- a cold compile: in a graph's first-call wait for its Triton kernels, while the workers compile.
+
+Scratch tensors are zeros (no NaN, every index in range); a dropout probability becomes 0, so no
+replayed call draws from the random generator; a call that fails is skipped and counted. Nothing
+replayed is seen by the program: only the libraries' state (loaded code, handles, plans) stays.
+"""
+
+from __future__ import annotations
+
+import contextvars
+import json
+import sys
+import threading
+import time
+from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.fx as fx
+
+_DROPOUT_ARGS = ("dropout_p", "dropout")  # set to 0: the replay must not move the generator
+# Where the first calls cost: cuDNN/cuBLAS set-up. (oneDNN's first calls on the CPU cost too, but a
+# helper thread there takes a core from the load it would overlap.)
+RECORDED_DEVICE_TYPES: tuple[str, ...] = ("cuda",)
+SWITCH_INTERVAL_S = 1e-4  # the GIL hand-over while a helper thread replays beside Python work
+
+
+def library_calls(steps: Iterable[Any], device_types: tuple[str, ...] | None = None) -> list[str]:
+    """The distinct library calls of a plan's ``extern`` steps on a device of ``device_types``
+    (default ``RECORDED_DEVICE_TYPES``), each as JSON text (``replay`` reads it); calls with an
+    argument the text cannot hold are left out."""
+    types = device_types or RECORDED_DEVICE_TYPES
+    out: dict[str, None] = {}
+    for step in steps:
+        if step.kind != "extern":
+            continue
+        for n in step.nodes:
+            call = _encode_call(n, types)
+            if call is not None:
+                out[call] = None
+    return list(out)
+
+
+def _encode_call(n: fx.Node, device_types: tuple[str, ...]) -> str | None:
+    if not isinstance(n.target, torch._ops.OpOverload):
+        return None
+    try:
+        args = [_encode(a) for a in n.args]
+        kwargs = {k: _encode(v) for k, v in n.kwargs.items()}
+    except _Unencodable:
+        return None
+    if not any(torch.device(d).type in device_types for d in _devices([args, kwargs])):
+        return None
+    op = n.target
+    return json.dumps({"op": [op.namespace, op._schema.name.split("::")[-1], op._overloadname],
+                       "args": args, "kwargs": kwargs})
+
+
+class _Unencodable(Exception):
+    pass
+
+
+def _encode(a: object) -> object:
+    if isinstance(a, fx.Node):
+        a = a.meta.get("val")
+        if not isinstance(a, torch.Tensor):
+            raise _Unencodable
+    if isinstance(a, torch.Tensor):
+        return {"tensor": [list(a.shape), list(a.stride()), a.storage_offset(), str(a.dtype).split(".")[-1],
+                           str(a.device)]}
+    if isinstance(a, (list, tuple)):
+        return [_encode(x) for x in a]
+    if isinstance(a, torch.dtype):
+        return {"dtype": str(a).split(".")[-1]}
+    if isinstance(a, torch.device):
+        return {"device": str(a)}
+    if isinstance(a, torch.memory_format):
+        return {"memory_format": str(a).split(".")[-1]}
+    if isinstance(a, torch.layout):
+        return {"layout": str(a).split(".")[-1]}
+    if a is None or isinstance(a, (bool, int, float, str)):
+        return a
+    raise _Unencodable
+
+
+def _decode(value: object) -> object:
+    if isinstance(value, list):
+        return [_decode(v) for v in value]
+    if not isinstance(value, dict):
+        return value
+    if "tensor" in value:
+        shape, stride, offset, dtype, device = value["tensor"]
+        span = offset + 1 + sum((s - 1) * st for s, st in zip(shape, stride)) if all(shape) else 0
+        base = torch.zeros(max(span, 1), dtype=getattr(torch, dtype), device=device)
+        return base.as_strided(shape, stride, offset)
+    if "dtype" in value:
+        return getattr(torch, value["dtype"])
+    if "device" in value:
+        return torch.device(value["device"])
+    if "memory_format" in value:
+        return getattr(torch, value["memory_format"])
+    if "layout" in value:
+        return getattr(torch, value["layout"])
+    return value
+
+
+def _call_once(text: str) -> None:
+    call = json.loads(text)
+    namespace, name, overload = call["op"]
+    op = getattr(getattr(getattr(torch.ops, namespace), name), overload)
+    args, kwargs = _decode(call["args"]), _decode(call["kwargs"])
+    for i, arg in enumerate(op._schema.arguments):
+        if arg.name in _DROPOUT_ARGS:
+            if i < len(args) and isinstance(args[i], float):
+                args[i] = 0.0
+            if isinstance(kwargs.get(arg.name), float):
+                kwargs[arg.name] = 0.0
+    op(*args, **kwargs)
+
+
+@dataclass
+class Replay:
+    """What one replay did: calls made and failed, seconds, the first failure."""
+
+    calls: int = 0
+    failed: int = 0
+    seconds: float = 0.0
+    first_error: str = ""
+    errors: list[str] = field(default_factory=list, repr=False)
+
+    def describe(self) -> str:
+        text = f"{self.calls} library call(s) set up in {self.seconds:.3f} s"
+        if self.failed:
+            text += f" ({self.failed} failed, first: {self.first_error[:160]})"
+        return text
+
+
+def replay(calls: Iterable[str]) -> Replay:
+    """Run each call once on scratch tensors (see the module docstring); never raises."""
+    result = Replay()
+    start = time.perf_counter()
+    devices: set[torch.device] = set()
+    with torch.no_grad():
+        for text in calls:
+            result.calls += 1
+            try:
+                _call_once(text)
+                devices.update(torch.device(d) for d in _devices(json.loads(text)))
+            except Exception as err:  # noqa: BLE001 - a set-up the first run pays instead
+                result.failed += 1
+                result.first_error = result.first_error or f"{type(err).__name__}: {err}"
+    for device in devices:
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)  # the scratch tensors' memory is free once the calls ran
+    result.seconds = time.perf_counter() - start
+    return result
+
+
+def _devices(value: object) -> list[str]:
+    if isinstance(value, dict):
+        spec = value.get("tensor")
+        return [spec[4]] if spec is not None else [d for v in value.values() for d in _devices(v)]
+    if isinstance(value, list):
+        return [d for v in value for d in _devices(v)]
+    return []
+
+
+class BackgroundReplay:
+    """``replay(calls)`` in a helper thread, with a short GIL switch interval while it runs so
+    that each of its calls gets the interpreter back promptly from the busy main thread.
+    ``join()`` waits for it and restores the interval; call it before anything else uses the
+    device (a CUDA-graph capture must not meet the helper's work)."""
+
+    def __init__(self, calls: list[str]) -> None:
+        self.result: Replay | None = None
+        self._interval: float | None = sys.getswitchinterval()
+        sys.setswitchinterval(min(sys.getswitchinterval(), SWITCH_INTERVAL_S))
+        self._thread = threading.Thread(target=self._run, args=(calls,), name="ember-library-warmup", daemon=True)
+        self._thread.start()
+
+    def _run(self, calls: list[str]) -> None:
+        self.result = replay(calls)
+
+    def join(self) -> Replay | None:
+        """The replay's result once it finished (None if the thread died without one)."""
+        self._thread.join()
+        if self._interval is not None:
+            sys.setswitchinterval(self._interval)
+            self._interval = None
+        return self.result
+
+
+_COLLECTED: contextvars.ContextVar[list[str] | None] = contextvars.ContextVar("ember_library_calls", default=None)
+
+
+@contextmanager
+def collecting() -> Iterator[list[str]]:
+    """The library calls of every program compiled or loaded inside the block (a warm start saves
+    them with the frame, to replay them at the next process's load)."""
+    calls: list[str] = []
+    token = _COLLECTED.set(calls)
+    try:
+        yield calls
+    finally:
+        _COLLECTED.reset(token)
+
+
+def collect(calls: Iterable[str]) -> None:
+    """Add a program's library calls to the enclosing ``collecting()`` block's, if any."""
+    sink = _COLLECTED.get()
+    if sink is not None:
+        sink.extend(c for c in calls if c not in sink)

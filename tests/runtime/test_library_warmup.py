@@ -1,0 +1,159 @@
+"""Library set-up replayed off the first run (runtime/library_warmup.py): a plan's library calls
+as text, replayed on scratch tensors without drawing random numbers; beside a warm start's load
+and in a cold first call's wait for kernels."""
+
+from __future__ import annotations
+
+import json
+import sys
+import types
+
+import pytest
+import torch
+from torch.fx.experimental.proxy_tensor import make_fx
+
+from ember import config
+from ember.report.records import GraphRecord
+from ember.runtime import library_warmup as lw
+
+aten = torch.ops.aten
+
+
+def _extern_steps(fn, *inputs) -> list:
+    """Each call_function node of ``fn``'s ATen graph as an ``extern`` step (as the plan makes them)."""
+    gm = make_fx(fn, tracing_mode="fake")(*inputs)
+    return [types.SimpleNamespace(kind="extern", nodes=[n]) for n in gm.graph.nodes if n.op == "call_function"]
+
+
+def _graph(x, w, a, b):
+    y = aten.convolution.default(x, w, None, [1, 1], [1, 1], [1, 1], False, [0, 0], 1)
+    z = aten.mm.default(a, b)
+    return y, z, aten.mm.default(a, b)  # the same call twice: recorded once
+
+
+def _inputs():
+    return torch.randn(2, 3, 8, 8), torch.randn(4, 3, 3, 3), torch.randn(5, 6), torch.randn(6, 7)
+
+
+def test_calls_are_recorded_once_each_for_the_recorded_device_types_only():
+    steps = _extern_steps(_graph, *_inputs())
+    assert lw.library_calls(steps) == []  # CPU calls: not recorded by default (RECORDED_DEVICE_TYPES)
+    calls = lw.library_calls(steps, ("cpu",))
+    ops = [json.loads(c)["op"] for c in calls]
+    assert ops == [["aten", "convolution", "default"], ["aten", "mm", "default"]]
+    conv = json.loads(calls[0])
+    assert conv["args"][0] == {"tensor": [[2, 3, 8, 8], [192, 64, 8, 1], 0, "float32", "cpu"]}
+    assert conv["args"][3:] == [[1, 1], [1, 1], [1, 1], False, [0, 0], 1]
+
+
+def test_replay_runs_each_call_and_counts_failures():
+    calls = lw.library_calls(_extern_steps(_graph, *_inputs()), ("cpu",))
+    done = lw.replay(calls)
+    assert (done.calls, done.failed) == (2, 0)
+    bad = json.loads(calls[1])
+    bad["args"][1]["tensor"][0] = [9, 7]  # (5, 6) @ (9, 7): a shape error, skipped and counted
+    done = lw.replay([json.dumps(bad), calls[0]])
+    assert (done.calls, done.failed) == (2, 1)
+    assert "mm" in done.first_error or "shape" in done.first_error.lower()
+    assert "1 failed" in done.describe()
+
+
+def test_replay_sets_dropout_to_zero():
+    """A replayed call must not draw random numbers: its dropout probability becomes 0 (the CPU
+    flash-attention kernel refuses any other, so the call fails unless it was zeroed)."""
+    q = torch.randn(1, 2, 8, 4)
+    steps = _extern_steps(lambda q: aten._scaled_dot_product_flash_attention_for_cpu.default(q, q, q, 0.25), q)
+    calls = lw.library_calls(steps[:1], ("cpu",))
+    assert json.loads(calls[0])["args"][3] == 0.25
+    with pytest.raises(RuntimeError, match="dropout"):
+        aten._scaled_dot_product_flash_attention_for_cpu.default(q, q, q, 0.25)
+    state = torch.get_rng_state()
+    done = lw.replay(calls)
+    assert (done.calls, done.failed) == (1, 0), done.first_error
+    assert torch.equal(torch.get_rng_state(), state)
+
+
+def test_replay_makes_strided_scratch_tensors():
+    """A transposed input with a storage offset is made with its own strides and offset."""
+    base = torch.randn(3, 40)
+    a = base[:, 2:].t()  # (38, 3), strides (1, 40), offset 2
+    steps = _extern_steps(lambda a, b: aten.mm.default(a, b), a, torch.randn(3, 5))
+    (call,) = lw.library_calls(steps, ("cpu",))
+    assert json.loads(call)["args"][0]["tensor"][:3] == [[38, 3], [1, 40], 2]
+    made = lw._decode(json.loads(call)["args"][0])
+    assert (made.shape, made.stride(), made.storage_offset()) == ((38, 3), (1, 40), 2)
+    assert not made.any()  # zeros: no NaN, any index in range
+
+
+def test_background_replay_restores_the_switch_interval():
+    calls = lw.library_calls(_extern_steps(_graph, *_inputs()), ("cpu",))
+    before = sys.getswitchinterval()
+    helper = lw.BackgroundReplay(calls)
+    assert sys.getswitchinterval() <= lw.SWITCH_INTERVAL_S
+    done = helper.join()
+    assert sys.getswitchinterval() == before
+    assert done is not None and (done.calls, done.failed) == (2, 0)
+    assert helper.join() is done  # a second join is harmless
+
+
+def test_collecting_gathers_each_call_once():
+    lw.collect(["outside"])  # no block: nowhere to go, no error
+    with lw.collecting() as calls:
+        lw.collect(["a", "b"])
+        lw.collect(["b", "c"])
+    assert calls == ["a", "b", "c"]
+
+
+class _Pending:
+    def __init__(self, finished: bool) -> None:
+        self._finished = finished
+
+    def finished(self) -> bool:
+        return self._finished
+
+    def wait(self):
+        return types.SimpleNamespace(describe=lambda: "3 kernels")
+
+
+@pytest.mark.parametrize("finished", [False, True])
+def test_first_call_wait_replays_while_the_workers_compile(finished):
+    from ember.pipeline import _await_kernels
+
+    calls = lw.library_calls(_extern_steps(_graph, *_inputs()), ("cpu",))
+    record = GraphRecord("forward", "forward", "0/0", "triton")
+    _await_kernels(record, _Pending(finished), calls)
+    if finished:  # nothing to overlap: the first run sets the libraries up as it goes
+        assert record.compile_note == "3 kernels"
+    else:
+        assert record.compile_note.startswith("3 kernels; meanwhile 2 library call(s) set up in ")
+    record = GraphRecord("forward", "forward", "0/0", "triton")
+    with config.patch(library_warmup=False):
+        _await_kernels(record, _Pending(False), calls)
+    assert record.compile_note == "3 kernels"
+
+
+@pytest.mark.parametrize("enabled", [True, False])
+def test_warm_start_replays_the_saved_calls_beside_its_load(tmp_path, monkeypatch, enabled):
+    """The first process saves its programs' library calls with the frame; the next load replays
+    them in a helper thread (CPU calls recorded here, as CUDA's are by default) and the result is
+    eager's."""
+    import ember
+
+    monkeypatch.setattr(lw, "RECORDED_DEVICE_TYPES", ("cpu", "cuda"))
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Conv2d(3, 4, 3), torch.nn.ReLU(), torch.nn.Flatten(),
+                                torch.nn.Linear(4 * 6 * 6, 5)).eval()
+    x = torch.randn(2, 3, 8, 8)
+    logs = []
+    with torch.no_grad(), config.patch(library_warmup=enabled):
+        for _ in range(2):
+            compiled = ember.compile(model, warm_start=True, cache_dir=str(tmp_path))
+            torch.testing.assert_close(compiled(x), model(x))
+            logs.append(compiled._ember_backend.log.warm_start)
+    assert any(line.startswith("saved ") for line in logs[0])
+    assert any(line.startswith("loaded ") for line in logs[1])
+    beside = [line for line in logs[1] if line.startswith("beside the load")]
+    if enabled:
+        assert len(beside) == 1 and beside[0].startswith("beside the load: 2 library call(s) set up in "), logs[1]
+    else:
+        assert beside == []
