@@ -39,3 +39,22 @@ def test_guard_tensors_load_with_the_same_metadata_under_one_mode() -> None:
     assert len({id(t.fake_mode) for t in shared}) == 1
     assert len({id(t.fake_mode) for t in plain}) == len(plain)  # torch's own: one mode per tensor
     assert guards.GuardsStatePickler.__dict__["_unpickle_tensor"].__func__.__name__ == "_unpickle_tensor"
+
+
+def test_frame_names_are_the_same_text_when_shortened_once(monkeypatch) -> None:
+    import traceback
+
+    import torch.utils._traceback as tb
+
+    frames = [traceback.FrameSummary(torch.__file__, 10, "f", line="x = 1"),
+              traceback.FrameSummary(__file__, 20, "g", line="y = 2")]
+    plain = [tb.format_frame(f, line=True) for f in frames]
+    calls = []
+    original = tb.shorten_filename
+    monkeypatch.setattr(tb, "shorten_filename", lambda fn, base=None: calls.append(fn) or original(fn, base=base))
+    with compat.frame_names_shortened_once():
+        once = [tb.format_frame(f, line=True) for f in frames * 3]
+    assert once == plain * 3
+    assert calls == [torch.__file__, __file__]  # each file named once
+    assert [tb.format_frame(f, line=True) for f in frames] == plain  # torch's own again afterwards
+    assert len(calls) == 4

@@ -320,7 +320,8 @@ class WarmStart:
         token = wa.LOADING.set(self.backend)
         try:
             closure = self.external_data()
-            with compat.builtin_references_allowed(), compat.guard_tensors_unpickled_in_one_fake_mode():
+            with compat.builtin_references_allowed(), compat.guard_tensors_unpickled_in_one_fake_mode(), \
+                    compat.frame_names_shortened_once():
                 fn = (wa.API.AOTCompiledFunction.deserialize(data, f_globals=f_globals, external_closure_data=closure)
                       if closure else wa.API.AOTCompiledFunction.deserialize(data, f_globals=f_globals))
         finally:
