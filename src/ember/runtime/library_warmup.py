@@ -29,7 +29,7 @@ import threading
 import time
 from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -66,7 +66,7 @@ def _encode_call(n: fx.Node, device_types: tuple[str, ...]) -> str | None:
         kwargs = {k: _encode(v) for k, v in n.kwargs.items()}
     except _Unencodable:
         return None
-    if not any(torch.device(d).type in device_types for d in _devices([args, kwargs])):
+    if not any(torch.device(d).type in device_types for d in _devices([args, list(kwargs.values())])):
         return None
     op = n.target
     return json.dumps({"op": [op.namespace, op._schema.name.split("::")[-1], op._overloadname],
@@ -121,11 +121,11 @@ def _decode(value: object) -> object:
     return value
 
 
-def _call_once(text: str) -> None:
-    call = json.loads(text)
+def _call_once(call: dict) -> None:
     namespace, name, overload = call["op"]
     op = getattr(getattr(getattr(torch.ops, namespace), name), overload)
-    args, kwargs = _decode(call["args"]), _decode(call["kwargs"])
+    args = _decode(call["args"])
+    kwargs = {k: _decode(v) for k, v in call["kwargs"].items()}
     for i, arg in enumerate(op._schema.arguments):
         if arg.name in _DROPOUT_ARGS:
             if i < len(args) and isinstance(args[i], float):
@@ -143,7 +143,6 @@ class Replay:
     failed: int = 0
     seconds: float = 0.0
     first_error: str = ""
-    errors: list[str] = field(default_factory=list, repr=False)
 
     def describe(self) -> str:
         text = f"{self.calls} library call(s) set up in {self.seconds:.3f} s"
@@ -161,8 +160,9 @@ def replay(calls: Iterable[str]) -> Replay:
         for text in calls:
             result.calls += 1
             try:
-                _call_once(text)
-                devices.update(torch.device(d) for d in _devices(json.loads(text)))
+                call = json.loads(text)
+                _call_once(call)
+                devices.update(torch.device(d) for d in _devices([call["args"], list(call["kwargs"].values())]))
             except Exception as err:  # noqa: BLE001 - a set-up the first run pays instead
                 result.failed += 1
                 result.first_error = result.first_error or f"{type(err).__name__}: {err}"
