@@ -168,6 +168,7 @@ def main() -> None:
             print("  frame cache:", line)
         for g in backend.log.graphs:
             print(f"  graph {g.title}: cache {g.cache}, first run {g.first_call_s}; {g.compile_note}")
+            print(f"  graph {g.title} stages: " + ", ".join(f"{k} {v:.3f} s" for k, v in g.stage_seconds.items()))
     if tprof is not None:
         averages = tprof.key_averages()
         print(averages.table(sort_by="self_cpu_time_total", row_limit=args.top))

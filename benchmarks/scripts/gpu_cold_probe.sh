@@ -1,0 +1,26 @@
+#!/usr/bin/env bash
+# Where cold first calls go on a GPU: for each model, a cold process (empty Ember, Triton and
+# Inductor caches) timed plainly, then another cold process under cProfile.
+#   [BACKEND=ember-whole-step] bash benchmarks/scripts/gpu_cold_probe.sh "bert resnet50" [EXTRA ENV ASSIGNMENTS...]
+# Results under $OUT/cold_probe/: MODEL_cold.txt, MODEL_cold_cprofile.txt, summary.txt.
+set -u
+MODELS=${1:-"bert resnet50"}
+BACKEND=${BACKEND:-ember-whole-step}
+shift || true
+OUT=${OUT:-out}/cold_probe
+mkdir -p "$OUT"
+export PYTHONPATH=src EMBER_WARM_START=1 "$@"
+summary() { grep -E "first call done|first run|stages|beside|meanwhile" "$1" | sed "s#^#$(basename "$1" .txt): #" >> "$OUT/summary.txt"; }
+for model in $MODELS; do
+  for kind in cold cold_cprofile; do
+    caches=$(mktemp -d)
+    export EMBER_CACHE_DIR=$caches/ember TORCHINDUCTOR_CACHE_DIR=$caches/inductor TRITON_CACHE_DIR=$caches/triton
+    extra=()
+    [ "$kind" = cold_cprofile ] && extra=(--profile "$caches/p.prof" --top 70)
+    timeout 240 python benchmarks/scripts/warm_first_call_profile.py "$model" train "$BACKEND" --device cuda "${extra[@]}" \
+      > "$OUT/${model}_$kind.txt" 2>&1
+    summary "$OUT/${model}_$kind.txt"
+    rm -rf "$caches"
+  done
+done
+cat "$OUT/summary.txt"
