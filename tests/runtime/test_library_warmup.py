@@ -1,6 +1,6 @@
 """Library set-up replayed off the first run (runtime/library_warmup.py): a plan's library calls
-as text, replayed on scratch tensors without drawing random numbers; beside a warm start's load
-and in a cold first call's wait for kernels."""
+as text, replayed on scratch tensors without drawing random numbers, in a helper thread beside a
+warm start's load and beside a compile, joined before the first run."""
 
 from __future__ import annotations
 
@@ -104,32 +104,79 @@ def test_collecting_gathers_each_call_once():
     assert calls == ["a", "b", "c"]
 
 
-class _Pending:
-    def __init__(self, finished: bool) -> None:
-        self._finished = finished
+def test_replays_queue_in_one_helper_and_join_all_waits_for_every_one():
+    calls = lw.library_calls(_extern_steps(_graph, *_inputs()), ("cpu",))
+    before = sys.getswitchinterval()
+    jobs = [lw.BackgroundReplay(calls) for _ in range(3)]
+    lw.join_all()
+    assert all(job.finished() for job in jobs)
+    assert [(job.result.calls, job.result.failed) for job in jobs] == [(2, 0)] * 3
+    assert sys.getswitchinterval() == before  # restored once the last one finished
+    lw.join_all()  # nothing queued: returns at once
 
-    def finished(self) -> bool:
-        return self._finished
+
+def test_no_replay_starts_without_calls_or_with_the_setting_off():
+    calls = lw.library_calls(_extern_steps(_graph, *_inputs()), ("cpu",))
+    assert lw.start_replay([]) is None
+    with config.patch(library_warmup=False):
+        assert lw.start_replay(calls) is None
+    job = lw.start_replay(calls)
+    assert job is not None and job.join().calls == 2
+
+
+class _Pending:
+    def __init__(self) -> None:
+        self.waited = False
 
     def wait(self):
-        return types.SimpleNamespace(describe=lambda: "3 kernels")
+        self.waited = True
+        return types.SimpleNamespace(describe=lambda: "3 kernels", errors=[])
 
 
-@pytest.mark.parametrize("finished", [False, True])
-def test_first_call_wait_replays_while_the_workers_compile(finished):
+def test_first_run_waits_for_the_kernels_then_every_replay():
     from ember.pipeline import _await_kernels
 
     calls = lw.library_calls(_extern_steps(_graph, *_inputs()), ("cpu",))
     record = GraphRecord("forward", "forward", "0/0", "triton")
-    _await_kernels(record, _Pending(finished), calls)
-    if finished:  # nothing to overlap: the first run sets the libraries up as it goes
-        assert record.compile_note == "3 kernels"
-    else:
-        assert record.compile_note.startswith("3 kernels; meanwhile 2 library call(s) set up in ")
+    pending, own, other = _Pending(), lw.BackgroundReplay(calls), lw.BackgroundReplay(calls)
+    _await_kernels(record, pending, own)  # type: ignore[arg-type]
+    assert pending.waited and own.finished() and other.finished()
+    assert record.compile_note.startswith("3 kernels; beside the compile: 2 library call(s) set up in "), \
+        record.compile_note
     record = GraphRecord("forward", "forward", "0/0", "triton")
-    with config.patch(library_warmup=False):
-        _await_kernels(record, _Pending(False), calls)
-    assert record.compile_note == "3 kernels"
+    _await_kernels(record, None, lw.BackgroundReplay(calls))  # no kernels to wait for
+    assert record.compile_note.startswith("beside the compile: 2 library call(s)"), record.compile_note
+
+
+@pytest.mark.parametrize("cached", ["no", "frame cache", "program cache"])
+def test_a_compile_replays_its_calls_beside_it_and_before_the_first_run(tmp_path, monkeypatch, cached):
+    """A compiled graph's library calls start replaying once its plan is known, a frame-cache
+    graph's once it is linked; its first run waits for them (CPU calls recorded here, as CUDA's are by default)."""
+    import ember
+
+    monkeypatch.setattr(lw, "RECORDED_DEVICE_TYPES", ("cpu", "cuda"))
+    started = []
+    real = lw.BackgroundReplay
+
+    class Recorded(real):
+        def __init__(self, calls):
+            started.append(self)
+            super().__init__(calls)
+    monkeypatch.setattr(lw, "BackgroundReplay", Recorded)
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Conv2d(3, 4, 3), torch.nn.ReLU(), torch.nn.Flatten(),
+                                torch.nn.Linear(4 * 6 * 6, 5)).eval()
+    x = torch.randn(2, 3, 8, 8)
+    with torch.no_grad(), config.patch(frame_cache=cached != "program cache"):
+        for _ in range(1 if cached == "no" else 2):
+            torch._dynamo.reset()
+            started.clear()
+            compiled = ember.compile(model, cache_dir=str(tmp_path), warm_start=False)
+            torch.testing.assert_close(compiled(x), model(x))
+    assert started and all(job.finished() for job in started)
+    (graph,) = compiled._ember_backend.log.graphs
+    assert graph.cache == {"no": "stored", "frame cache": "frame cache", "program cache": "hit"}[cached]
+    assert "beside the compile: 2 library call(s) set up in " in graph.compile_note, graph.compile_note
 
 
 @pytest.mark.parametrize("enabled", [True, False])

@@ -121,8 +121,9 @@ class EmberOutputCode(API.OutputCode):  # type: ignore[misc,name-defined]
             record.cache = "frame cache"
         record.whole_step_blocker = getattr(self, "whole_step_blocker", None)
         with kernels_in_background():  # CPU kernels load on runtime/cpu_background.py's thread
+            # (a warm start replays every program's library calls beside its own load)
             graph = link_stored(stored, attrs, backend.options, record, BY_NAME[self.target], self.blocker,
-                                frozenset(self.read_only))
+                                frozenset(self.read_only), replay_library=frame is not None)
         compiled = boxed(graph)
         share_pool(compiled, backend.graph_pool if self.kind != "inference" else GraphPool(training=False),
                    backend.call_clock)

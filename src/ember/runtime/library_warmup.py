@@ -13,7 +13,10 @@ and Ember replays them once on scratch tensors where the wait is free:
 
 - a warm start (capture/warm_start.py): in a helper thread while the main thread loads the saved
   frame, joined before the program first runs;
-- a cold compile: in a graph's first-call wait for its Triton kernels, while the workers compile.
+- a compile (or a program-cache hit): in the same helper thread from the moment the graph's plan
+  is known, while the main thread goes on compiling (the backward graph, Dynamo's wrap-up, the
+  Triton kernels' wait); joined at the first run of any compiled graph and before any CUDA-graph
+  capture.
 
 Scratch tensors are zeros (no NaN, every index in range); a dropout probability becomes 0, so no
 replayed call draws from the random generator; a call that fails is skipped and counted. Nothing
@@ -34,6 +37,8 @@ from typing import Any
 
 import torch
 import torch.fx as fx
+
+from ember.config import settings
 
 _DROPOUT_ARGS = ("dropout_p", "dropout")  # set to 0: the replay must not move the generator
 # Where the first calls cost: cuDNN/cuBLAS set-up. (oneDNN's first calls on the CPU cost too, but a
@@ -183,28 +188,93 @@ def _devices(value: object) -> list[str]:
 
 
 class BackgroundReplay:
-    """``replay(calls)`` in a helper thread, with a short GIL switch interval while it runs so
-    that each of its calls gets the interpreter back promptly from the busy main thread.
-    ``join()`` waits for it and restores the interval; call it before anything else uses the
-    device (a CUDA-graph capture must not meet the helper's work)."""
+    """``replay(calls)`` in the process's library helper thread. Replays queue there one after
+    another (two at once would only share the GIL and the libraries' locks); while any is queued
+    the GIL switch interval is short, so each call gets the interpreter back promptly from the busy
+    main thread. ``join()`` waits for this one; ``join_all()`` for every one queued so far. Join
+    before anything else uses the device in a way the helper's work must not meet (a CUDA-graph
+    capture, a program's first run)."""
 
     def __init__(self, calls: list[str]) -> None:
         self.result: Replay | None = None
-        self._interval: float | None = sys.getswitchinterval()
-        sys.setswitchinterval(min(sys.getswitchinterval(), SWITCH_INTERVAL_S))
-        self._thread = threading.Thread(target=self._run, args=(calls,), name="ember-library-warmup", daemon=True)
-        self._thread.start()
+        self._done = threading.Event()
+        _HELPER.submit(self, calls)
 
-    def _run(self, calls: list[str]) -> None:
-        self.result = replay(calls)
+    def _finish(self, result: Replay | None) -> None:
+        self.result = result
+        self._done.set()
+
+    def finished(self) -> bool:
+        return self._done.is_set()
 
     def join(self) -> Replay | None:
-        """The replay's result once it finished (None if the thread died without one)."""
-        self._thread.join()
-        if self._interval is not None:
-            sys.setswitchinterval(self._interval)
-            self._interval = None
+        """The replay's result once it finished (None if it ended without one)."""
+        self._done.wait()
         return self.result
+
+
+class _Helper:
+    """The one helper thread and its queue; it lives while the queue has work."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._queue: list[tuple[BackgroundReplay, list[str]]] = []
+        self._pending: list[BackgroundReplay] = []
+        self._thread: threading.Thread | None = None
+        self._interval: float | None = None
+
+    def submit(self, job: BackgroundReplay, calls: list[str]) -> None:
+        with self._lock:
+            self._queue.append((job, calls))
+            self._pending.append(job)
+            if self._interval is None:
+                self._interval = sys.getswitchinterval()
+                sys.setswitchinterval(min(self._interval, SWITCH_INTERVAL_S))
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._run, name="ember-library-warmup", daemon=True)
+                self._thread.start()
+
+    def _run(self) -> None:
+        while True:
+            with self._lock:
+                if not self._queue:
+                    self._thread = None
+                    return
+                job, calls = self._queue.pop(0)
+            result = None
+            try:
+                result = replay(calls)
+            finally:
+                with self._lock:
+                    self._pending.remove(job)
+                    if not self._pending and self._interval is not None:  # restored before the last join returns
+                        sys.setswitchinterval(self._interval)
+                        self._interval = None
+                job._finish(result)
+
+    def pending(self) -> list[BackgroundReplay]:
+        with self._lock:
+            return list(self._pending)
+
+
+_HELPER = _Helper()
+
+
+def join_all() -> None:
+    """Wait for every replay queued so far (cheap when none is)."""
+    for job in _HELPER.pending():
+        job.join()
+
+
+def start_replay(calls: list[str]) -> BackgroundReplay | None:
+    """A background replay of ``calls`` where one may run now: the setting is on, there are
+    calls, and this thread is not capturing a CUDA graph (the helper's work would break the
+    capture)."""
+    if not calls or not settings().library_warmup:
+        return None
+    if torch.cuda.is_available() and torch.cuda.is_initialized() and torch.cuda.is_current_stream_capturing():
+        return None
+    return BackgroundReplay(calls)
 
 
 _COLLECTED: contextvars.ContextVar[list[str] | None] = contextvars.ContextVar("ember_library_calls", default=None)

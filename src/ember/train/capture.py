@@ -69,6 +69,7 @@ from typing import Any, Protocol
 import torch
 
 from ember.config import compact_optimizer_state_enabled, fused_optimizers_enabled
+from ember.runtime import library_warmup
 from ember.runtime.cudagraphs.device import CudaBackend, capture_stream, run_noting_syncs
 from ember.runtime.cudagraphs.memory import copy_in
 from ember.runtime.cudagraphs.pool import presize_enabled
@@ -401,6 +402,7 @@ class CudaWholeStep:
             self._reserve()
         graph = torch.cuda.CUDAGraph()
         assert self.static_batch is not None
+        library_warmup.join_all()  # a global-mode capture: no other thread may touch the device
         try:
             with torch.cuda.graph(graph, pool=self.pool, stream=capture_stream(self.device)):
                 loss = step.body(self.static_batch, first, last, set_to_none=True)

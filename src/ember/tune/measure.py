@@ -20,6 +20,7 @@ from pathlib import Path
 import torch
 
 from ember.codegen.kernel_source import KernelSource
+from ember.runtime import library_warmup
 from ember.targets import Target
 
 # Test seam: called as hook(kernel, outputs) after a *candidate* (not the reference) runs; a test
@@ -143,6 +144,7 @@ def _cuda_graph_times(runs: list[Callable[[], None]], budget_s: float, rounds: i
             end.synchronize()
             launches = max(1, min(2000, int(per_replay_ms / max(start.elapsed_time(end) / 3, 1e-4))))
             graph = torch.cuda.CUDAGraph()
+            library_warmup.join_all()  # a global-mode capture: no other thread may touch the device
             with torch.cuda.graph(graph, stream=stream):
                 for _ in range(launches):
                     run()

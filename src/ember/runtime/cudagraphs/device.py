@@ -13,6 +13,7 @@ import torch
 
 from ember import compat
 from ember.config import settings
+from ember.runtime import library_warmup
 
 log = logging.getLogger(__name__)
 
@@ -86,7 +87,9 @@ def capture_stream(device: torch.device) -> torch.cuda.Stream:
 
 @contextlib.contextmanager
 def _recording(graph: torch.cuda.CUDAGraph, pool: object, device: torch.device) -> Iterator[None]:
-    """Record into ``graph`` on the device's capture stream, ordered after the current stream's work."""
+    """Record into ``graph`` on the device's capture stream, ordered after the current stream's work
+    and after any library set-up still running in Ember's helper thread."""
+    library_warmup.join_all()
     with torch.cuda.device(device):
         stream = capture_stream(device)
         stream.wait_stream(torch.cuda.current_stream())
