@@ -134,7 +134,8 @@ def _compile(job: GraphJob, reference: fx.GraphModule | None) -> CompiledGraph:
     if any(is_symbolic(n.meta.get("val")) for n in gm.graph.nodes if n.op == "placeholder"):
         raise NotImplementedError("graph has symbolic shapes; Ember compiles static shapes")
     record.target = job.target.name
-    job.dump("00_captured.py", gm.code)
+    if job.options.debug_dir:  # reading .code writes a lazy module's code out
+        job.dump("00_captured.py", gm.code)
     # Decided on the captured graph, before the passes rewrite it in place.
     rule = instruments.active().capture_rule or cudagraph_blocker
     blocker = rule(gm, job.example_inputs, record.kind, job.target.name, job.options.cudagraphs)

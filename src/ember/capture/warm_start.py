@@ -381,7 +381,8 @@ class WarmStart:
             with torch._dynamo.config.patch(automatic_dynamic_shapes=False, assume_static_by_default=True), \
                     collecting_library_calls() as library_calls, \
                     _functions_by_code(), compat.builtin_references_allowed(), \
-                    compat.guard_sources_pickled_by_init_fields(), compat.inlined_sources_recorded_once():
+                    compat.guard_sources_pickled_by_init_fields(), compat.inlined_sources_recorded_once(), \
+                    compat.lazy_graph_modules():
                 fn = wa.API.aot_compile_fullgraph(self.traced(), (args, kwargs), wa.API.Hooks(guard_filter_fn=keep),
                                                   serializable_backend)
         except Exception as err:  # noqa: BLE001 - a graph break, or anything torch's AOT compile refuses
