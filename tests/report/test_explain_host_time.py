@@ -79,9 +79,12 @@ def test_replayed_graphs_report_nothing_outside_the_graphs(monkeypatch) -> None:
         assert g["captures"] == 0 or (g["captures"] == 1 and ("moved" in status or "renewed" in status)), status
         # A capture runs the program once (recording it): its host time is program time.
         assert g["replay_ms"] > 0 and (g["program_ms"] == 0 or g["captures"] == 1), g
-    assert host["outside_graphs"] == []
+    # The one such capture is listed under "outside the graphs" too; nothing else may be.
+    assert all("0 of 3 call(s) ran uncaptured and 1 captured again" in line and ("moved" in line or "renewed" in line)
+               for line in host["outside_graphs"]), host["outside_graphs"]
     text = str(report)
-    assert "nothing: every call of every graph replayed a CUDA graph" in text
+    if not host["outside_graphs"]:
+        assert "nothing: every call of every graph replayed a CUDA graph" in text
     assert "graph break" not in text[text.index(HEADING):text.index("Compile time")]
 
 
