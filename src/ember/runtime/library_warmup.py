@@ -197,8 +197,9 @@ class BackgroundReplay:
 
     def __init__(self, calls: list[str]) -> None:
         self.result: Replay | None = None
+        self.calls = calls
         self._done = threading.Event()
-        _HELPER.submit(self, calls)
+        _HELPER.submit(self)
 
     def _finish(self, result: Replay | None) -> None:
         self.result = result
@@ -218,14 +219,14 @@ class _Helper:
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
-        self._queue: list[tuple[BackgroundReplay, list[str]]] = []
-        self._pending: list[BackgroundReplay] = []
+        self._queue: list[BackgroundReplay] = []  # not started yet
+        self._pending: list[BackgroundReplay] = []  # queued or running
         self._thread: threading.Thread | None = None
         self._interval: float | None = None
 
-    def submit(self, job: BackgroundReplay, calls: list[str]) -> None:
+    def submit(self, job: BackgroundReplay) -> None:
         with self._lock:
-            self._queue.append((job, calls))
+            self._queue.append(job)
             self._pending.append(job)
             if self._interval is None:
                 self._interval = sys.getswitchinterval()
@@ -240,10 +241,10 @@ class _Helper:
                 if not self._queue:
                     self._thread = None
                     return
-                job, calls = self._queue.pop(0)
+                job = self._queue.pop(0)
             result = None
             try:
-                result = replay(calls)
+                result = replay(job.calls)
             finally:
                 with self._lock:
                     self._pending.remove(job)

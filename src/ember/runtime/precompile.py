@@ -354,10 +354,6 @@ class PendingCompile:
         self.stats.errors.append(f"parallel compile failed: {type(err).__name__}: {err}")
         self.futures, self.results = [], []
 
-    def finished(self) -> bool:
-        """Whether ``wait()`` would return at once."""
-        return self.done or self.results is not None or all(f.done() for f in self.futures)
-
     def wait(self) -> PrecompileStats:
         if self.done:
             return self.stats
