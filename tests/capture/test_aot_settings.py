@@ -102,3 +102,107 @@ def test_garbage_collection_pauses_only_while_ember_compiles() -> None:
     with instrument(before=spy):
         assert_close(ember.compile(model, warm_start=False)(x), model(x), torch.float32)  # one lazy graph
     assert seen == [False] and gc.isenabled()
+
+
+class _Cycle:
+    """An object in a reference cycle: only the cycle collector frees it."""
+
+    def __init__(self) -> None:
+        self.me = self
+
+
+def test_paused_block_collects_its_own_garbage_at_its_end_and_unfreezes() -> None:
+    import gc
+    import weakref
+
+    from ember.capture.aot_settings import gc_paused
+
+    gc.collect()
+    old = _Cycle()
+    old_ref = weakref.ref(old)
+    collections = []
+
+    def count(phase: str, info: dict) -> None:
+        if phase == "stop":
+            collections.append(info["generation"])
+
+    gc.callbacks.append(count)
+    try:
+        with gc_paused():
+            assert not gc.isenabled() and gc.get_freeze_count() > 0  # the old objects frozen meanwhile
+            inside = [_Cycle() for _ in range(3000)]  # enough allocations to trigger collections
+            refs = [weakref.ref(c) for c in inside]
+            del inside, old
+            assert collections == []
+            assert all(r() is not None for r in refs)
+        assert collections == [2]  # one collection, at the end
+    finally:
+        gc.callbacks.remove(count)
+    assert all(r() is None for r in refs)  # the block's own cyclic garbage is gone
+    assert gc.isenabled() and gc.get_freeze_count() == 0
+    assert old_ref() is not None  # frozen through the block: left for a later collection
+    gc.collect()
+    assert old_ref() is None
+
+
+def test_paused_block_keeps_a_callers_own_arrangement() -> None:
+    import gc
+
+    from ember.capture.aot_settings import gc_paused
+
+    gc.disable()  # a caller with the collector off: nothing collected, nothing frozen
+    try:
+        with gc_paused():
+            assert gc.get_freeze_count() == 0
+        assert not gc.isenabled()
+    finally:
+        gc.enable()
+    keep = _Cycle()
+    gc.freeze()  # a process that froze objects itself: they stay frozen
+    try:
+        frozen = gc.get_freeze_count()
+        with pytest.raises(RuntimeError):
+            with gc_paused():
+                assert not gc.isenabled()
+                raise RuntimeError("a failed compile")
+        assert gc.isenabled() and gc.get_freeze_count() == frozen
+    finally:
+        gc.unfreeze()
+    del keep
+
+
+def test_paused_block_restores_the_collector_when_it_raises() -> None:
+    import gc
+
+    from ember.capture.aot_settings import gc_paused
+
+    with pytest.raises(ValueError):
+        with gc_paused():
+            raise ValueError("a failed compile")
+    assert gc.isenabled() and gc.get_freeze_count() == 0
+
+
+def test_a_warm_start_compile_pauses_the_collector_through_dynamos_trace(monkeypatch: pytest.MonkeyPatch) -> None:
+    # The warm start's compile (Dynamo's trace, AOTAutograd, Ember, the guards and the save) is one
+    # paused block with the older objects frozen; the collector is back on after it.
+    import gc
+
+    from ember.capture import warm_artifact as wa
+
+    seen = []
+    real = wa.API.aot_compile_fullgraph
+
+    def spy(*args: object, **kwargs: object) -> object:
+        seen.append((gc.isenabled(), gc.get_freeze_count() > 0))
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(wa.API, "aot_compile_fullgraph", spy)
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 7), torch.nn.Tanh())
+    x = torch.randn(3, 8)
+    compiled = ember.compile(model, warm_start=True)
+    with torch.no_grad():
+        assert_close(compiled(x), model(x), torch.float32)
+    assert any(line.startswith("saved") for line in compiled._ember_backend.log.warm_start)
+    assert seen == [(False, True)]
+    assert gc.isenabled() and gc.get_freeze_count() == 0

@@ -289,7 +289,8 @@ class WarmStart:
                     return fn
         for old in saved[MAX_FILES_PER_KEY - 1:]:  # the oldest give way to the one about to be saved
             old.unlink(missing_ok=True)
-        return self._compile(self.folder() / stem, parts, args, kwargs)
+        with gc_paused():  # Dynamo's trace, the guards and the save too: one collection at the end
+            return self._compile(self.folder() / stem, parts, args, kwargs)
 
     def _load(self, path: Path, args: tuple, kwargs: dict) -> Any:
         blob = path.read_bytes()
