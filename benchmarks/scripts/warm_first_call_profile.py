@@ -26,29 +26,6 @@ def stamp(what: str) -> None:
     print(f"{time.perf_counter() - T0:7.3f} s  {what}", flush=True)
 
 
-class CollectionTimer:
-    """Garbage collections while on (``gc.callbacks``): count and seconds per generation."""
-
-    def __init__(self) -> None:
-        self.on, self.start = False, 0.0
-        self.counts, self.seconds = [0, 0, 0], [0.0, 0.0, 0.0]
-        import gc
-        gc.callbacks.append(self)
-
-    def __call__(self, phase: str, info: dict) -> None:
-        if not self.on:
-            return
-        if phase == "start":
-            self.start = time.perf_counter()
-        else:
-            self.counts[info["generation"]] += 1
-            self.seconds[info["generation"]] += time.perf_counter() - self.start
-
-    def line(self) -> str:
-        return (f"collections: {sum(self.seconds):.3f} s; "
-                + ", ".join(f"gen{g} {n} ({s:.3f} s)" for g, (n, s) in enumerate(zip(self.counts, self.seconds))))
-
-
 def _probe_constant_loads() -> None:
     """Wrap the stored programs' decoder: each constants load timed, then the same bytes loaded again."""
     import io
@@ -157,8 +134,9 @@ def main() -> None:
         tprof = profile(activities=[ProfilerActivity.CPU]
                         + ([ProfilerActivity.CUDA] if device.type == "cuda" else []))
         tprof.__enter__()
-    collections = CollectionTimer()
-    collections.on = True
+    from ember.bench.gc_time import describe, timed_collections
+    collected = timed_collections()
+    collections = collected.__enter__()
     if prof:
         prof.enable()
     step(*batches[0])
@@ -169,8 +147,8 @@ def main() -> None:
     if tprof is not None:
         tprof.__exit__(None, None, None)
     first = time.perf_counter() - start
-    collections.on = False
-    stamp(f"first call done: {first:.3f} s; {collections.line()}")
+    collected.__exit__(None, None, None)
+    stamp(f"first call done: {first:.3f} s; {describe(collections)}")
     start = time.perf_counter()
     step(*batches[1])
     if device.type == "cuda":

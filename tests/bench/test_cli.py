@@ -98,6 +98,8 @@ def test_ember_rows_split_the_first_call() -> None:
     assert 0 < split["ember_s"] < r["compile_s"] and split["first_run_s"] > 0
     rest = r["compile_s"] - split["ember_s"] - split["first_run_s"]
     assert split["capture_and_rest_s"] == pytest.approx(rest)
+    collected = r["first_call_collections"]  # the compile's own collection at least (capture/aot_settings.py)
+    assert sum(collected["count"]) >= 1 and 0 < collected["total_s"] < r["compile_s"]
 
 
 def test_ember_backend_missing(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -241,6 +243,23 @@ def test_markdown_table_compares_with_inductor() -> None:
     assert lines[0].startswith("| model |") and len(lines) == 2 + len(rows)
     assert lines[4].endswith("| 2.50x | 1.25x |")  # ember: 10/4 vs eager, 5/4 vs inductor
     assert "error: boom" in lines[5] and lines[5].endswith("| - | - |")
+
+
+def test_timed_collections_count_each_generation_and_leave_no_callback() -> None:
+    import gc
+
+    from ember.bench.gc_time import describe, timed_collections
+
+    callbacks = list(gc.callbacks)
+    with timed_collections() as collected:
+        gc.collect(0)
+        gc.collect(2)
+    assert collected["count"] == [1, 0, 1] and collected["total_s"] == pytest.approx(sum(collected["seconds"]))
+    assert gc.callbacks == callbacks
+    with timed_collections() as none:
+        pass
+    assert none["count"] == [0, 0, 0] and none["total_s"] == 0
+    assert describe(collected).startswith("collections: ") and "gen2 1" in describe(collected)
 
 
 def test_launch_compiles_counts_what_the_listener_hears_and_restores_it() -> None:

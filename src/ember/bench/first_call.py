@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import Any
 
 CACHES = {"EMBER_CACHE_DIR": "ember", "TRITON_CACHE_DIR": "triton", "TORCHINDUCTOR_CACHE_DIR": "inductor"}
-KEPT = ("model", "mode", "backend", "precision", "batch", "device", "compile_split", "launch_compiles", "error")
+KEPT = ("model", "mode", "backend", "precision", "batch", "device", "compile_split", "launch_compiles", "first_call_collections", "error")
 CHILD_TIMEOUT_S = 3600
 
 
@@ -95,5 +95,8 @@ def run_first_calls(models: Sequence[str], modes: Sequence[str], backends: Seque
 def print_row(row: dict[str, Any]) -> None:
     first = row.get("first_call_s")
     what = f"{first:.2f} s first call" if first is not None else f"failed: {str(row.get('error'))[-200:]}"
+    collected = row.get("first_call_collections")
+    if first is not None and collected:
+        what += f", {collected['total_s']:.2f} s of it collecting garbage"
     print(f"{row.get('model', '?')} {row.get('mode', '?')} {row.get('backend', '?')} {row['cache']}: {what} "
           f"({row['process_s']:.1f} s process)", flush=True)

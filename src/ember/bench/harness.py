@@ -39,6 +39,7 @@ from ember.bench.backends import (
     train_only,
     train_step_factory,
 )
+from ember.bench.gc_time import timed_collections
 from ember.bench.memory import measure_cpu_peak
 from ember.bench.models import BenchCase, get_case, make_batches, primary_tensor
 from ember.bench.report import row_provenance
@@ -280,10 +281,11 @@ def _measure(
     torch.manual_seed(0)
     _sync(device)
     t0 = time.perf_counter()
-    with launch_compiles.counting() as launched:
+    with launch_compiles.counting() as launched, timed_collections() as collected:
         first = step(*batches[0])
         _sync(device)
     row["compile_s"] = time.perf_counter() - t0
+    row["first_call_collections"] = collected
     if launched.get("hit") or launched.get("miss"):
         row["launch_compiles"] = launched
     # A backend with its own training step may hang Ember's log on the step itself.

@@ -32,6 +32,8 @@ NOTES = {
     "as the process found it",
     "compile_split": "Ember rows: compile_s split into Ember's stages (summed over graphs), the compiled "
     "graphs' first run, and the rest (Dynamo + AOTAutograd capture, eager code such as the optimizer step)",
+    "first_call_collections": "the garbage collections inside the first call: count and seconds per "
+    "generation (0, 1, 2) and total_s (ember.bench.gc_time)",
     "peak_mem_bytes": "cuda_max_memory_allocated: torch.cuda.max_memory_allocated over the timed "
     "steps (reset after warm-up); cpu_profiler_step_peak (CPU): the most tensor memory one more step "
     "held at once on top of what was allocated when it started (weights, optimizer state, inputs), "
