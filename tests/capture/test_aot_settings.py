@@ -206,3 +206,30 @@ def test_a_warm_start_compile_pauses_the_collector_through_dynamos_trace(monkeyp
     assert any(line.startswith("saved") for line in compiled._ember_backend.log.warm_start)
     assert seen == [(False, True)]
     assert gc.isenabled() and gc.get_freeze_count() == 0
+
+
+def test_objects_frozen_before_ember_was_imported_do_not_turn_the_freeze_off(monkeypatch: pytest.MonkeyPatch) -> None:
+    # CPython 3.12 starts with 375 static tuples frozen: the block freezes and collects there too.
+    import gc
+
+    from ember.capture import aot_settings
+
+    gc.freeze()  # stands for the interpreter's own frozen objects
+    try:
+        monkeypatch.setattr(aot_settings, "_FROZEN_AT_IMPORT", gc.get_freeze_count())
+        collections = []
+
+        def count(phase: str, info: dict) -> None:
+            if phase == "stop":
+                collections.append(info["generation"])
+
+        gc.callbacks.append(count)
+        try:
+            with aot_settings.gc_paused():
+                assert not gc.isenabled()
+        finally:
+            gc.callbacks.remove(count)
+        assert collections == [2]  # the block's one collection
+        assert gc.isenabled() and gc.get_freeze_count() == 0
+    finally:
+        gc.unfreeze()

@@ -115,6 +115,12 @@ def rng_ops_kept() -> Iterator[None]:
         yield
 
 
+# What was frozen when Ember was imported: the interpreter's own objects (CPython 3.12 keeps 375
+# static tuples there, 3.11 and 3.13 none). The block's unfreeze moves those to the oldest
+# generation too, which changes nothing for them (they are never garbage).
+_FROZEN_AT_IMPORT = gc.get_freeze_count()
+
+
 @contextlib.contextmanager
 def gc_paused() -> Iterator[None]:
     """Within the block, no garbage collection runs; at its end, one collection of the objects made
@@ -123,12 +129,12 @@ def gc_paused() -> Iterator[None]:
     collection the block's survivors would otherwise trigger soon after (walking every object of
     the process) is not paid here. Nothing is collected within the block but the block's own
     garbage is at its end; the old objects are unfrozen at once, so their garbage is collected later
-    as before. A caller with the collector off, or a process that froze objects itself, keeps its
-    own arrangement (the block only pauses)."""
+    as before. A caller with the collector off, or a process that froze objects itself since Ember
+    was imported, keeps its own arrangement (the block only pauses)."""
     if not gc.isenabled():
         yield
         return
-    freeze = gc.get_freeze_count() == 0
+    freeze = gc.get_freeze_count() <= _FROZEN_AT_IMPORT
     if freeze:
         gc.freeze()
     gc.disable()
