@@ -141,3 +141,48 @@ def test_jobs_carry_the_parents_triton_cache_folder_at_submission(jobs, monkeypa
     monkeypatch.delenv("TRITON_CACHE_DIR")
     pc.compile_job(seen[-1])  # fails without a GPU, after pointing this process at the folder
     assert pc.os.environ["TRITON_CACHE_DIR"] == "/tmp/inductor-triton"
+
+
+class _PendingPool:
+    """A pool whose workers have not taken anything yet: every job's future stays pending."""
+
+    def __init__(self) -> None:
+        self.futures: list[pc.cf.Future] = []
+
+    def submit(self, fn, job):
+        self.futures.append(pc.cf.Future())
+        return self.futures[-1]
+
+
+@config.patch(compile_workers=2)
+def test_jobs_no_worker_took_compile_here_while_no_worker_has_started(jobs, monkeypatch):
+    pool = _PendingPool()
+    monkeypatch.setattr(pc, "_pool", lambda workers: pool)
+    monkeypatch.setattr(pc, "_STARTED", [pc.cf.Future()])  # a worker still importing torch
+    compiled_here = []
+    monkeypatch.setattr(pc, "compile_job", lambda job: compiled_here.append(job.name) or (None, 100.0, 0.25))
+    pending = pc.submit(jobs)
+    taken = pool.futures[0]
+    assert taken.set_running_or_notify_cancel()  # a worker took the first job: it is not compiled here
+    taken.set_result((None, 100.0, 0.5))
+    stats = pending.wait()
+    assert compiled_here == ["ember_k_b"] and stats.here == 1
+    assert stats.kernels == 2 and stats.compile_s == pytest.approx(0.75) and stats.errors == []
+    assert pool.futures[1].cancelled()  # the worker's copy of the job is never run
+    assert "1 compiled in this process while the workers started" in stats.describe()
+
+
+@config.patch(compile_workers=2)
+def test_once_a_worker_has_started_the_jobs_stay_with_the_workers(jobs, monkeypatch):
+    pool = _PendingPool()
+    monkeypatch.setattr(pc, "_pool", lambda workers: pool)
+    ready = pc.cf.Future()
+    ready.set_result(1.0)
+    monkeypatch.setattr(pc, "_STARTED", [pc.cf.Future(), ready])
+    monkeypatch.setattr(pc, "compile_job", lambda job: pytest.fail("compiled in the parent"))
+    pending = pc.submit(jobs)
+    for future in pool.futures:
+        future.set_result((None, 100.0, 0.5))
+    stats = pending.wait()
+    assert stats.here == 0 and stats.kernels == 2 and stats.compile_s == pytest.approx(1.0)
+    assert "in this process" not in stats.describe()

@@ -96,6 +96,7 @@ class PrecompileStats:
     slowest: str = ""
     slowest_s: float = 0.0
     errors: list[str] = field(default_factory=list)
+    here: int = 0  # kernels this process compiled itself while no worker had started yet
 
     def describe(self) -> str:
         if not self.kernels:
@@ -105,6 +106,8 @@ class PrecompileStats:
                 f"(x{self.compile_s / max(self.wall_s, 1e-9):.1f} parallel)")
         if self.workers:
             text += f", {self.wait_s:.2f} s before the first compile began"
+        if self.here:
+            text += f", {self.here} compiled in this process while the workers started"
         if self.slowest:
             text += f"; slowest {self.slowest} {self.slowest_s:.2f} s"
         if self.errors:
@@ -350,6 +353,21 @@ class PendingCompile:
         except Exception as err:  # noqa: BLE001 - a broken pool (killed worker): launches compile on demand
             self._broken(err)
 
+    def _compile_here_while_workers_start(self) -> dict[int, tuple[str | None, float, float]]:
+        """Jobs no worker has taken yet, compiled in this process for as long as no worker has
+        finished starting. A worker imports torch and Triton first (seconds on a GPU host), and a
+        graph captured faster than that hands its kernels over before any worker can take them,
+        while this process has nothing to do but wait. A job is taken only by cancelling its
+        still-pending future, so no kernel is compiled twice; once a worker is ready, the rest is
+        theirs."""
+        here: dict[int, tuple[str | None, float, float]] = {}
+        for i, (job, future) in enumerate(zip(self.todo, self.futures)):
+            if any(started.done() for started in _STARTED) or not future.cancel():
+                continue
+            here[i] = compile_job(job)
+        self.stats.here = len(here)
+        return here
+
     def _broken(self, err: Exception) -> None:
         self.stats.errors.append(f"parallel compile failed: {type(err).__name__}: {err}")
         self.futures, self.results = [], []
@@ -360,7 +378,8 @@ class PendingCompile:
         self.done = True
         if self.results is None:
             try:
-                self.results = [f.result() for f in self.futures]
+                here = self._compile_here_while_workers_start()
+                self.results = [here[i] if i in here else f.result() for i, f in enumerate(self.futures)]
             except Exception as err:  # noqa: BLE001 - as above
                 self._broken(err)
         stats, results = self.stats, self.results or []
