@@ -102,6 +102,19 @@ def test_ember_rows_split_the_first_call() -> None:
     assert sum(collected["count"]) >= 1 and 0 < collected["total_s"] < r["compile_s"]
 
 
+def test_the_split_keeps_each_graphs_kernel_compile_note(monkeypatch: pytest.MonkeyPatch) -> None:
+    from types import SimpleNamespace
+
+    from ember.report.records import CompileLog, GraphRecord
+
+    log = CompileLog()
+    log.graphs = [GraphRecord(title=f"{kind} 0", kind=kind, frame="0/0", target="triton") for kind in ("forward", "backward")]
+    log.graphs[0].compile_note = "11 kernels on 15 worker processes: 1.30 s wall, 0.01 s before the first compile began"
+    monkeypatch.setattr(harness, "ember_backend_of", lambda fn: SimpleNamespace(log=log))
+    split = harness._compile_split(lambda: None, 2.0)
+    assert split["compile_notes"] == {"forward 0": log.graphs[0].compile_note}  # the backward compiled nothing
+
+
 def test_ember_backend_missing(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delattr(ember, "compile", raising=False)
     rows = harness.run_benchmark(["tiny_transformer"], backends=["ember"], device="cpu", batch=1,

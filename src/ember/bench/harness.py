@@ -255,6 +255,8 @@ def _compile_split(fn: Callable[..., Any], total_s: float) -> dict[str, Any] | N
             "capture_and_rest_s": max(0.0, total_s - ember_s - first_run), "graphs": len(graphs),
             "kernels": sum(g.kernels for g in graphs), "unique_kernels": sum(g.unique_kernels for g in graphs),
             "frame_cache": list(getattr(backend.log, "frame_cache", [])),  # each frame: loaded, stored or why not
+            # where each graph's kernel_compile stage went (workers, their start, the slowest kernel)
+            "compile_notes": {g.title: g.compile_note for g in graphs if g.compile_note},
             "warm_start": list(backend.log.warm_start)}
 
 

@@ -31,7 +31,8 @@ NOTES = {
     "compile_s": "wall time of the first call (s), including compilation; cold or warm disk cache "
     "as the process found it",
     "compile_split": "Ember rows: compile_s split into Ember's stages (summed over graphs), the compiled "
-    "graphs' first run, and the rest (Dynamo + AOTAutograd capture, eager code such as the optimizer step)",
+    "graphs' first run, and the rest (Dynamo + AOTAutograd capture, eager code such as the optimizer step); "
+    "compile_notes: each graph's kernel compile (its kernels, the workers, when the first compile began)",
     "first_call_collections": "the garbage collections inside the first call: count and seconds per "
     "generation (0, 1, 2) and total_s (ember.bench.gc_time)",
     "peak_mem_bytes": "cuda_max_memory_allocated: torch.cuda.max_memory_allocated over the timed "
