@@ -115,29 +115,19 @@ def test_paused_block_collects_its_own_garbage_at_its_end_and_unfreezes() -> Non
     import gc
     import weakref
 
+    from ember.bench.gc_time import timed_collections
     from ember.capture.aot_settings import gc_paused
 
     gc.collect()
     old = _Cycle()
     old_ref = weakref.ref(old)
-    collections = []
-
-    def count(phase: str, info: dict) -> None:
-        if phase == "stop":
-            collections.append(info["generation"])
-
-    gc.callbacks.append(count)
-    try:
-        with gc_paused():
-            assert not gc.isenabled() and gc.get_freeze_count() > 0  # the old objects frozen meanwhile
-            inside = [_Cycle() for _ in range(3000)]  # enough allocations to trigger collections
-            refs = [weakref.ref(c) for c in inside]
-            del inside, old
-            assert collections == []
-            assert all(r() is not None for r in refs)
-        assert collections == [2]  # one collection, at the end
-    finally:
-        gc.callbacks.remove(count)
+    with timed_collections() as collected, gc_paused():
+        assert not gc.isenabled() and gc.get_freeze_count() > 0  # the old objects frozen meanwhile
+        inside = [_Cycle() for _ in range(3000)]  # enough allocations to trigger collections
+        refs = [weakref.ref(c) for c in inside]
+        del inside, old
+        assert all(r() is not None for r in refs)
+    assert collected["count"] == [0, 0, 1]  # none inside; one at the end
     assert all(r() is None for r in refs)  # the block's own cyclic garbage is gone
     assert gc.isenabled() and gc.get_freeze_count() == 0
     assert old_ref() is not None  # frozen through the block: left for a later collection
@@ -217,19 +207,11 @@ def test_objects_frozen_before_ember_was_imported_do_not_turn_the_freeze_off(mon
     gc.freeze()  # stands for the interpreter's own frozen objects
     try:
         monkeypatch.setattr(aot_settings, "_FROZEN_AT_IMPORT", gc.get_freeze_count())
-        collections = []
+        from ember.bench.gc_time import timed_collections
 
-        def count(phase: str, info: dict) -> None:
-            if phase == "stop":
-                collections.append(info["generation"])
-
-        gc.callbacks.append(count)
-        try:
-            with aot_settings.gc_paused():
-                assert not gc.isenabled()
-        finally:
-            gc.callbacks.remove(count)
-        assert collections == [2]  # the block's one collection
+        with timed_collections() as collected, aot_settings.gc_paused():
+            assert not gc.isenabled()
+        assert collected["count"] == [0, 0, 1]  # the block's one collection
         assert gc.isenabled() and gc.get_freeze_count() == 0
     finally:
         gc.unfreeze()
