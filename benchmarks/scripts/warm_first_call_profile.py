@@ -135,19 +135,17 @@ def main() -> None:
                         + ([ProfilerActivity.CUDA] if device.type == "cuda" else []))
         tprof.__enter__()
     from ember.bench.gc_time import describe, timed_collections
-    collected = timed_collections()
-    collections = collected.__enter__()
     if prof:
         prof.enable()
-    step(*batches[0])
-    if device.type == "cuda":
-        torch.cuda.synchronize()
+    with timed_collections() as collections:
+        step(*batches[0])
+        if device.type == "cuda":
+            torch.cuda.synchronize()
     if prof:
         prof.disable()
     if tprof is not None:
         tprof.__exit__(None, None, None)
     first = time.perf_counter() - start
-    collected.__exit__(None, None, None)
     stamp(f"first call done: {first:.3f} s; {describe(collections)}")
     start = time.perf_counter()
     step(*batches[1])

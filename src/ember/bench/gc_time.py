@@ -2,7 +2,7 @@
 
 A first call allocates millions of Python objects (Dynamo's and AOTAutograd's graphs, Ember's
 plans), and the collector's passes over them are part of what a user waits for; ``ember bench``
-records them with each first call (``collections`` in its JSON) so that a slow first call says
+records them with each first call (``first_call_collections`` in its JSON) so that a slow first call says
 how much of it was the collector.
 """
 

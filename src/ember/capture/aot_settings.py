@@ -127,9 +127,8 @@ def gc_paused() -> Iterator[None]:
     inside it. The objects from before the block are frozen (``gc.freeze``) while it runs, so that
     collection walks only the block's objects, as a young collection would, and the full
     collection the block's survivors would otherwise trigger soon after (walking every object of
-    the process) is not paid here. Nothing is collected within the block but the block's own
-    garbage is at its end; the old objects are unfrozen at once, so their garbage is collected later
-    as before. A caller with the collector off, or a process that froze objects itself since Ember
+    the process) is not paid here. The old objects are unfrozen at once, so their garbage is
+    collected later as before. A caller with the collector off, or a process that froze objects itself since Ember
     was imported, keeps its own arrangement (the block only pauses)."""
     if not gc.isenabled():
         yield

@@ -362,9 +362,10 @@ class PendingCompile:
         theirs."""
         here: dict[int, tuple[str | None, float, float]] = {}
         for i, (job, future) in enumerate(zip(self.todo, self.futures)):
-            if any(started.done() for started in _STARTED) or not future.cancel():
-                continue
-            here[i] = compile_job(job)
+            if any(started.done() for started in _STARTED):
+                break
+            if future.cancel():
+                here[i] = compile_job(job)
         self.stats.here = len(here)
         return here
 
