@@ -156,26 +156,93 @@ class Replay:
         return text
 
 
-def replay(calls: Iterable[str]) -> Replay:
-    """Run each call once on scratch tensors (see the module docstring); never raises."""
+def replay(calls: Iterable[str], threads: int | None = None) -> Replay:
+    """Run each call once on scratch tensors (see the module docstring); never raises.
+
+    Convolutions are spread over ``threads`` host threads (default: the ``library_warmup_threads``
+    setting): cuDNN builds a kernel for each new convolution shape on the host (depthwise shapes in
+    channels_last: 0.4-1 s each on an H100), and torch gives each thread its own cuDNN handle, so
+    the builds of different shapes can run side by side. Other calls stay on one thread: a thread
+    of its own would cost each a cuBLAS handle and workspace for a set-up that is mostly one-off."""
+    texts = list(calls)
+    want = settings().library_warmup_threads if threads is None else threads
+    convolutions = [t for t in texts if _is_convolution(t)]
+    workers = max(1, min(want, len(convolutions)))
+    if workers == 1:
+        return _replay_serially(texts)
+    start = time.perf_counter()
+    queue = [t for t in texts if not _is_convolution(t)] + convolutions  # the others first, on one thread
+    lock = threading.Lock()
+    results = [Replay() for _ in range(workers)]
+    devices: set[torch.device] = set()
+
+    def work(result: Replay) -> None:
+        while True:
+            with lock:
+                if not queue:
+                    return
+                text = queue.pop(0)
+            ran_on = _replay_one(text, result)
+            with lock:
+                devices.update(ran_on)
+
+    helpers = [threading.Thread(target=work, args=(r,), name=f"ember-library-warmup-{i}", daemon=True)
+               for i, r in enumerate(results[1:], 1)]
+    for h in helpers:
+        h.start()
+    work(results[0])
+    for h in helpers:
+        h.join()
+    result = _merge(results)
+    _synchronize(devices)
+    if any(d.type == "cuda" for d in devices):
+        torch.cuda.empty_cache()  # the side-by-side calls' scratch memory, not left reserved
+    result.seconds = time.perf_counter() - start
+    return result
+
+
+def _replay_serially(texts: list[str]) -> Replay:
     result = Replay()
     start = time.perf_counter()
     devices: set[torch.device] = set()
-    with torch.no_grad():
-        for text in calls:
-            result.calls += 1
-            try:
-                call = json.loads(text)
-                _call_once(call)
-                devices.update(torch.device(d) for d in _devices([call["args"], list(call["kwargs"].values())]))
-            except Exception as err:  # noqa: BLE001 - a set-up the first run pays instead
-                result.failed += 1
-                result.first_error = result.first_error or f"{type(err).__name__}: {err}"
+    for text in texts:
+        devices.update(_replay_one(text, result))
+    _synchronize(devices)
+    result.seconds = time.perf_counter() - start
+    return result
+
+
+def _replay_one(text: str, result: Replay) -> set[torch.device]:
+    """One call, counted in ``result``; the devices it ran on."""
+    result.calls += 1
+    try:
+        call = json.loads(text)
+        with torch.no_grad():  # thread-local: set in the thread that runs the call
+            _call_once(call)
+        return {torch.device(d) for d in _devices([call["args"], list(call["kwargs"].values())])}
+    except Exception as err:  # noqa: BLE001 - a set-up the first run pays instead
+        result.failed += 1
+        result.first_error = result.first_error or f"{type(err).__name__}: {err}"
+        return set()
+
+
+def _synchronize(devices: set[torch.device]) -> None:
     for device in devices:
         if device.type == "cuda":
             torch.cuda.synchronize(device)  # the scratch tensors' memory is free once the calls ran
-    result.seconds = time.perf_counter() - start
-    return result
+
+
+def _merge(results: list[Replay]) -> Replay:
+    errors = [r.first_error for r in results if r.first_error]
+    return Replay(calls=sum(r.calls for r in results), failed=sum(r.failed for r in results),
+                  first_error=errors[0] if errors else "")
+
+
+def _is_convolution(text: str) -> bool:
+    try:
+        return "convolution" in json.loads(text)["op"][1]
+    except (ValueError, KeyError, IndexError, TypeError):
+        return False
 
 
 def _devices(value: object) -> list[str]:
