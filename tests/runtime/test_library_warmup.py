@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import sys
+import threading
 import types
 
 import pytest
@@ -204,3 +205,48 @@ def test_warm_start_replays_the_saved_calls_beside_its_load(tmp_path, monkeypatc
         assert len(beside) == 1 and beside[0].startswith("beside the load: 2 library call(s) set up in "), logs[1]
     else:
         assert beside == []
+
+
+def _conv_and_mm_calls(n_shapes: int) -> list[str]:
+    """``n_shapes`` distinct convolutions and one matmul, as recorded calls."""
+    def graph(a, b, *xs):
+        w = torch.randn(4, 3, 3, 3)
+        return [aten.convolution.default(x, w, None, [1, 1], [1, 1], [1, 1], False, [0, 0], 1) for x in xs] + [
+            aten.mm.default(a, b)]
+    xs = [torch.randn(1, 3, 6 + i, 6) for i in range(n_shapes)]
+    return lw.library_calls(_extern_steps(graph, torch.randn(5, 6), torch.randn(6, 7), *xs), ("cpu",))
+
+
+def test_convolutions_replay_side_by_side_and_other_calls_on_the_calling_thread(monkeypatch):
+    """With several threads, two convolutions run at the same time (a barrier of two is passed, not
+    broken) and the matmul runs on the thread that called ``replay``; each call is made once."""
+    calls = _conv_and_mm_calls(4)
+    barrier = threading.Barrier(2, timeout=10)
+    seen: list[tuple[str, str]] = []
+    real = lw._call_once
+
+    def recording(call):
+        seen.append((call["op"][1], threading.current_thread().name))
+        if call["op"][1] == "convolution" and [op for op, _ in seen].count("convolution") <= 2:
+            barrier.wait()  # the first two: raises (a failed call) unless both run at once
+        real(call)
+
+    monkeypatch.setattr(lw, "_call_once", recording)
+    done = lw.replay(calls, threads=3)
+    assert (done.calls, done.failed) == (5, 0), done.first_error
+    assert sorted(op for op, _ in seen) == ["convolution"] * 4 + ["mm"]
+    assert [t for op, t in seen if op == "mm"] == [threading.current_thread().name]
+    assert len({t for op, t in seen if op == "convolution"}) >= 2
+
+
+def test_threads_default_to_the_setting_and_failures_are_counted_across_threads():
+    calls = _conv_and_mm_calls(3)
+    bad = json.loads(calls[0])
+    bad["args"][1]["tensor"][0] = [4, 5, 3, 3]  # 5 input channels against 3: fails, counted
+    calls = [json.dumps(bad)] + calls[1:]
+    with config.patch(library_warmup_threads=2):
+        done = lw.replay(calls)
+    assert (done.calls, done.failed) == (4, 1)
+    assert done.first_error
+    single = lw.replay(calls, threads=1)
+    assert (single.calls, single.failed) == (4, 1)

@@ -171,26 +171,29 @@ def replay(calls: Iterable[str], threads: int | None = None) -> Replay:
     if workers == 1:
         return _replay_serially(texts)
     start = time.perf_counter()
-    queue = [t for t in texts if not _is_convolution(t)] + convolutions  # the others first, on one thread
+    queue = list(convolutions)
     lock = threading.Lock()
     results = [Replay() for _ in range(workers)]
     devices: set[torch.device] = set()
 
-    def work(result: Replay) -> None:
+    def work(result: Replay, own: list[str]) -> None:
         while True:
-            with lock:
-                if not queue:
-                    return
-                text = queue.pop(0)
+            if own:
+                text = own.pop(0)
+            else:
+                with lock:
+                    if not queue:
+                        return
+                    text = queue.pop(0)
             ran_on = _replay_one(text, result)
             with lock:
                 devices.update(ran_on)
 
-    helpers = [threading.Thread(target=work, args=(r,), name=f"ember-library-warmup-{i}", daemon=True)
+    helpers = [threading.Thread(target=work, args=(r, []), name=f"ember-library-warmup-{i}", daemon=True)
                for i, r in enumerate(results[1:], 1)]
     for h in helpers:
         h.start()
-    work(results[0])
+    work(results[0], [t for t in texts if not _is_convolution(t)])  # the other calls: this thread's first
     for h in helpers:
         h.join()
     result = _merge(results)
