@@ -355,9 +355,6 @@ class Settings:
                                        "scratch tensors where the process waits anyway: beside a warm start's load, "
                                        "in the first call's wait for kernels (runtime/library_warmup.py)",
                                  "EMBER_LIBRARY_WARMUP")
-    library_warmup_threads: int = _item(1, "host threads that replay a program's convolutions side by side "
-                                           "(cuDNN builds a kernel per new shape on the host; each thread has "
-                                           "its own cuDNN handle)", "EMBER_LIBRARY_WARMUP_THREADS")
     git_commit: str | None = _item(None, "the commit `ember bench` records, for runs from a copy of the working "
                                          "tree without its .git", "EMBER_GIT_COMMIT", "str")
 

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import json
 import sys
-import threading
 import types
 
 import pytest
@@ -207,46 +206,40 @@ def test_warm_start_replays_the_saved_calls_beside_its_load(tmp_path, monkeypatc
         assert beside == []
 
 
-def _conv_and_mm_calls(n_shapes: int) -> list[str]:
-    """``n_shapes`` distinct convolutions and one matmul, as recorded calls."""
-    def graph(a, b, *xs):
-        w = torch.randn(4, 3, 3, 3)
-        return [aten.convolution.default(x, w, None, [1, 1], [1, 1], [1, 1], False, [0, 0], 1) for x in xs] + [
-            aten.mm.default(a, b)]
-    xs = [torch.randn(1, 3, 6 + i, 6) for i in range(n_shapes)]
-    return lw.library_calls(_extern_steps(graph, torch.randn(5, 6), torch.randn(6, 7), *xs), ("cpu",))
+def test_depthwise_convolutions_beyond_one_per_op_are_left_to_the_first_run():
+    """cuDNN's per-shape depthwise builds are kept per thread: the replay makes one per op (to load
+    the code they share) and leaves the others; grouped convolutions with several input channels
+    per group and ordinary ones are all replayed."""
+    def graph(*xs):
+        outs = []
+        for i, x in enumerate(xs):
+            channels = x.shape[1]
+            groups = channels if i < 3 else 2  # three depthwise shapes, then a grouped one
+            w = torch.randn(channels, channels // groups, 3, 3)
+            outs.append(aten.convolution.default(x, w, None, [1, 1], [1, 1], [1, 1], False, [0, 0], groups))
+        w = torch.randn(5, 4, 1, 1)
+        outs.append(aten.convolution.default(xs[0], w, None, [1, 1], [0, 0], [1, 1], False, [0, 0], 1))
+        return outs
+    xs = [torch.randn(1, 4, 6 + i, 6) for i in range(4)]
+    calls = lw.library_calls(_extern_steps(graph, *xs), ("cpu",))
+    assert len(calls) == 5
+    kept, left = lw.replayed_calls(calls)
+    assert left == 2 and kept == [calls[0], calls[3], calls[4]]
+    done = lw.replay(calls)
+    assert (done.calls, done.failed, done.left) == (3, 0, 2)
+    assert "2 depthwise convolution(s) left to the first run" in done.describe()
 
 
-def test_convolutions_replay_side_by_side_and_other_calls_on_the_calling_thread(monkeypatch):
-    """With several threads, two convolutions run at the same time (a barrier of two is passed, not
-    broken) and the matmul runs on the thread that called ``replay``; each call is made once."""
-    calls = _conv_and_mm_calls(4)
-    barrier = threading.Barrier(2, timeout=10)
-    seen: list[tuple[str, str]] = []
-    real = lw._call_once
+def test_depthwise_backward_calls_are_recognised():
+    x = torch.randn(1, 4, 6, 6)
+    w = torch.randn(4, 1, 3, 3)
+    g = torch.randn(1, 4, 6, 6)
 
-    def recording(call):
-        seen.append((call["op"][1], threading.current_thread().name))
-        if call["op"][1] == "convolution" and [op for op, _ in seen].count("convolution") <= 2:
-            barrier.wait()  # the first two: raises (a failed call) unless both run at once
-        real(call)
-
-    monkeypatch.setattr(lw, "_call_once", recording)
-    done = lw.replay(calls, threads=3)
-    assert (done.calls, done.failed) == (5, 0), done.first_error
-    assert sorted(op for op, _ in seen) == ["convolution"] * 4 + ["mm"]
-    assert [t for op, t in seen if op == "mm"] == [threading.current_thread().name]
-    assert len({t for op, t in seen if op == "convolution"}) >= 2
-
-
-def test_threads_default_to_the_setting_and_failures_are_counted_across_threads():
-    calls = _conv_and_mm_calls(3)
-    bad = json.loads(calls[0])
-    bad["args"][1]["tensor"][0] = [4, 5, 3, 3]  # 5 input channels against 3: fails, counted
-    calls = [json.dumps(bad)] + calls[1:]
-    with config.patch(library_warmup_threads=2):
-        done = lw.replay(calls)
-    assert (done.calls, done.failed) == (4, 1)
-    assert done.first_error
-    single = lw.replay(calls, threads=1)
-    assert (single.calls, single.failed) == (4, 1)
+    def graph(g, x, w):
+        return [aten.convolution_backward.default(g, x, w, None, [1, 1], [1, 1], [1, 1], False, [0, 0], 4,
+                                                  [True, True, False]) for _ in range(1)]
+    calls = lw.library_calls(_extern_steps(graph, g, x, w), ("cpu",))
+    other = lw.library_calls(_extern_steps(graph, g[:, :, :5], x[:, :, :5], w), ("cpu",))
+    kept, left = lw.replayed_calls(calls + other)
+    assert (len(kept), left) == (1, 1)
+    assert lw.replay(calls + other).failed == 0

@@ -142,110 +142,84 @@ def _call_once(call: dict) -> None:
 
 @dataclass
 class Replay:
-    """What one replay did: calls made and failed, seconds, the first failure."""
+    """What one replay did: calls made, failed and left to the first run, seconds, the first failure."""
 
     calls: int = 0
     failed: int = 0
     seconds: float = 0.0
     first_error: str = ""
+    left: int = 0  # depthwise convolutions not replayed (``replayed_calls``)
 
     def describe(self) -> str:
         text = f"{self.calls} library call(s) set up in {self.seconds:.3f} s"
+        if self.left:
+            text += f", {self.left} depthwise convolution(s) left to the first run"
         if self.failed:
             text += f" ({self.failed} failed, first: {self.first_error[:160]})"
         return text
 
 
-def replay(calls: Iterable[str], threads: int | None = None) -> Replay:
-    """Run each call once on scratch tensors (see the module docstring); never raises.
-
-    Convolutions are spread over ``threads`` host threads (default: the ``library_warmup_threads``
-    setting): cuDNN builds a kernel for each new convolution shape on the host (depthwise shapes in
-    channels_last: 0.4-1 s each on an H100), and torch gives each thread its own cuDNN handle, so
-    the builds of different shapes can run side by side. Other calls stay on one thread: a thread
-    of its own would cost each a cuBLAS handle and workspace for a set-up that is mostly one-off."""
-    texts = list(calls)
-    want = settings().library_warmup_threads if threads is None else threads
-    convolutions = [t for t in texts if _is_convolution(t)]
-    workers = max(1, min(want, len(convolutions)))
-    if workers == 1:
-        return _replay_serially(texts)
-    start = time.perf_counter()
-    queue = list(convolutions)
-    lock = threading.Lock()
-    results = [Replay() for _ in range(workers)]
-    devices: set[torch.device] = set()
-
-    def work(result: Replay, own: list[str]) -> None:
-        while True:
-            if own:
-                text = own.pop(0)
-            else:
-                with lock:
-                    if not queue:
-                        return
-                    text = queue.pop(0)
-            ran_on = _replay_one(text, result)
-            with lock:
-                devices.update(ran_on)
-
-    helpers = [threading.Thread(target=work, args=(r, []), name=f"ember-library-warmup-{i}", daemon=True)
-               for i, r in enumerate(results[1:], 1)]
-    for h in helpers:
-        h.start()
-    work(results[0], [t for t in texts if not _is_convolution(t)])  # the other calls: this thread's first
-    for h in helpers:
-        h.join()
-    result = _merge(results)
-    _synchronize(devices)
-    if any(d.type == "cuda" for d in devices):
-        torch.cuda.empty_cache()  # the side-by-side calls' scratch memory, not left reserved
-    result.seconds = time.perf_counter() - start
-    return result
+# Depthwise convolutions replayed per op (forward, backward). cuDNN builds a kernel for each new
+# NHWC depthwise shape (0.4-1 s each on an H100) into a plan torch keeps per host thread: on the
+# H100, after a helper thread had replayed all of mobilenet_v3's 88 convolution calls (7.2 s), the
+# main thread's first calls of them still took 7.0 s and a new thread's 6.7 s (12.6 and 7.9 s with
+# no replay; benchmarks/scripts/gpu_conv_replay_probe.py). Replaying one loads the code they
+# share; replaying the rest only delays the join by work the running thread does again.
+DEPTHWISE_PER_OP = 1
 
 
-def _replay_serially(texts: list[str]) -> Replay:
-    result = Replay()
-    start = time.perf_counter()
-    devices: set[torch.device] = set()
-    for text in texts:
-        devices.update(_replay_one(text, result))
-    _synchronize(devices)
-    result.seconds = time.perf_counter() - start
-    return result
+def replayed_calls(calls: Iterable[str]) -> tuple[list[str], int]:
+    """The calls a replay makes, and how many depthwise convolutions it leaves out."""
+    kept: list[str] = []
+    seen: dict[str, int] = {}
+    left = 0
+    for text in calls:
+        op = _depthwise_op(text)
+        if op is not None:
+            seen[op] = seen.get(op, 0) + 1
+            if seen[op] > DEPTHWISE_PER_OP:
+                left += 1
+                continue
+        kept.append(text)
+    return kept, left
 
 
-def _replay_one(text: str, result: Replay) -> set[torch.device]:
-    """One call, counted in ``result``; the devices it ran on."""
-    result.calls += 1
+def _depthwise_op(text: str) -> str | None:
+    """The op's name if the call is a depthwise convolution (groups > 1, one input channel per group)."""
     try:
         call = json.loads(text)
-        with torch.no_grad():  # thread-local: set in the thread that runs the call
-            _call_once(call)
-        return {torch.device(d) for d in _devices([call["args"], list(call["kwargs"].values())])}
-    except Exception as err:  # noqa: BLE001 - a set-up the first run pays instead
-        result.failed += 1
-        result.first_error = result.first_error or f"{type(err).__name__}: {err}"
-        return set()
+        name = call["op"][1]
+        at = {"convolution": (1, 8), "convolution_backward": (2, 9)}.get(name)
+        if at is None:
+            return None
+        weight, groups = call["args"][at[0]], call["args"][at[1]]
+        return name if isinstance(groups, int) and groups > 1 and weight["tensor"][0][1] == 1 else None
+    except (ValueError, KeyError, IndexError, TypeError):
+        return None
 
 
-def _synchronize(devices: set[torch.device]) -> None:
+def replay(calls: Iterable[str]) -> Replay:
+    """Run each call once on scratch tensors (see the module docstring; depthwise convolutions
+    beyond ``DEPTHWISE_PER_OP`` per op are left out); never raises."""
+    kept, left = replayed_calls(calls)
+    result = Replay(left=left)
+    start = time.perf_counter()
+    devices: set[torch.device] = set()
+    with torch.no_grad():
+        for text in kept:
+            result.calls += 1
+            try:
+                call = json.loads(text)
+                _call_once(call)
+                devices.update(torch.device(d) for d in _devices([call["args"], list(call["kwargs"].values())]))
+            except Exception as err:  # noqa: BLE001 - a set-up the first run pays instead
+                result.failed += 1
+                result.first_error = result.first_error or f"{type(err).__name__}: {err}"
     for device in devices:
         if device.type == "cuda":
             torch.cuda.synchronize(device)  # the scratch tensors' memory is free once the calls ran
-
-
-def _merge(results: list[Replay]) -> Replay:
-    errors = [r.first_error for r in results if r.first_error]
-    return Replay(calls=sum(r.calls for r in results), failed=sum(r.failed for r in results),
-                  first_error=errors[0] if errors else "")
-
-
-def _is_convolution(text: str) -> bool:
-    try:
-        return "convolution" in json.loads(text)["op"][1]
-    except (ValueError, KeyError, IndexError, TypeError):
-        return False
+    result.seconds = time.perf_counter() - start
+    return result
 
 
 def _devices(value: object) -> list[str]:

@@ -1,15 +1,16 @@
-"""Whether cuDNN's per-shape convolution set-up, replayed by Ember's library warm-up
-(runtime/library_warmup.py), goes faster over several host threads, and whether a thread that
-did not replay a call still pays for it afterwards (torch keeps cuDNN's plans per thread).
+"""What cuDNN's per-shape convolution set-up, replayed by Ember's library warm-up in a helper
+thread (runtime/library_warmup.py), saves the threads that run the convolutions afterwards
+(torch keeps cuDNN's plans per host thread).
 
 For every convolution shape of a model (forward and both gradients, bf16, channels_last), each
-variant in a new process: the replay with ``threads`` helper threads, then the same calls made
-first by the main thread and by a fresh thread (as autograd's device thread runs a backward).
+mode in a new process: the helper's replay, then every call made first by the main thread and by
+a fresh thread (as autograd's device thread runs a backward), then by the main thread again.
 
-    PYTHONPATH=src python benchmarks/scripts/gpu_conv_warmup_threads.py mobilenet_v3 \\
-        --batch 128 --threads 0 1 4 8 [--json F]
+    PYTHONPATH=src python benchmarks/scripts/gpu_conv_replay_probe.py mobilenet_v3 \\
+        --batch 128 --modes none all rule [--json F]
 
-``threads`` 0: no replay (the calls' cost where nothing ran before them).
+Modes: ``none`` no replay; ``all`` every call replayed; ``rule`` the warm-up's own choice (one
+depthwise convolution per op, ``DEPTHWISE_PER_OP``).
 """
 
 from __future__ import annotations
@@ -26,20 +27,24 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 CHILD = r"""
 import json, sys, threading, time, torch
 from ember.runtime import library_warmup as lw
-threads, calls = int(sys.argv[1]), json.loads(sys.argv[2])
+mode, calls = sys.argv[1], json.loads(sys.argv[2])
 torch.zeros(1, device="cuda"); torch.cuda.synchronize()
-out = {"threads": threads, "calls": len(calls)}
-if threads:
+every = 10**9
+out = {"mode": mode, "calls": len(calls)}
+if mode != "none":
+    lw.DEPTHWISE_PER_OP = every if mode == "all" else 1
     t = time.perf_counter()
     done = {}
-    helper = threading.Thread(target=lambda: done.setdefault("r", lw.replay(calls, threads=threads)))
+    helper = threading.Thread(target=lambda: done.setdefault("r", lw.replay(calls)))
     helper.start(); helper.join()
     out["replay_s"] = time.perf_counter() - t
     out["replay_failed"] = done["r"].failed
+    out["replay_left"] = done["r"].left
     out["replay_error"] = done["r"].first_error[:200]
+lw.DEPTHWISE_PER_OP = every  # the running threads make every call
 def run_all():
     t = time.perf_counter()
-    r = lw.replay(calls, threads=1)
+    r = lw.replay(calls)
     return time.perf_counter() - t, r.failed
 out["main_first_s"], out["main_failed"] = run_all()
 box = {}
@@ -82,24 +87,24 @@ def main() -> int:
     parser = argparse.ArgumentParser()
     parser.add_argument("models", nargs="+")
     parser.add_argument("--batch", type=int, nargs="+", default=[128])
-    parser.add_argument("--threads", type=int, nargs="+", default=[0, 1, 4, 8])
+    parser.add_argument("--modes", nargs="+", default=["none", "all", "rule"])
     parser.add_argument("--json")
     args = parser.parse_args()
     rows = []
     batches = args.batch * len(args.models) if len(args.batch) == 1 else args.batch
     for model, batch in zip(args.models, batches):
         calls = conv_calls(model, batch)
-        for threads in args.threads:
-            proc = subprocess.run([sys.executable, "-c", CHILD, str(threads), json.dumps(calls)],
+        for mode in args.modes:
+            proc = subprocess.run([sys.executable, "-c", CHILD, mode, json.dumps(calls)],
                                   capture_output=True, text=True, env=dict(os.environ))
             line = next((ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")), None)
             if line is None:
-                print(model, threads, "ERROR", proc.stderr[-1500:])
+                print(model, mode, "ERROR", proc.stderr[-1500:])
                 continue
             row = {"model": model, "batch": batch, **json.loads(line[7:])}
             rows.append(row)
-            print(f"{model:14s} bs{batch:<4d} threads {threads}: replay {row.get('replay_s', 0):7.3f} s"
-                  f" (failed {row.get('replay_failed', 0)}), then main thread {row['main_first_s']:7.3f} s,"
+            print(f"{model:14s} bs{batch:<4d} {mode:4s}: replay {row.get('replay_s', 0):7.3f} s"
+                  f" (failed {row.get('replay_failed', 0)}, left {row.get('replay_left', 0)}), then main thread {row['main_first_s']:7.3f} s,"
                   f" fresh thread {row['fresh_thread_s']:7.3f} s, main again {row['main_again_s']:6.3f} s;"
                   f" reserved {row['reserved_mib']:.0f} MiB (peak {row['peak_reserved_mib']:.0f}),"
                   f" {row['calls']} calls")
