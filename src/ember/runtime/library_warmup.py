@@ -21,6 +21,8 @@ and Ember replays them once on scratch tensors where the wait is free:
 Scratch tensors are zeros (no NaN, every index in range); a dropout probability becomes 0, so no
 replayed call draws from the random generator; a call that fails is skipped and counted. Nothing
 replayed is seen by the program: only the libraries' state (loaded code, handles, plans) stays.
+Depthwise convolutions are the exception: their per-shape set-up stays with the thread that made
+it, so one per op is replayed (``DEPTHWISE_PER_OP``).
 """
 
 from __future__ import annotations
