@@ -13,7 +13,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from ember.runtime import cubin_launch
+from ember.runtime import cubin_launch, cubin_records
 from ember.runtime.cubin_launch import Binary, CubinKernel, binary_of
 
 KERNEL = '''
@@ -69,7 +69,7 @@ def test_launch_facts_come_from_tritons_signature(jit_fn):
 ])
 def test_binaries_the_static_launcher_cannot_run_stay_on_triton(jit_fn, fields, why):
     found = binary_of(compiled_for(jit_fn, False, **fields), n_args=5)
-    assert isinstance(found, cubin_launch._OnTriton) and found.why == why
+    assert isinstance(found, cubin_records.OnTriton) and found.why == why
 
 
 class FakeLauncher:

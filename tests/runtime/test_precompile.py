@@ -109,7 +109,7 @@ def test_workers_get_the_ptxas_whose_version_keys_the_parents_cache(tmp_path, mo
     assert pc.matching_ptxas(version, [None, str(tmp_path / "missing"), tools["new"], tools["old"]]) == tools["old"]
     assert pc.matching_ptxas("ptxas release 11.0\n", [tools["new"], tools["old"]]) is None
     # Spawned workers see the match while submitting, and the parent's environment is left as it was.
-    monkeypatch.setattr(pc, "_PTXAS", {"TRITON_PTXAS_PATH": tools["old"]})
+    monkeypatch.setattr(pc, "_WORKER_ENV", {"TRITON_PTXAS_PATH": tools["old"]})
     monkeypatch.setenv("TRITON_PTXAS_PATH", tools["new"])
     with pc._as_worker_env():
         assert pc.os.environ["TRITON_PTXAS_PATH"] == tools["old"]

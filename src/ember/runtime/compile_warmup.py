@@ -22,6 +22,12 @@ def _warmup_kernel(src, dst, n, BLOCK: tl.constexpr):
 
 
 def compile_warmup_kernel() -> None:
-    import torch
+    """Compile the kernel for Triton's active target. Raises where Triton did not type its
+    arguments as bf16 and fp32 pointers: a worker then leaves its torch-free driver
+    (``worker_triton``) for Triton's own."""
+    from ember.runtime.worker_triton import pointer_arg, typed_arguments
 
-    _warmup_kernel.warmup(torch.bfloat16, torch.float32, 64, grid=(1,), BLOCK=64)
+    compiled = _warmup_kernel.warmup(pointer_arg("bfloat16"), pointer_arg("float32"), 64, grid=(1,), BLOCK=64)
+    typed = typed_arguments(compiled)
+    if (typed.get("src"), typed.get("dst")) != ("*bf16", "*fp32"):
+        raise RuntimeError(f"Triton typed the warm-up kernel's pointers {typed}, not *bf16 and *fp32")

@@ -137,17 +137,28 @@ def _lower_priority(niceness: int) -> None:
 
 def _start_worker(niceness: int) -> float:
     """Runs in each worker once: the imports a compile needs and one small compile (a worker's
-    first compile pays the compiler's set-up). Returns when it finished."""
+    first compile pays the compiler's set-up). Returns when it finished.
+
+    Where the parent passed its Triton target (``worker_triton.TARGET_ENV``), the worker compiles
+    for it without torch and without touching the GPU; if the warm-up compile fails that way it
+    goes back to Triton's own driver, which imports torch and initialises CUDA."""
     _lower_priority(niceness)
+    os.environ["TRITON_INTERPRET"] = "0"
+    from ember.runtime import worker_triton
+    from ember.runtime.compile_warmup import compile_warmup_kernel
+
+    if worker_triton.install_target_driver(os.environ.get(worker_triton.TARGET_ENV, "")):
+        try:
+            compile_warmup_kernel()
+            return time.time()
+        except Exception:  # noqa: BLE001 - Triton's own driver below
+            log.debug("compile without torch failed; using Triton's driver", exc_info=True)
+            worker_triton.uninstall_target_driver()
     import torch  # noqa: F401
-    import triton  # noqa: F401
     from triton.runtime import driver
 
-    os.environ["TRITON_INTERPRET"] = "0"
     driver.active.get_current_target()
     try:
-        from ember.runtime.compile_warmup import compile_warmup_kernel
-
         compile_warmup_kernel()
     except Exception:  # noqa: BLE001 - only a head start: the real compiles report their own errors
         log.debug("compile warm-up kernel failed", exc_info=True)
@@ -178,24 +189,24 @@ def _use_cache_dir(cache_dir: str) -> None:
 
 
 def compile_job(job: CompileJob) -> tuple[str | None, float, float]:
-    """Compile one kernel in this process: (error text or None, start time, seconds). Runs in the workers."""
+    """Compile one kernel in this process: (error text or None, start time, seconds). Runs in the
+    workers (without torch where they compile for the parent's target) and in the parent."""
     began = time.time()
     if os.environ.get("EMBER_COMPILE_WORKER") == "1":
         _lower_priority(job.niceness)
-    import torch
-
     os.environ["TRITON_INTERPRET"] = "0"
     if os.environ.get("EMBER_COMPILE_WORKER") == "1":  # the parent's own compiles use its folder as it is
         _use_cache_dir(job.cache_dir)
     try:
         from ember.runtime import triton_key
+        from ember.runtime.worker_triton import pointer_arg
         triton_key.install()  # after the cache folder is set: the stored key lives there
         spec = importlib.util.spec_from_file_location(f"ember_precompile.{job.name}", job.path)
         module = importlib.util.module_from_spec(spec)
         spec.loader.exec_module(module)
         fn = getattr(module, job.name)
         args = [SCALAR_ARG if d == SCALAR_INT32 else int(d[len(INT_VALUE):]) if d.startswith(INT_VALUE)
-                else getattr(torch, d) for d in job.arg_dtypes]
+                else pointer_arg(d) for d in job.arg_dtypes]
         compiled = fn.warmup(*args, grid=(1,), **dict(job.meta))
         if job.cubin_tag:
             _record_binary(job, compiled)
@@ -210,17 +221,14 @@ def _record_binary(job: CompileJob, compiled: object) -> None:
     """Record the binary for the parent's launch with 16-byte aligned tensors (what the warm-up
     assumed), so its first launch goes straight to it; best effort. A job with an unspecialised
     integer does not know the launch's value, so the parent records that one at its first launch."""
-    import torch
-
-    from ember.runtime import cubin_launch
+    from ember.runtime import cubin_records
     if SCALAR_INT32 in job.arg_dtypes:
         _build_launcher(compiled)
         return
-    args = tuple(int(d[len(INT_VALUE):]) if d.startswith(INT_VALUE) else (getattr(torch, d), True)
-                 for d in job.arg_dtypes)
+    args = tuple(int(d[len(INT_VALUE):]) if d.startswith(INT_VALUE) else (d, True) for d in job.arg_dtypes)
     try:
-        if cubin_launch.record_compiled(Path(job.path), job.name, Path(job.cubin_folder), job.cubin_tag,
-                                        cubin_launch.key_text((job.meta, args)), compiled, len(args)):
+        if cubin_records.record_compiled(Path(job.path), job.name, Path(job.cubin_folder), job.cubin_tag,
+                                         cubin_records.key_text((job.meta, args)), compiled, len(args)):
             return
     except Exception:  # noqa: BLE001 - the parent's first launch records it instead
         log.debug("no record for %s", job.name, exc_info=True)
@@ -249,37 +257,43 @@ def matching_ptxas(version: str, candidates: Sequence[str | None]) -> str | None
     return None
 
 
-_PTXAS: dict[str, str] = {}
+_WORKER_ENV: dict[str, str] = {}
 
 
-def _ptxas_env() -> dict[str, str]:
-    """TRITON_PTXAS_PATH for the workers: the ptxas whose version keys this process's Triton cache.
+def _worker_triton_env() -> dict[str, str]:
+    """What the workers' Triton takes from the parent: the GPU target they compile for
+    (``worker_triton.TARGET_ENV``: they then need neither torch nor CUDA) and TRITON_PTXAS_PATH,
+    the ptxas whose version keys this process's Triton cache.
 
     Triton keys a compiled kernel by the version of its ptxas, read once per process. Inductor
     points TRITON_PTXAS_PATH at PyTorch's own ptxas when it compiles, possibly after this
     process's Triton has read the version of its bundled one: workers spawned then use the
     other ptxas, and every kernel they compiled missed the cache at launch and compiled again
     (all 82 of vgg16's on the H100, 10 s of its first step when Inductor had compiled before)."""
-    if _PTXAS:
-        return _PTXAS
+    if _WORKER_ENV:
+        return _WORKER_ENV
+    from ember.runtime import worker_triton
+    path, target = None, ""
     try:
         import torch
         import triton
         from triton.backends.nvidia import compiler as nvidia
         from triton.runtime import driver
 
-        arch = driver.active.get_current_target().arch
+        current = driver.active.get_current_target()
+        target = worker_triton.target_text(current)
         try:
-            version = nvidia.get_ptxas_version(arch)
+            version = nvidia.get_ptxas_version(current.arch)
         except TypeError:  # a Triton whose get_ptxas_version takes no architecture
             version = nvidia.get_ptxas_version()
         bundled = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
         ours = os.path.join(os.path.dirname(torch.__file__), "bin", "ptxas")
         path = matching_ptxas(version, [os.environ.get("TRITON_PTXAS_PATH"), bundled, ours])
     except Exception:  # noqa: BLE001 - no CUDA Triton here: the workers decide for themselves
-        path = None
-    _PTXAS["TRITON_PTXAS_PATH"] = path or ""
-    return _PTXAS
+        log.debug("no Triton target or ptxas for the workers", exc_info=True)
+    _WORKER_ENV["TRITON_PTXAS_PATH"] = path or ""
+    _WORKER_ENV[worker_triton.TARGET_ENV] = target
+    return _WORKER_ENV
 
 
 @contextlib.contextmanager
@@ -303,8 +317,9 @@ def _main_module_hidden() -> Iterator[None]:
 def _as_worker_env() -> Iterator[None]:
     """Processes spawned inside see EMBER_COMPILE_WORKER=1: ``import ember`` there skips
     registering the Dynamo backend (and so importing Dynamo), seconds per worker; the parent's
-    ptxas (``_ptxas_env``); and not the parent's script (``_main_module_hidden``)."""
-    extra = {"EMBER_COMPILE_WORKER": "1", **{k: v for k, v in _ptxas_env().items() if v}}
+    Triton target and ptxas (``_worker_triton_env``); and not the parent's script
+    (``_main_module_hidden``)."""
+    extra = {"EMBER_COMPILE_WORKER": "1", **{k: v for k, v in _worker_triton_env().items() if v}}
     old = {k: os.environ.get(k) for k in extra}
     os.environ.update(extra)
     try:
