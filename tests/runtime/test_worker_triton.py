@@ -125,3 +125,22 @@ def test_a_worker_whose_first_compile_fails_goes_back_to_tritons_driver(monkeypa
     finally:
         driver.set_active(previous)
     assert calls == ["compile", "uninstall", "compile"]
+
+
+def test_torch_is_refused_only_inside_and_only_where_not_imported():
+    script = textwrap.dedent('''
+        import sys
+        from ember.runtime.worker_triton import torch_import_refused
+        with torch_import_refused():
+            try:
+                import torch
+                print("imported inside")
+            except ModuleNotFoundError:
+                print("refused inside")
+        import torch
+        with torch_import_refused():
+            import torch.nn  # already imported: nothing refused
+        print("imported after", "torch" in sys.modules)
+    ''')
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert done.stdout.split("\n")[:2] == ["refused inside", "imported after True"], done.stderr[-2000:]

@@ -149,7 +149,8 @@ def _start_worker(niceness: int) -> float:
 
     if worker_triton.install_target_driver(os.environ.get(worker_triton.TARGET_ENV, "")):
         try:
-            compile_warmup_kernel()
+            with worker_triton.torch_import_refused():
+                compile_warmup_kernel()
             return time.time()
         except Exception:  # noqa: BLE001 - Triton's own driver below
             log.debug("compile without torch failed; using Triton's driver", exc_info=True)
