@@ -142,5 +142,6 @@ def test_torch_is_refused_only_inside_and_only_where_not_imported():
             import torch.nn  # already imported: nothing refused
         print("imported after", "torch" in sys.modules)
     ''')
-    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    env = {**os.environ, "EMBER_COMPILE_WORKER": "1"}  # ``import ember`` as a worker's: no torch
+    done = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=120)
     assert done.stdout.split("\n")[:2] == ["refused inside", "imported after True"], done.stderr[-2000:]
