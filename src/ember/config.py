@@ -20,8 +20,9 @@ a patch; the few settings a worker uses travel with its jobs (runtime/precompile
 
 Variables Ember reads that are not its own options stay where they are used: ``XDG_CACHE_HOME``
 (below), Triton's ``TRITON_CACHE_DIR``/``TRITON_INTERPRET``/``TRITON_PTXAS_PATH``, torch's
-logging variables (capture/aot_settings.py), and ``EMBER_COMPILE_WORKER``, the marker Ember sets
-for its own compile workers (runtime/precompile.py).
+logging variables (capture/aot_settings.py), and ``EMBER_COMPILE_WORKER`` and
+``EMBER_WORKER_TRITON_TARGET``, which Ember sets for its own compile workers (runtime/precompile.py,
+runtime/worker_triton.py).
 """
 
 from __future__ import annotations
