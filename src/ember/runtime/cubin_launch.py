@@ -153,7 +153,7 @@ class CubinKernel:
         if entry is not None:
             try:
                 binary: Binary | OnTriton = (OnTriton(str(entry["triton"])) if "triton" in entry
-                                              else Binary.from_json(entry))
+                                             else Binary.from_json(entry))
                 if isinstance(binary, Binary):
                     self._load(binary, device)
                 STATS["stored" if isinstance(binary, Binary) else "kept"] += 1

@@ -9,7 +9,7 @@ driver that answers only what ``JITFunction.warmup`` asks (the target, device 0,
 
 Argument dtypes reach ``warmup`` as stand-ins printing as torch's dtypes (``torch.float32``),
 which is what Triton's specialisation reads from a tensor's dtype: the binary, and Triton's key
-for it, are the ones a launch with real tensors looks up. ``check_signature`` verifies that on
+for it, are the ones a launch with real tensors looks up. The warm-up kernel checks the types on
 the worker's first compile; a Triton that reads dtypes differently sends the worker back to its
 own driver (with torch).
 """
