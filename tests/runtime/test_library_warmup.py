@@ -223,23 +223,56 @@ def test_depthwise_convolutions_beyond_one_per_op_are_left_to_the_first_run():
     xs = [torch.randn(1, 4, 6 + i, 6) for i in range(4)]
     calls = lw.library_calls(_extern_steps(graph, *xs), ("cpu",))
     assert len(calls) == 5
-    kept, left = lw.replayed_calls(calls)
-    assert left == 2 and kept == [calls[0], calls[3], calls[4]]
+    kept, backward, left = lw.replayed_calls(calls)
+    assert left == 2 and kept == [calls[0], calls[3], calls[4]] and backward == []
     done = lw.replay(calls)
     assert (done.calls, done.failed, done.left) == (3, 0, 2)
     assert "2 depthwise convolution(s) left to the first run" in done.describe()
 
 
-def test_depthwise_backward_calls_are_recognised():
+def test_gradient_calls_are_all_replayed_inside_a_backward():
+    """Autograd runs a CUDA backward on its own thread per device, and torch keeps cuDNN's plans per
+    thread: every gradient call (depthwise ones included) is replayed inside a backward pass, where
+    that thread makes it; forward calls are made by the replaying thread, outside any backward."""
     x = torch.randn(1, 4, 6, 6)
     w = torch.randn(4, 1, 3, 3)
     g = torch.randn(1, 4, 6, 6)
 
     def graph(g, x, w):
-        return [aten.convolution_backward.default(g, x, w, None, [1, 1], [1, 1], [1, 1], False, [0, 0], 4,
-                                                  [True, True, False]) for _ in range(1)]
+        y = aten.convolution.default(x, w, None, [1, 1], [1, 1], [1, 1], False, [0, 0], 4)
+        return y, aten.convolution_backward.default(g, x, w, None, [1, 1], [1, 1], [1, 1], False, [0, 0], 4,
+                                                    [True, True, False])
     calls = lw.library_calls(_extern_steps(graph, g, x, w), ("cpu",))
     other = lw.library_calls(_extern_steps(graph, g[:, :, :5], x[:, :, :5], w), ("cpu",))
-    kept, left = lw.replayed_calls(calls + other)
-    assert (len(kept), left) == (1, 1)
-    assert lw.replay(calls + other).failed == 0
+    kept, backward, left = lw.replayed_calls(calls + other)
+    assert [json.loads(c)["op"][1] for c in kept] == ["convolution"] and left == 1
+    assert [json.loads(c)["op"][1] for c in backward] == ["convolution_backward"] * 2
+
+    seen = []
+    real = lw._call_once
+
+    def noting(call):
+        seen.append((call["op"][1], torch._C._current_graph_task_id() != -1))
+        real(call)
+
+    lw._call_once = noting
+    try:
+        done = lw.replay(calls + other)
+    finally:
+        lw._call_once = real
+    assert seen == [("convolution", False), ("convolution_backward", True), ("convolution_backward", True)]
+    assert (done.calls, done.failed, done.left, done.in_backward) == (3, 0, 1, 2)
+    assert "2 of them inside a backward" in done.describe()
+
+
+def test_a_failing_gradient_call_is_counted_and_the_rest_still_run():
+    x, w, g = torch.randn(1, 4, 6, 6), torch.randn(4, 1, 3, 3), torch.randn(1, 4, 6, 6)
+
+    def graph(g, x, w):
+        return aten.convolution_backward.default(g, x, w, None, [1, 1], [1, 1], [1, 1], False, [0, 0], 4,
+                                                 [True, True, False])
+    call = json.loads(lw.library_calls(_extern_steps(graph, g, x, w), ("cpu",))[0])
+    bad = json.loads(json.dumps(call))
+    bad["args"][1]["tensor"][0] = [1, 3, 6, 6]  # input channels that do not match the weight
+    done = lw.replay([json.dumps(bad), json.dumps(call)])
+    assert (done.calls, done.failed, done.in_backward) == (2, 1, 2)

@@ -21,8 +21,12 @@ and Ember replays them once on scratch tensors where the wait is free:
 Scratch tensors are zeros (no NaN, every index in range); a dropout probability becomes 0, so no
 replayed call draws from the random generator; a call that fails is skipped and counted. Nothing
 replayed is seen by the program: only the libraries' state (loaded code, handles, plans) stays.
-Depthwise convolutions are the exception: their per-shape set-up stays with the thread that made
-it, so one per op is replayed (``DEPTHWISE_PER_OP``).
+torch keeps cuDNN's convolution plans and attention graphs per host thread, and autograd runs a
+CUDA backward on a thread of its own per device, so gradient calls (``*_backward`` ops) are
+replayed inside a backward pass (``run_in_backward``), where that thread makes them. Forward
+depthwise convolutions, whose per-shape set-up is a kernel build that stays with the thread that
+made it, are replayed once per op (``DEPTHWISE_PER_OP``): the model's forward runs on the thread
+that is busy compiling or loading meanwhile.
 """
 
 from __future__ import annotations
@@ -151,9 +155,12 @@ class Replay:
     seconds: float = 0.0
     first_error: str = ""
     left: int = 0  # depthwise convolutions not replayed (``replayed_calls``)
+    in_backward: int = 0  # gradient calls replayed inside an autograd backward
 
     def describe(self) -> str:
         text = f"{self.calls} library call(s) set up in {self.seconds:.3f} s"
+        if self.in_backward:
+            text += f", {self.in_backward} of them inside a backward (autograd's device thread)"
         if self.left:
             text += f", {self.left} depthwise convolution(s) left to the first run"
         if self.failed:
@@ -161,21 +168,27 @@ class Replay:
         return text
 
 
-# Depthwise convolutions replayed per op (forward, backward). cuDNN builds a kernel for each new
+# Forward depthwise convolutions replayed per op. cuDNN builds a kernel for each new
 # NHWC depthwise shape (0.4-1 s each on an H100) into a plan torch keeps per host thread: on the
 # H100, after a helper thread had replayed all of mobilenet_v3's 88 convolution calls (7.2 s), the
 # main thread's first calls of them still took 7.0 s and a new thread's 6.7 s (12.6 and 7.9 s with
 # no replay; benchmarks/scripts/gpu_conv_replay_probe.py). Replaying one loads the code they
-# share; replaying the rest only delays the join by work the running thread does again.
+# share; replaying the rest only delays the join by work the running thread does again. (Their
+# gradients are all replayed, inside a backward: the thread that runs the model's backward.)
 DEPTHWISE_PER_OP = 1
 
 
-def replayed_calls(calls: Iterable[str]) -> tuple[list[str], int]:
-    """The calls a replay makes, and how many depthwise convolutions it leaves out."""
+def replayed_calls(calls: Iterable[str]) -> tuple[list[str], list[str], int]:
+    """The calls a replay makes in its own thread, the gradient calls it makes inside an autograd
+    backward (``in_backward``), and how many forward depthwise convolutions it leaves out."""
     kept: list[str] = []
+    backward: list[str] = []
     seen: dict[str, int] = {}
     left = 0
     for text in calls:
+        if _is_gradient_call(text):
+            backward.append(text)
+            continue
         op = _depthwise_op(text)
         if op is not None:
             seen[op] = seen.get(op, 0) + 1
@@ -183,7 +196,16 @@ def replayed_calls(calls: Iterable[str]) -> tuple[list[str], int]:
                 left += 1
                 continue
         kept.append(text)
-    return kept, left
+    return kept, backward, left
+
+
+def _is_gradient_call(text: str) -> bool:
+    """Whether the call is a gradient op (``convolution_backward``, an attention backward): on a
+    GPU, autograd's device thread makes it, not the thread that called ``backward()``."""
+    try:
+        return str(json.loads(text)["op"][1]).endswith("_backward")
+    except (ValueError, KeyError, IndexError, TypeError):
+        return False
 
 
 def _depthwise_op(text: str) -> str | None:
@@ -201,27 +223,64 @@ def _depthwise_op(text: str) -> str | None:
 
 
 def replay(calls: Iterable[str]) -> Replay:
-    """Run each call once on scratch tensors (see the module docstring; depthwise convolutions
-    beyond ``DEPTHWISE_PER_OP`` per op are left out); never raises."""
-    kept, left = replayed_calls(calls)
-    result = Replay(left=left)
+    """Run each call once on scratch tensors (see the module docstring: gradient calls inside an
+    autograd backward, forward depthwise convolutions beyond ``DEPTHWISE_PER_OP`` per op left out);
+    never raises."""
+    kept, backward, left = replayed_calls(calls)
+    result = Replay(left=left, in_backward=len(backward))
     start = time.perf_counter()
     devices: set[torch.device] = set()
     with torch.no_grad():
         for text in kept:
-            result.calls += 1
-            try:
-                call = json.loads(text)
-                _call_once(call)
-                devices.update(torch.device(d) for d in _devices([call["args"], list(call["kwargs"].values())]))
-            except Exception as err:  # noqa: BLE001 - a set-up the first run pays instead
-                result.failed += 1
-                result.first_error = result.first_error or f"{type(err).__name__}: {err}"
+            _replay_one(text, result, devices)
+    if backward:
+        run_in_backward(lambda: [_replay_one(text, result, devices) for text in backward], result, backward)
     for device in devices:
         if device.type == "cuda":
             torch.cuda.synchronize(device)  # the scratch tensors' memory is free once the calls ran
     result.seconds = time.perf_counter() - start
     return result
+
+
+def _replay_one(text: str, result: Replay, devices: set[torch.device]) -> None:
+    result.calls += 1
+    try:
+        call = json.loads(text)
+        _call_once(call)
+        devices.update(torch.device(d) for d in _devices([call["args"], list(call["kwargs"].values())]))
+    except Exception as err:  # noqa: BLE001 - a set-up the first run pays instead
+        result.failed += 1
+        result.first_error = result.first_error or f"{type(err).__name__}: {err}"
+
+
+class _RunInBackward(torch.autograd.Function):
+    """An identity whose backward runs ``work``: where autograd runs a backward on that device."""
+
+    @staticmethod
+    def forward(ctx: Any, seed: torch.Tensor, work: Any) -> torch.Tensor:
+        ctx.work = work
+        return seed.clone()
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        with torch.no_grad():
+            ctx.work()
+        return grad, None
+
+
+def run_in_backward(work: Any, result: Replay, calls: list[str]) -> None:
+    """Run ``work`` inside a backward pass on the calls' device. torch keeps cuDNN's convolution
+    plans and attention graphs per host thread, and autograd runs a CUDA backward on its own
+    thread per device (the caller of ``backward()`` only waits), so gradient calls replayed
+    anywhere else leave that thread to build them again at the model's first backward."""
+    devices = _devices([json.loads(text)["args"] for text in calls[:1]])
+    try:
+        seed = torch.zeros((), device=devices[0] if devices else "cpu", requires_grad=True)
+        with torch.enable_grad():
+            _RunInBackward.apply(seed, work).backward()
+    except Exception as err:  # noqa: BLE001 - the first backward pays the set-up instead
+        result.failed += 1
+        result.first_error = result.first_error or f"{type(err).__name__}: {err}"
 
 
 def _devices(value: object) -> list[str]:
