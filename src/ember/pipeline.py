@@ -52,7 +52,7 @@ from ember.runtime.cudagraphs.rules import cudagraph_blocker, read_only_inputs, 
 from ember.runtime.cudagraphs.runner import CudaGraphRunner
 from ember.runtime.kernel_module import compile_kept
 from ember.runtime.kernels import kernel_file
-from ember.runtime.library_warmup import BackgroundReplay, library_calls
+from ember.runtime.library_warmup import BackgroundReplay, library_calls, replay_here
 from ember.runtime.library_warmup import collect as collect_library_calls
 from ember.runtime.library_warmup import join_all as join_library_replays
 from ember.runtime.library_warmup import start_replay as start_library_replay
@@ -396,7 +396,10 @@ def _await_kernels(record: GraphRecord, pending: PendingCompile | None, library:
     """Before a program's first run: wait for its kernels, then for every library set-up still
     running in the helper thread (runtime/library_warmup.py; the first run must not meet it). The
     kernels' wait counts as kernel_compile (what the stage cost the first call beyond the time the
-    next graph's compile overlapped)."""
+    next graph's compile overlapped). First, this thread (the one that runs the program) makes
+    the graph's calls whose set-up torch keeps per thread (``replay_here``), while the workers
+    may still be compiling."""
+    here = replay_here(library.calls) if library is not None else None
     if pending is not None:
         start = time.perf_counter()
         progress.waiting_for_kernels(pending)
@@ -415,6 +418,8 @@ def _await_kernels(record: GraphRecord, pending: PendingCompile | None, library:
         waited = time.perf_counter() - start
         note = (f"beside the compile: {replayed.describe()} (first run waited {waited:.3f} s)" if replayed
                 else "beside the compile: the library set-up thread ended without a result")
+        if here is not None and here.calls:
+            note += f"; on the running thread before its first run: {here.describe()}"
         record.compile_note = f"{record.compile_note}; {note}" if record.compile_note else note
 
 

@@ -276,3 +276,81 @@ def test_a_failing_gradient_call_is_counted_and_the_rest_still_run():
     bad["args"][1]["tensor"][0] = [1, 3, 6, 6]  # input channels that do not match the weight
     done = lw.replay([json.dumps(bad), json.dumps(call)])
     assert (done.calls, done.failed, done.in_backward) == (2, 1, 2)
+
+
+def _depthwise_and_plain(x, w_dw, w):
+    y = aten.convolution.default(x, w_dw, None, [1, 1], [1, 1], [1, 1], False, [0, 0], 4)
+    return y, aten.convolution.default(x, w, None, [1, 1], [1, 1], [1, 1], False, [0, 0], 1)
+
+
+def _depthwise_inputs():
+    return torch.randn(1, 4, 6, 6), torch.randn(4, 1, 3, 3), torch.randn(5, 4, 3, 3)
+
+
+def test_the_running_thread_makes_its_own_thread_local_forward_calls():
+    """cuDNN's depthwise and attention set-up stays with the thread that made it: the thread that
+    will run the program makes those calls itself (only those), where it would otherwise wait."""
+    import threading
+
+    calls = lw.library_calls(_extern_steps(_depthwise_and_plain, *_depthwise_inputs()), ("cpu",))
+    attention = json.dumps({"op": ["aten", "_scaled_dot_product_cudnn_attention", "default"], "args": [],
+                            "kwargs": {}})
+    gradient = json.dumps({"op": ["aten", "convolution_backward", "default"], "args": [], "kwargs": {}})
+    assert lw.thread_local_calls([*calls, attention, gradient]) == [calls[0], attention]
+    seen = []
+    real = lw._call_once
+
+    def noting(call):
+        seen.append((call["op"][1], threading.get_ident()))
+        real(call)
+
+    lw._call_once = noting
+    try:
+        done = lw.replay_here(calls)
+        with config.patch(library_warmup=False):
+            off = lw.replay_here(calls)
+    finally:
+        lw._call_once = real
+    assert seen == [("convolution", threading.get_ident())]
+    assert (done.calls, done.failed) == (1, 0) and off.calls == 0
+
+
+def test_the_first_run_makes_its_thread_local_calls_before_waiting_for_kernels(monkeypatch):
+    from ember import pipeline
+
+    calls = lw.library_calls(_extern_steps(_depthwise_and_plain, *_depthwise_inputs()), ("cpu",))
+    order = []
+    real = lw.replay_here
+    monkeypatch.setattr(pipeline, "replay_here", lambda c: order.append("here") or real(c))
+
+    class Pending(_Pending):
+        def wait(self):
+            order.append("kernels")
+            return super().wait()
+
+    record = GraphRecord("forward", "forward", "0/0", "triton")
+    pipeline._await_kernels(record, Pending(), lw.BackgroundReplay(calls))  # type: ignore[arg-type]
+    assert order == ["here", "kernels"]
+    assert "on the running thread before its first run: 1 library call(s) set up in " in record.compile_note, \
+        record.compile_note
+
+
+def test_a_warm_start_makes_its_thread_local_calls_on_the_loading_thread(tmp_path, monkeypatch):
+    import ember
+
+    monkeypatch.setattr(lw, "RECORDED_DEVICE_TYPES", ("cpu", "cuda"))
+    # On the CPU the convolution is oneDNN's, standing here for cuDNN's depthwise one.
+    monkeypatch.setattr(lw, "_THREAD_LOCAL_FORWARD", frozenset({"_convolution_pointwise"}))
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Conv2d(4, 4, 3, padding=1, groups=4), torch.nn.ReLU(),
+                                torch.nn.Flatten(), torch.nn.Linear(4 * 8 * 8, 5)).eval()
+    x = torch.randn(2, 4, 8, 8)
+    logs = []
+    with torch.no_grad():
+        for _ in range(2):
+            compiled = ember.compile(model, warm_start=True, cache_dir=str(tmp_path))
+            torch.testing.assert_close(compiled(x), model(x))
+            logs.append(compiled._ember_backend.log.warm_start)
+    assert any(line.startswith("loaded ") for line in logs[1]), logs[1]
+    here = [line for line in logs[1] if line.startswith("on this thread after the load")]
+    assert len(here) == 1 and here[0].startswith("on this thread after the load: 1 library call(s)"), logs[1]

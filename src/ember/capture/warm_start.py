@@ -62,7 +62,7 @@ from ember.capture.warm_rechecks import (
     replaceable,
 )
 from ember.config import settings
-from ember.runtime.library_warmup import BackgroundReplay
+from ember.runtime.library_warmup import BackgroundReplay, replay_here
 from ember.runtime.library_warmup import collecting as collecting_library_calls
 
 MAGIC = b"EMBERWARM2\n"
@@ -306,13 +306,19 @@ class WarmStart:
         # cuDNN's and cuBLAS's first-call set-up in a helper thread while this one loads
         library = head.get("library_calls") or []
         helper = BackgroundReplay(library) if library and settings().library_warmup else None
+        here = None
         try:
-            return self._link_saved(path, data, rechecks, modules, args, kwargs)
+            linked = self._link_saved(path, data, rechecks, modules, args, kwargs)
+            if linked is not None and helper is not None:
+                here = replay_here(library)  # this thread runs the forward: its own plans, meanwhile
+            return linked
         finally:
             if helper is not None:
                 replayed = helper.join()
                 self.note(f"beside the load: {replayed.describe()}" if replayed else
                           "beside the load: the library set-up thread ended without a result")
+                if here is not None and here.calls:
+                    self.note(f"on this thread after the load: {here.describe()}")
 
     def _link_saved(self, path: Path, data: bytes, rechecks: Rechecks, modules: dict[str, str], args: tuple,
                     kwargs: dict) -> Any:

@@ -253,6 +253,50 @@ def _replay_one(text: str, result: Replay, devices: set[torch.device]) -> None:
         result.first_error = result.first_error or f"{type(err).__name__}: {err}"
 
 
+# Forward ops whose set-up torch keeps per host thread and that cost seconds to build: cuDNN's
+# attention graphs (MHA.cpp's thread-local cache; bert's training shape 591 ms on an H200) and,
+# by ``_depthwise_op``, depthwise convolutions. Only the thread that runs them profits from them.
+_THREAD_LOCAL_FORWARD = frozenset({"_scaled_dot_product_cudnn_attention"})
+
+
+def thread_local_calls(calls: Iterable[str]) -> list[str]:
+    """The forward calls among ``calls`` whose costly set-up stays with the thread that makes them."""
+    out = []
+    for text in calls:
+        try:
+            name = json.loads(text)["op"][1]
+        except (ValueError, KeyError, IndexError, TypeError):
+            continue
+        if name in _THREAD_LOCAL_FORWARD or _depthwise_op(text) == "convolution":
+            out.append(text)
+    return out
+
+
+def replay_here(calls: Iterable[str]) -> Replay:
+    """Make ``thread_local_calls(calls)`` on this thread now: called by the thread that will run
+    the program, where it would otherwise wait (for the Triton kernels of a cold compile, for the
+    helper thread after a warm start's load), so the program's first run finds their plans. Not
+    inside a CUDA-graph capture, not with the warm-up off; never raises."""
+    local = thread_local_calls(calls)
+    result = Replay()
+    if not local or not settings().library_warmup or _capturing():
+        return result
+    start = time.perf_counter()
+    devices: set[torch.device] = set()
+    with torch.no_grad():
+        for text in local:
+            _replay_one(text, result, devices)
+    for device in devices:
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+    result.seconds = time.perf_counter() - start
+    return result
+
+
+def _capturing() -> bool:
+    return torch.cuda.is_available() and torch.cuda.is_initialized() and torch.cuda.is_current_stream_capturing()
+
+
 class _RunInBackward(torch.autograd.Function):
     """An identity whose backward runs ``work``: where autograd runs a backward on that device."""
 
@@ -376,9 +420,7 @@ def start_replay(calls: list[str]) -> BackgroundReplay | None:
     """A background replay of ``calls`` where one may run now: the setting is on, there are
     calls, and this thread is not capturing a CUDA graph (the helper's work would break the
     capture)."""
-    if not calls or not settings().library_warmup:
-        return None
-    if torch.cuda.is_available() and torch.cuda.is_initialized() and torch.cuda.is_current_stream_capturing():
+    if not calls or not settings().library_warmup or _capturing():
         return None
     return BackgroundReplay(calls)
 
