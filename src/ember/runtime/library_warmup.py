@@ -26,7 +26,9 @@ CUDA backward on a thread of its own per device, so gradient calls (``*_backward
 replayed inside a backward pass (``run_in_backward``), where that thread makes them. Forward
 depthwise convolutions, whose per-shape set-up is a kernel build that stays with the thread that
 made it, are replayed once per op (``DEPTHWISE_PER_OP``): the model's forward runs on the thread
-that is busy compiling or loading meanwhile.
+that is busy compiling or loading meanwhile. That thread makes them itself, with cuDNN's attention
+forward, where it would wait (``replay_here``: before a compiled program's first run waits for its
+kernels, after a warm start's load).
 """
 
 from __future__ import annotations
