@@ -1,4 +1,6 @@
-"""The Triton kernel behind ``ember::small_bmm`` (ops/small_bmm.py): many small matrix products.
+"""Ember's matrix-product kernels: ``small_bmm`` behind ``ember::small_bmm`` (ops/small_bmm.py),
+many small products, and ``tiled_matmul`` behind ``ember::tiled_matmul`` (ops/tiled_matmul.py),
+the tuned alternative to cuBLAS.
 
 One program computes one ``BLOCK_M x BLOCK_N`` tile of one product of the batch, looping over K in
 ``BLOCK_K`` steps with float32 sums on the tensor cores (``tl.dot``), rounded once to the output
@@ -36,5 +38,44 @@ def small_bmm(a_ptr, b_ptr, c_ptr, M, N, K, TILES_M, TILES_N,
             a = a.to(tl.float32)
             b = b.to(tl.float32)
         acc = tl.dot(a, b, acc, input_precision="ieee")
+    c = c_ptr + batch.to(tl.int64) * scb + rm[:, None] * scm + rn[None, :] * scn
+    tl.store(c, acc.to(c_ptr.dtype.element_ty), mask=(rm[:, None] < M) & (rn[None, :] < N))
+
+
+@triton.jit
+def tiled_matmul(a_ptr, b_ptr, bias_ptr, c_ptr, M, N, K, TILES_M, TILES_N,
+                 sab, sam, sak, sbb, sbk, sbn, sbias, scb, scm, scn,
+                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+                 HAS_BIAS: tl.constexpr, UPCAST: tl.constexpr):
+    """``ember::tiled_matmul`` (ops/tiled_matmul.py): one ``BLOCK_M x BLOCK_N`` tile of one product,
+    tiles visited ``GROUP_M`` rows at a time so that neighbouring programs share B's tiles in L2;
+    ``bias`` (one value per column, float32 sums) added before the single rounding, as cuBLAS's addmm."""
+    pid = tl.program_id(0)
+    tiles = TILES_M * TILES_N
+    batch = pid // tiles
+    tile = pid % tiles
+    width = GROUP_M * TILES_N
+    first_m = (tile // width) * GROUP_M
+    rows = tl.minimum(TILES_M - first_m, GROUP_M)
+    tile_m = first_m + (tile % width) % rows
+    tile_n = (tile % width) // rows
+    rm = tile_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    rn = tile_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    rk = tl.arange(0, BLOCK_K)
+    a_base = a_ptr + batch.to(tl.int64) * sab
+    b_base = b_ptr + batch.to(tl.int64) * sbb
+    acc = tl.full([BLOCK_M, BLOCK_N], 0.0, tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        kk = k0 + rk
+        a = tl.load(a_base + rm[:, None] * sam + kk[None, :] * sak, mask=(rm[:, None] < M) & (kk[None, :] < K),
+                    other=0.0)
+        b = tl.load(b_base + kk[:, None] * sbk + rn[None, :] * sbn, mask=(kk[:, None] < K) & (rn[None, :] < N),
+                    other=0.0)
+        if UPCAST:  # Triton's interpreter multiplies bfloat16 operands' bits, not their values
+            a = a.to(tl.float32)
+            b = b.to(tl.float32)
+        acc = tl.dot(a, b, acc, input_precision="ieee")
+    if HAS_BIAS:
+        acc += tl.load(bias_ptr + rn * sbias, mask=rn < N, other=0.0).to(tl.float32)[None, :]
     c = c_ptr + batch.to(tl.int64) * scb + rm[:, None] * scm + rn[None, :] * scn
     tl.store(c, acc.to(c_ptr.dtype.element_ty), mask=(rm[:, None] < M) & (rn[None, :] < N))

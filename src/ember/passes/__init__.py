@@ -27,6 +27,7 @@ from ember.passes.cpu_library import lower_cpu_library_calls
 from ember.passes.depthwise import generate_depthwise_convs
 from ember.passes.fold_conv import fold_conv_affine
 from ember.passes.freeze import extend_frozen, mark_frozen
+from ember.passes.gpu_matmuls import choose_matmul_implementations
 from ember.passes.layout import to_channels_last
 from ember.passes.library_sites import Choose
 from ember.passes.pad_matmul import pad_unaligned_matmuls
@@ -82,7 +83,8 @@ def passes_for(context: PassContext) -> list[GraphPass]:
     graphs and (when switched on) depthwise convolutions as Ember's kernels, then clones that keep
     their source's layout removed; freezing, convolution folding and oneDNN library calls for CPU
     inference graphs whose parameters are known; freezing for GPU inference graphs, then matmuls
-    of one activation with frozen weights merged into one (attention's query, key and value)."""
+    of one activation with frozen weights merged into one (attention's query, key and value); last
+    on the GPU targets, the tuned implementation of each matmul (tuning database, when one exists)."""
     passes = list(DEFAULT_PASSES)
     if BY_NAME[context.target].runs_on_cuda and context.kind == "backward":
         passes.append(route_attention_seeds)  # memory-efficient attention's dropout seeds, captured or not
@@ -124,6 +126,13 @@ def passes_for(context: PassContext) -> list[GraphPass]:
                 return merge_sibling_matmuls(gm, settings().merge_matmuls_max_copy_mb)
             merge_matmuls.__name__ = merge_sibling_matmuls.__name__  # the pass keeps its name in reports
             passes.append(merge_matmuls)
+    if context.library_choice is not None and BY_NAME[context.target].gpu_code_path:
+        choose, device_type = context.library_choice, BY_NAME[context.target].device_type
+
+        def tuned_matmuls(gm: fx.GraphModule) -> int:  # last: the products the program would run
+            return choose_matmul_implementations(gm, choose, device_type)
+        tuned_matmuls.__name__ = choose_matmul_implementations.__name__
+        passes.append(tuned_matmuls)
     return passes
 
 

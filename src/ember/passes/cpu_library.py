@@ -105,7 +105,8 @@ def _conv(graph: fx.Graph, mode: object, conv: fx.Node, choose: Choose | None = 
             after = _only_user(user)
             if after is not None and after.target == aten.relu.default:
                 chain, unary = [conv, user, after], "relu"
-    if choose is not None and choose(_conv_site(conv, chain, unary, other)) == "aten":
+    choice = choose(_conv_site(conv, chain, unary, other)) if choose is not None else None
+    if choice is not None and choice.impl == "aten":
         return False  # the tuned choice: ATen's convolution, the epilogue a kernel of its own
     with graph.inserting_before(chain[-1]):
         packed = add_node(graph, mode, mkldnn._reorder_convolution_weight.default,
@@ -164,7 +165,8 @@ def _linear(graph: fx.Graph, mode: object, node: fx.Node, choose: Choose | None 
     if choose is not None:
         site = LibrarySite("linear", _val_sig(x), _val_sig(weight), _val_sig(bias), (),
                            f"gelu:{algo}" if unary == "gelu" else unary, impls=_linear_impls(x))
-        impl = choose(site)
+        choice = choose(site)
+        impl = choice.impl if choice is not None else None
         if impl == "aten":
             return False  # the tuned choice: addmm / mm as captured, the epilogue a kernel of its own
         if impl == "mkl" and "mkl" in site.impls:

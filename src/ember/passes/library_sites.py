@@ -1,17 +1,21 @@
-"""One convolution or linear layer the CPU library pass may lower, described as data.
+"""One library call whose implementation may be chosen, described as data.
 
-A ``LibrarySite`` is what the choice between library implementations depends on: the op, the
-shapes, strides and dtypes of its operands, its parameters and the elementwise epilogue the
-rule would fuse. Its ``key`` (a hash of that description) is the tuning database's key for the
-choice; ``impls`` are the implementations Ember can emit for it, the fixed rule's first:
+A ``LibrarySite`` is what the choice between implementations depends on: the op, the shapes,
+strides and dtypes of its operands, its parameters, the elementwise epilogue the rule would fuse
+and the device type. Its ``key`` (a hash of that description) is the tuning database's key for
+the choice; ``impls`` are the implementations Ember can emit for it, the fixed rule's first:
 
-  linear  onednn  mkldnn._linear_pointwise, epilogue (ReLU, GELU) fused as a oneDNN post-op
-          mkl     mkl._mkl_linear with the weight packed once (frozen); epilogue a separate kernel
-          aten    addmm / mm as captured (MKL through ATen); epilogue a separate kernel
-  conv    onednn  mkldnn._convolution_pointwise with the weight reordered once, post-ops fused
-          aten    aten.convolution as captured; epilogue a separate kernel
+  linear  onednn     mkldnn._linear_pointwise, epilogue (ReLU, GELU) fused as a oneDNN post-op (CPU)
+          mkl        mkl._mkl_linear with the weight packed once (frozen); epilogue a separate kernel
+          aten       addmm / mm as captured (MKL through ATen); epilogue a separate kernel
+  conv    onednn     mkldnn._convolution_pointwise with the weight reordered once, post-ops fused
+          aten       aten.convolution as captured; epilogue a separate kernel
+  matmul  cublas     mm / addmm / bmm as captured (GPU code path, passes/gpu_matmuls.py)
+          small_bmm  ember::small_bmm, where its rule takes the product
+          tiled      ember::tiled_matmul with a tile configuration (the choice's ``config``)
 
-A pass asks a chooser (``Choose``) for each site; ``None`` keeps the rule.
+A pass asks a chooser (``Choose``) for each site; ``None`` keeps the rule. For a matmul site,
+``x`` is the left operand, ``weight`` the right one and ``bias`` addmm's.
 """
 
 from __future__ import annotations
@@ -49,10 +53,14 @@ class LibrarySite:
     other: TensorSig | None = None  # the added tensor of an "add" epilogue
     x_is_graph_input: bool = False  # a convolution's input that keeps the caller's layout
     impls: tuple[str, ...] = ()
+    device_type: str = "cpu"  # where the call runs ("cuda"; "cpu" for CPU tensors and the interpreter)
 
     def describe(self) -> dict:
-        return {"op": self.op, "x": self.x, "weight": self.weight, "bias": self.bias, "params": self.params,
-                "epilogue": self.epilogue, "other": self.other, "x_is_graph_input": self.x_is_graph_input}
+        described = {"op": self.op, "x": self.x, "weight": self.weight, "bias": self.bias, "params": self.params,
+                     "epilogue": self.epilogue, "other": self.other, "x_is_graph_input": self.x_is_graph_input}
+        if self.op == "matmul":  # ``{}`` in the database means the rule: a key per rule
+            described.update(device_type=self.device_type, rule=self.impls[0])
+        return described
 
     @property
     def key(self) -> str:
@@ -64,6 +72,10 @@ class LibrarySite:
     def label(self) -> str:
         dtype = self.x[2]
         epi = "" if self.epilogue == "none" else f" +{self.epilogue}"
+        if self.op == "matmul":
+            bias = " +bias" if self.bias is not None else ""
+            a, b = ("x".join(map(str, sig[0])) for sig in (self.x, self.weight))
+            return f"{'bmm' if len(self.x[0]) == 3 else 'mm'} {a} @ {b}{bias} ({dtype}, rule {self.impls[0]})"
         if self.op == "linear":
             (m, k), n = self.x[0], self.weight[0][0]
             return f"linear {m}x{k}->{n}{epi} ({dtype})"
@@ -82,5 +94,14 @@ class LibrarySite:
         return _channels_last_sig(self.other) if self.other is not None and self.op == "conv" else self.other
 
 
-# A chooser: the implementation to emit for a site, or None for the fixed rule.
-Choose = Callable[[LibrarySite], "str | None"]
+@dataclass(frozen=True)
+class LibraryChoice:
+    """A tuned answer for a site: the implementation and its whole configuration (a tiled
+    kernel's tile sizes beside ``impl``)."""
+
+    impl: str
+    config: dict
+
+
+# A chooser: the tuned choice for a site, or None for the fixed rule.
+Choose = Callable[[LibrarySite], "LibraryChoice | None"]

@@ -1,7 +1,7 @@
 """Compile-time use of the tuning database: after codegen, each kernel with a tuned answer for
 this device is generated again with its best checked configuration; during the passes, each
-convolution / linear layer with a tuned answer gets its measured-best library implementation
-(``library_chooser``).
+library site with a tuned answer (a CPU convolution / linear layer, a GPU matmul) gets its
+measured-best implementation (``library_chooser``).
 
 Cost without tuning: nothing when neither database file exists (a ``stat`` per file), else one
 indexed query per graph for all of its kernels.
@@ -14,7 +14,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 from ember import config
-from ember.passes.library_sites import Choose, LibrarySite
+from ember.passes.library_sites import Choose, LibraryChoice, LibrarySite
 from ember.report.records import GraphRecord
 from ember.schedule.plan import KernelPlan
 from ember.targets import GeneratedKernels, Target
@@ -105,17 +105,18 @@ def collecting_sites() -> Iterator[list[LibrarySite]]:
 
 
 def library_chooser(target: Target, cache_root: Path, record: GraphRecord) -> Choose | None:
-    """The chooser of library implementations for one graph's passes, or None (the rules) when
-    tuning is off or there is neither a database nor a collector."""
-    if target.device_type != "cpu" or not config.tuning_enabled():
+    """The chooser of library implementations for one graph's passes (CPU inference's library
+    calls, the GPU code path's matmuls), or None (the rules) when tuning is off or there is
+    neither a database nor a collector."""
+    if not (target.device_type == "cpu" or target.gpu_code_path) or not config.tuning_enabled():
         return None
     db = tuning_db(cache_root)
     if not db.exists() and not _SITE_COLLECTORS:
         return None
     from ember.tune.device import device_key
-    device = device_key("cpu")
+    device = device_key(target.device_type)
 
-    def choose(site: LibrarySite) -> str | None:
+    def choose(site: LibrarySite) -> LibraryChoice | None:
         for found in _SITE_COLLECTORS:
             found.append(site)
         if not db.exists():
@@ -126,8 +127,8 @@ def library_chooser(target: Target, cache_root: Path, record: GraphRecord) -> Ch
         impl = choice.config.get("impl", site.impls[0])
         if impl not in site.impls:
             return None  # an answer this Ember cannot emit here (another version's candidate)
-        record.tuned[site.key] = {"kernel": site.key, "label": site.label, "kind": "library",
+        record.tuned[site.key] = {"kernel": site.key, "label": site.label, "kind": "library", "rule": site.impls[0],
                                   "config": choice.config, "ms": choice.ms, "default_ms": choice.default_ms,
                                   "gain": choice.gain, "source": choice.source}
-        return impl
+        return LibraryChoice(impl, dict(choice.config))
     return choose

@@ -1,10 +1,13 @@
-"""Tuning a library choice: which implementation a convolution or linear layer runs as.
+"""Tuning a library choice: which implementation a convolution, linear layer or matmul runs as.
 
 For one ``LibrarySite`` (passes/library_sites.py) every implementation Ember can emit is built
 on fresh random operands (the site's shapes, strides and dtypes; weights scaled by 1/sqrt(fan-in)
 so outputs are O(1)), with its weight prepared as the program would (packed / reordered once,
 outside the timing), and run with the epilogue the rule would fuse: as a oneDNN post-op where
-the implementation fuses it, else as the ATen op after it (what a separate kernel costs).
+the implementation fuses it, else as the ATen op after it (what a separate kernel costs). A GPU
+matmul site's candidates are cuBLAS, Ember's small-product kernel where the rule took it, and
+Ember's tiled kernel in the tile configurations the cost model ranks best (ops/tiled_matmul.py),
+compiled by the compile workers side by side before the first is run.
 
 Every candidate, the rule's included, is checked against a float64 computation of the captured
 ops on the same operands before it may be chosen; a wrong one is recorded as failed. Results go
@@ -56,8 +59,17 @@ def _tensor(sig: TensorSig, gen: torch.Generator, scale: float = 1.0) -> torch.T
     return base.to(getattr(torch, dtype)).as_strided(shape, stride)
 
 
+def _device(site: LibrarySite) -> torch.device:
+    return torch.device("cuda" if site.device_type == "cuda" else "cpu")
+
+
 def operands(site: LibrarySite, seed: int) -> Operands:
     gen = torch.Generator().manual_seed(seed)
+    if site.op == "matmul":  # the right operand scaled by 1/sqrt(k): products O(1)
+        dev = _device(site)
+        b = _tensor(site.weight, gen, 1.0 / math.sqrt(max(site.x[0][-1], 1))).to(dev)
+        bias = _tensor(site.bias, gen, 0.1).to(dev) if site.bias is not None else None
+        return Operands(_tensor(site.x, gen).to(dev), b, bias, None)
     fan_in = math.prod(site.weight[0][1:])
     x = _tensor(site.measured_x(), gen)
     weight = _tensor(site.weight, gen, 1.0 / math.sqrt(max(fan_in, 1)))
@@ -83,6 +95,9 @@ def _epilogue(site: LibrarySite, y: torch.Tensor, other: torch.Tensor | None) ->
 
 def _captured(site: LibrarySite, ops: Operands) -> torch.Tensor:
     """The ops as captured, in ATen (no prepared weight, no fused epilogue)."""
+    if site.op == "matmul":
+        product = torch.bmm if ops.x.dim() == 3 else torch.mm
+        return product(ops.x, ops.weight) if ops.bias is None else torch.addmm(ops.bias, ops.x, ops.weight)
     if site.op == "linear":
         wt = ops.weight.t()
         y = torch.addmm(ops.bias, ops.x, wt) if ops.bias is not None else torch.mm(ops.x, wt)
@@ -103,10 +118,18 @@ _UNARY_ATTR = {"relu": "relu", "sigmoid": "sigmoid", "tanh": "tanh", "swish": "s
                "hardsigmoid": "hardsigmoid"}
 
 
-def implementation(site: LibrarySite, impl: str, ops: Operands) -> Callable[[], torch.Tensor]:
-    """A function computing ``site`` (epilogue included) as ``impl`` does, its weight prepared now."""
-    if impl == "aten":
+def implementation(site: LibrarySite, impl: str, ops: Operands, config: dict | None = None
+                   ) -> Callable[[], torch.Tensor]:
+    """A function computing ``site`` (epilogue included) as ``impl`` does (with ``config``: a
+    tiled kernel's tiles), its weight prepared now."""
+    if impl in ("aten", "cublas"):
         return lambda: _captured(site, ops)
+    if site.op == "matmul" and impl == "small_bmm":
+        return lambda: torch.ops.ember.small_bmm(ops.x, ops.weight)
+    if site.op == "matmul" and impl == "tiled":
+        from ember.ops.tiled_matmul import tiles_of
+        tiles = tiles_of(config or {})
+        return lambda: torch.ops.ember.tiled_matmul(ops.x, ops.weight, ops.bias, tiles)
     if site.op == "linear" and impl == "mkl":
         batch = site.x[0][0]
         packed = torch.ops.mkl._mkl_reorder_linear_weight(ops.weight, batch)
@@ -136,6 +159,37 @@ def _config(site: LibrarySite, impl: str) -> dict:
     return {} if impl == site.impls[0] else {"impl": impl}
 
 
+def site_candidates(site: LibrarySite, top: int = 6) -> list[tuple[dict, str]]:
+    """(configuration, implementation) of every candidate of ``site``, the rule's first; a tiled
+    matmul kernel once per tile configuration of the cost model's best ``top``."""
+    out = []
+    for impl in site.impls:
+        if site.op == "matmul" and impl == "tiled":
+            from ember.ops.tiled_matmul import candidates
+            from ember.tune.device import fingerprint
+            (batch, m, k), n = ((1, *site.x[0]) if len(site.x[0]) == 2 else site.x[0]), site.weight[0][-1]
+            sms = int(fingerprint("cuda").get("sms", 132)) if site.device_type == "cuda" else 132
+            itemsize = torch.empty((), dtype=getattr(torch, site.x[2])).element_size()
+            out += [({"impl": "tiled", **tiles}, impl) for tiles in candidates(batch, m, n, k, itemsize, sms, top)]
+        else:
+            out.append((_config(site, impl), impl))
+    return out
+
+
+def _compile_tiled_ahead(site: LibrarySite, ops: Operands, configs: list[dict]) -> None:
+    """The tiled candidates compiled by the compile workers side by side (on their first launch
+    Triton would compile them one at a time while the tuner waits)."""
+    if site.device_type != "cuda" or not configs:
+        return
+    from ember.ops.tiled_matmul import job, tiles_of
+    from ember.runtime import precompile
+    out = _captured(site, ops)
+    try:
+        precompile.precompile([job(ops.x, ops.weight, ops.bias, out, tiles_of(c)) for c in configs])
+    except Exception:  # noqa: BLE001 - compiling ahead only saves time: the first launch compiles anyway
+        pass
+
+
 def tune_site(site: LibrarySite, db: TuningDB, device: str, per_candidate_s: float = 0.2,
               deadline: float | None = None) -> KernelTuning:
     """Check every implementation of ``site`` (the rule's first), time those that pass together,
@@ -149,18 +203,20 @@ def tune_site(site: LibrarySite, db: TuningDB, device: str, per_candidate_s: flo
     stamp = time.time()
     results: list[Result] = []
     passed: list[tuple[dict, Callable[[], torch.Tensor]]] = []
-    for impl in site.impls:
-        config = _config(site, impl)
-        if config and config_key(config) in done:
-            continue  # measured by a run the budget cut short (the rule is timed again, beside the rest)
+    # What a run the budget cut short measured is not measured again (the rule is, beside the rest).
+    todo = [(config, impl) for config, impl in site_candidates(site) if not (config and config_key(config) in done)]
+    _compile_tiled_ahead(site, ops, [config for config, impl in todo if impl == "tiled"])
+    for config, impl in todo:
         if deadline is not None and time.perf_counter() >= deadline and passed:
             results.append(incomplete_marker(site.key, device, out.label, stamp))
             out.incomplete = True
             break
         out.tried += bool(config)
         try:
-            run = implementation(site, impl, ops)
+            run = implementation(site, impl, ops, config)
             got = run()
+            if got.device.type == "cuda":
+                torch.cuda.synchronize()
             for hook in list(_OUTPUT_HOOKS):
                 hook(LibraryCandidate(f"{site.key}:{impl}", f"library impl={impl} {site.label}"), [got])
             why = mismatch([ref], [got])
@@ -172,12 +228,12 @@ def tune_site(site: LibrarySite, db: TuningDB, device: str, per_candidate_s: flo
         passed.append((config, run))
     # Timed together, in turn (measure.time_interleaved_ms): a site's candidates are compared with
     # each other, so load from elsewhere must not fall on one of them only.
-    times = time_interleaved_ms([run for _, run in passed], torch.device("cpu"), per_candidate_s * len(passed))
+    times = time_interleaved_ms([run for _, run in passed], _device(site), per_candidate_s * len(passed))
     for (config, _), ms in zip(passed, times):
         results.append(Result(site.key, device, config, ms, "ok", "", out.label, stamp))
     if not out.incomplete:
         db.forget(site.key, device, INCOMPLETE)
-    db.record(results, fingerprint("cpu"))
+    db.record(results, fingerprint(site.device_type))
     return _summary(out, db.results(site.key, device))
 
 

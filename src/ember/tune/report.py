@@ -9,8 +9,17 @@ from ember.report.html import Section, Table
 from ember.report.records import GraphRecord
 
 
-def _config(config: dict) -> str:
-    return ", ".join(f"{k}={v}" for k, v in sorted(config.items())) or "default (the rules)"
+_RULE_NAMES = {"onednn": "oneDNN", "cublas": "cuBLAS", "small_bmm": "Ember's small products"}
+
+
+def config_label(config: dict, library: bool = False, rule: str = "onednn") -> str:
+    """A tuned choice in a few words: a tiled matmul as its tile, other settings as ``key=value``."""
+    if not config:
+        return f"the rule ({_RULE_NAMES.get(rule, rule)})" if library else "default (the rules)"
+    if config.get("impl") == "tiled" and "BLOCK_M" in config:
+        return (f"impl=tiled {config['BLOCK_M']}x{config['BLOCK_N']}x{config['BLOCK_K']} "
+                f"(group {config['GROUP_M']}, {config['num_warps']} warps, {config['num_stages']} stages)")
+    return ", ".join(f"{k}={v}" for k, v in sorted(config.items()))
 
 
 def tuning_section(graphs: Sequence[GraphRecord]) -> Section:
@@ -21,7 +30,7 @@ def tuning_section(graphs: Sequence[GraphRecord]) -> Section:
             default_ms = f"{t['default_ms']:.4f}" if t.get("default_ms") else "-"
             library = t.get("kind") == "library"
             what = t.get("label", default) if library else default
-            config = _config(t["config"]) if t["config"] or not library else "the rule (oneDNN)"
+            config = config_label(t["config"], library, t.get("rule", "onednn"))
             rows.append([g.title, what, config, default_ms, f"{t['ms']:.4f}", gain, t["source"]])
     kernels = sum(g.kernels for g in graphs)
     if not rows:

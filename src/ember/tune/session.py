@@ -4,7 +4,8 @@ within a time budget.
 The model is a bench registry name or a Python script that defines ``model`` and
 ``example_inputs`` (or ``make_model()`` and ``make_inputs()``). Compiling it once (training:
 forward and backward) collects every fused group with the target it was generated for, and
-every convolution / linear layer whose library implementation may be chosen (CPU inference).
+every library call whose implementation may be chosen (CPU inference's convolutions and linear
+layers, the GPU code path's matmuls).
 What the user's database or the shared read-only one already answers costs nothing; the rest is
 tuned, library choices first, largest first, until the budget is spent (checked between the
 candidates of one kernel too). Results go to the user's tuning database, which the next compile
@@ -41,6 +42,7 @@ from ember.tune.kernels import (
 )
 from ember.tune.kernels import label as kernel_label
 from ember.tune.library import tune_site
+from ember.tune.report import config_label
 from ember.tune.space import _group_bytes
 
 
@@ -133,7 +135,7 @@ def tune_groups(groups: list[tuple[FusedGroup, Target]], db: TuningDB, kernel_di
             [(name, None, group, target) for name, (group, target) in order]
         ahead = _CompileAhead(work, db, shared, kernel_dir, top, force)
         for i, (name, site_label, what, target) in enumerate(work):
-            device = device_key(target.device_type if target is not None else "cpu")
+            device = device_key(target.device_type if target is not None else what.device_type)
             answer = None if force else _answered(name, device, db, shared)
             if target is not None and answer is None and time.perf_counter() < deadline:
                 ahead.reach(i)
@@ -206,6 +208,8 @@ class _CompileAhead:
 def _site_work(site: LibrarySite) -> int:
     """Roughly a site's multiply-adds (the order sites are tuned in: biggest first)."""
     import math
+    if site.op == "matmul":
+        return math.prod(site.x[0]) * site.weight[0][-1]
     out = math.prod(site.x[0]) if site.op == "linear" else math.prod(site.x[0][2:])
     return out * math.prod(site.weight[0][:1]) * (math.prod(site.weight[0][1:]) if site.op == "conv" else 1)
 
@@ -234,7 +238,7 @@ def _best_text(k: KernelTuning) -> str:
         return "-"
     if not k.best_config:
         return "the rule" if k.kind == "library" else "default"
-    return ", ".join(f"{key}={v}" for key, v in sorted(k.best_config.items()))
+    return config_label(k.best_config)
 
 
 def summary_table(report: TuneReport):

@@ -1,0 +1,143 @@
+"""GPU matmul implementations as tuned decisions (passes/gpu_matmuls.py, ops/tiled_matmul.py), on
+the GPU code path through Triton's interpreter: the sites a training compile meets (addmm, mm,
+bmm, Ember's small products) with their rules; every candidate checked against a float64
+reference and a wrong one rejected; tuned answers applied by compile (Ember's tiled kernel in
+place of cuBLAS, cuBLAS in place of the small-product rule) with forward and gradients as eager's,
+and explain naming each choice."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+import ember
+from ember import config
+from ember.ops import tiled_matmul
+from ember.report.explain import explain_with
+from ember.tune.db import Result, TuningDB
+from ember.tune.device import device_key
+from ember.tune.library import site_candidates, tune_site
+from ember.tune.measure import candidate_output_hook
+from ember.tune.session import collect_work
+
+
+class ProjectAttend(torch.nn.Module):
+    """A projection (addmm), products of 7-token rows (bmm, small enough for Ember's small-product
+    rule) and a projection without bias (mm)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.proj = torch.nn.Linear(24, 36)
+        self.out = torch.nn.Linear(36, 20, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.proj(x)
+        scores = torch.bmm(h, h.transpose(1, 2))
+        return self.out(torch.bmm(scores.softmax(-1), h))
+
+
+def _loss(out: torch.Tensor) -> torch.Tensor:
+    return out.float().square().mean()
+
+
+def _model(dtype: torch.dtype = torch.bfloat16) -> ProjectAttend:
+    torch.manual_seed(3)
+    return ProjectAttend().to(dtype)
+
+
+@pytest.fixture(scope="module")
+def sites():
+    x = torch.randn(3, 7, 24, generator=torch.Generator().manual_seed(1)).bfloat16()
+    with config.patch(small_bmm=True):
+        return collect_work(_model(), (x,), train=True, target="triton-interpret", loss=_loss)[1]
+
+
+def test_training_sites_and_their_rules(sites) -> None:
+    matmuls = [s for s in sites if s.op == "matmul"]
+    rules = {s.impls[0] for s in matmuls}
+    assert rules == {"cublas", "small_bmm"}
+    labels = [s.label for s in matmuls]
+    assert "mm 21x24 @ 24x36 +bias (bfloat16, rule cublas)" in labels  # the projection's forward
+    assert any(label.startswith("bmm 3x7x36 @ 3x36x7 (bfloat16, rule small_bmm)") for label in labels)
+    small = next(s for s in matmuls if s.impls[0] == "small_bmm")
+    assert small.impls == ("small_bmm", "cublas", "tiled")
+    configs = [c for c, impl in site_candidates(small) if impl == "tiled"]
+    assert configs and all(set(c) == {"impl", *tiled_matmul.TILE_KEYS} for c in configs)
+    assert len({s.key for s in matmuls}) == len(matmuls)
+
+
+def test_candidates_checked_and_a_wrong_one_rejected(sites, tmp_path: Path) -> None:
+    site = next(s for s in sites if s.op == "matmul" and s.bias is not None)
+    dev = device_key("cpu")
+    db = TuningDB(tmp_path / "t.sqlite")
+    good = tune_site(site, db, dev, per_candidate_s=0.01)
+    assert good.failed == 0 and good.tried == len(site_candidates(site)) - 1
+    assert all(r.status == "ok" for r in db.results(site.key, dev))
+
+    corrupted = []
+
+    def corrupt_tiled(candidate, outputs) -> None:
+        if "impl=tiled" in candidate.source:
+            corrupted.append(candidate.name)
+            outputs[0].view(-1)[3] += 1.0
+
+    bad_db = TuningDB(tmp_path / "bad.sqlite")
+    with candidate_output_hook(corrupt_tiled):
+        bad = tune_site(site, bad_db, dev, per_candidate_s=0.01)
+    assert corrupted and bad.failed == len(corrupted) == good.tried
+    rows = bad_db.results(site.key, dev)
+    assert all(r.failed and "differ" in r.detail for r in rows if r.config.get("impl") == "tiled")
+    assert bad_db.choices([site.key], dev)[site.key].config == {}  # only the rule passed
+
+
+def _step(model: torch.nn.Module, x: torch.Tensor) -> list[torch.Tensor]:
+    out = model(x)
+    _loss(out).backward()
+    return [out.detach(), *(p.grad.clone() for p in model.parameters())]
+
+
+def test_tuned_choices_compiled_and_trained_like_eager(sites, tmp_path: Path) -> None:
+    dev = device_key("cpu")
+    rows = []
+    for site in (s for s in sites if s.op == "matmul"):
+        # Every product to the tiled kernel, except the small-product rule's, which go back to cuBLAS.
+        chosen = {"impl": "cublas"} if site.impls[0] == "small_bmm" else \
+            next(c for c, impl in site_candidates(site) if impl == "tiled")
+        rows += [Result(site.key, dev, {}, 2.0, "ok", label=site.label), Result(site.key, dev, chosen, 1.0, "ok")]
+    db_path = tmp_path / "tuning.sqlite"
+    TuningDB(db_path).record(rows)
+
+    x = torch.randn(3, 7, 24, generator=torch.Generator().manual_seed(2))
+    want = _step(_model(torch.float32), x)
+    eager = _step(_model(), x.bfloat16())
+    model = _model()
+    with config.patch(tuning_db=str(db_path), small_bmm=True):
+        compiled = ember.compile(model, target="triton-interpret", cache=False)
+        got = _step(compiled, x.bfloat16())
+        report = explain_with(_model(), (x.bfloat16(),), target="triton-interpret", steps=0)
+    # Ember's bfloat16 step as close to float32 eager as eager's bfloat16 step, within 3x.
+    for g, e, w in zip(got, eager, want):
+        assert (g.float() - w).abs().max().item() <= 3 * (e.float() - w).abs().max().item() + 1e-3
+    programs = "\n".join(g.program for g in compiled._ember_backend.log.graphs)
+    assert "torch.ops.ember.tiled_matmul.default" in programs
+    assert "torch.ops.ember.small_bmm.default" not in programs and "aten.bmm.default" in programs
+    assert "aten.addmm.default" not in programs and "aten.mm.default" not in programs
+    tuned = [t for g in report.graphs for t in g.tuned.values() if t.get("kind") == "library"]
+    assert {t["config"].get("impl") for t in tuned} == {"tiled", "cublas"}
+    text = " ".join(str(report).split())
+    assert "impl=tiled " in text and "warps" in text and "impl=cublas" in text and "2.00x" in text
+
+
+def test_no_database_no_pass(tmp_path: Path) -> None:
+    from ember.passes import PassContext, passes_for
+    from ember.report.records import GraphRecord
+    from ember.targets import TRITON_INTERPRET
+    from ember.tune.apply import library_chooser
+
+    with config.patch(tuning_db=str(tmp_path / "absent.sqlite")):
+        choose = library_chooser(TRITON_INTERPRET, tmp_path, GraphRecord("g", "forward", "0/0", "triton-interpret"))
+    assert choose is None
+    names = [p.__name__ for p in passes_for(PassContext("forward", "triton-interpret", set(), library_choice=choose))]
+    assert "choose_matmul_implementations" not in names
