@@ -5,9 +5,11 @@
 
 Per model (training, bf16 autocast, the registry's default batch, SGD with momentum):
   1. untuned Ember (EMBER_TUNING=0): compile, warm up, time ``--steps`` steps, each synchronised;
-  2. tune: compile once collecting every generated kernel, then ember.tune measures the model's
-     best candidates of each kernel (every candidate checked against the default's output on
-     fresh random inputs) within ``--budget`` seconds, into a fresh tuning database;
+  2. tune: compile once collecting every generated kernel and every matmul whose implementation
+     may be chosen (cuBLAS, Ember's small products, Ember's tiled kernel per tile configuration),
+     then measure the candidates of each (every one checked on fresh random inputs, matmuls
+     first) within ``--budget`` seconds, into a fresh tuning database (``--library-only``: the
+     matmuls alone);
   3. tuned Ember: compile again (the database now answers), time the same steps;
   4. a second tune of the same model: must finish in seconds when the first one finished
      (everything in the database); a kernel the first tune's budget cut short (the budget is
@@ -41,7 +43,8 @@ from ember.instruments import instrument
 from ember.tune.apply import forget_open
 from ember.tune.db import TuningDB
 from ember.tune.device import describe, device_key
-from ember.tune.session import collect_groups, tune_groups
+from ember.tune.report import config_label
+from ember.tune.session import collect_work, tune_groups
 
 
 def _steps(model: torch.nn.Module, batches: list, loss_fn: Any, steps: int, warmup: int) -> tuple[list[float], float]:
@@ -80,7 +83,8 @@ def _env(**values: str):
                 os.environ[k] = v
 
 
-def run_model(name: str, budget: float, steps: int, warmup: int, cache: Path, top: int) -> dict[str, Any]:
+def run_model(name: str, budget: float, steps: int, warmup: int, cache: Path, top: int,
+              library_only: bool) -> dict[str, Any]:
     case = models.get_case(name)
     device = torch.device("cuda")
     torch.manual_seed(0)
@@ -96,9 +100,11 @@ def run_model(name: str, budget: float, steps: int, warmup: int, cache: Path, to
         inputs, target = batches[0]
         t0 = time.perf_counter()
         with torch.autocast("cuda", dtype=torch.bfloat16):
-            groups = collect_groups(copy.deepcopy(base), tuple(inputs), True, loss=lambda out: case.loss(out, target))
+            groups, sites = collect_work(copy.deepcopy(base), tuple(inputs), True,
+                                         loss=lambda out: case.loss(out, target))
         collect_s = time.perf_counter() - t0
-        report = tune_groups(groups, db, cache / "kernels", budget, top=top, progress=False)
+        report = tune_groups([] if library_only else groups, db, cache / "kernels", budget, top=top,
+                             progress=False, sites=sites)
         forget_open()
         torch._dynamo.reset()
         tuned_in_use: list[int] = []
@@ -107,10 +113,13 @@ def run_model(name: str, budget: float, steps: int, warmup: int, cache: Path, to
         torch._dynamo.reset()
         t1 = time.perf_counter()
         with torch.autocast("cuda", dtype=torch.bfloat16):
-            groups2 = collect_groups(copy.deepcopy(base), tuple(inputs), True, loss=lambda out: case.loss(out, target))
-        again = tune_groups(groups2, db, cache / "kernels", budget, top=top, progress=False)
+            groups2, sites2 = collect_work(copy.deepcopy(base), tuple(inputs), True,
+                                           loss=lambda out: case.loss(out, target))
+        again = tune_groups([] if library_only else groups2, db, cache / "kernels", budget, top=top,
+                            progress=False, sites=sites2)
         second_s = time.perf_counter() - t1
     gains = sorted((k for k in report.measured if k.gain), key=lambda k: -(k.gain or 0))
+    library = [k for k in report.measured if k.kind == "library"]
     row.update({
         "untuned_ms": statistics.median(untuned), "tuned_ms": statistics.median(tuned),
         "speedup": statistics.median(untuned) / statistics.median(tuned),
@@ -127,6 +136,11 @@ def run_model(name: str, budget: float, steps: int, warmup: int, cache: Path, to
         "second_tune_measured": len(again.measured),
         "top_gains": [{"kernel": k.label, "default_ms": k.default_ms, "best_ms": k.best_ms, "config": k.best_config}
                       for k in gains[:8]],
+        "library_sites": len(sites), "library_measured": len(library),
+        "library_not_rule": sum(bool(k.best_config) for k in library),
+        "library": [{"site": k.label, "rule_ms": k.default_ms, "best_ms": k.best_ms,
+                     "best": config_label(k.best_config, True), "tried": k.tried, "failed": k.failed}
+                    for k in library],
     })
     return row
 
@@ -139,6 +153,7 @@ def main() -> int:
     parser.add_argument("--warmup", type=int, default=5)
     parser.add_argument("--top", type=int, default=4, help="candidates timed per kernel")
     parser.add_argument("--json", type=Path, default=None)
+    parser.add_argument("--library-only", action="store_true", help="tune the matmuls' implementations only")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("gpu_tune.py needs a CUDA device")
@@ -146,7 +161,8 @@ def main() -> int:
     for name in [m for m in args.models.split(",") if m]:
         with tempfile.TemporaryDirectory(prefix=f"ember-tune-{name}-") as tmp:
             try:
-                rows.append(run_model(name, args.budget, args.steps, args.warmup, Path(tmp), args.top))
+                rows.append(run_model(name, args.budget, args.steps, args.warmup, Path(tmp), args.top,
+                                      args.library_only))
             except Exception as err:  # noqa: BLE001 - one model's failure is a row, not the end
                 import traceback
                 traceback.print_exc()
@@ -162,6 +178,10 @@ def main() -> int:
         print(f"{r['model']:10s} {r['untuned_ms']:10.2f} {r['tuned_ms']:9.2f} {r['speedup']:8.3f} {r['tune_s']:7.1f} "
               f"{r['measured']:8d} {r['tuned_in_use']:6d} {r['rejected']:8d} {r['incomplete'] + r['skipped_budget']:4d} "
               f"{r['second_tune_s']:10.1f} {r['loss_agrees']}")
+    for r in rows:
+        for site in r.get("library", []):
+            print(f"  {r['model']:10s} {site['site'][:70]:70s} rule {site['rule_ms'] or 0:.4f} best "
+                  f"{site['best_ms'] or 0:.4f} ms: {site['best']} ({site['failed']} of {site['tried']} rejected)")
     ok = [r["speedup"] for r in rows if "speedup" in r]
     if ok:
         print(f"geomean speedup tuned/untuned: {statistics.geometric_mean(ok):.3f}")

@@ -8,7 +8,6 @@ from collections.abc import Sequence
 from ember.report.html import Section, Table
 from ember.report.records import GraphRecord
 
-
 _RULE_NAMES = {"onednn": "oneDNN", "cublas": "cuBLAS", "small_bmm": "Ember's small products"}
 
 
