@@ -72,7 +72,10 @@ class CompileProgress:
             delay = max(0.0, SHOW_AFTER_S - (time.perf_counter() - self.began))
             self._timer = threading.Timer(delay, self._show)
             self._timer.daemon = True
-            self._timer.start()
+            if delay > 0:
+                self._timer.start()
+            else:  # due already: shown now, before the stages go by (a thread may start after them)
+                self._show()
 
     def set_stage(self, stage: str) -> None:
         self.stage = stage
