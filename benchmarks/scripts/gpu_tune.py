@@ -5,11 +5,11 @@
 
 Per model (training, bf16 autocast, the registry's default batch, SGD with momentum):
   1. untuned Ember (EMBER_TUNING=0): compile, warm up, time ``--steps`` steps, each synchronised;
-  2. tune: compile once collecting every generated kernel and every matmul whose implementation
-     may be chosen (cuBLAS, Ember's small products, Ember's tiled kernel per tile configuration),
-     then measure the candidates of each (every one checked on fresh random inputs, matmuls
-     first) within ``--budget`` seconds, into a fresh tuning database (``--library-only``: the
-     matmuls alone);
+  2. tune: compile once collecting every generated kernel and every library call whose
+     implementation may be chosen (matmuls: cuBLAS, Ember's small products, Ember's tiled kernel
+     per tile configuration; depthwise convolutions: cuDNN or Ember's kernels), then measure the
+     candidates of each (every one checked on fresh random inputs, library calls first) within
+     ``--budget`` seconds, into a fresh tuning database (``--library-only``: the library calls alone);
   3. tuned Ember: compile again (the database now answers), time the same steps;
   4. a second tune of the same model: must finish in seconds when the first one finished
      (everything in the database); a kernel the first tune's budget cut short (the budget is
@@ -153,7 +153,7 @@ def main() -> int:
     parser.add_argument("--warmup", type=int, default=5)
     parser.add_argument("--top", type=int, default=4, help="candidates timed per kernel")
     parser.add_argument("--json", type=Path, default=None)
-    parser.add_argument("--library-only", action="store_true", help="tune the matmuls' implementations only")
+    parser.add_argument("--library-only", action="store_true", help="tune the library calls' implementations only")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("gpu_tune.py needs a CUDA device")

@@ -1,5 +1,5 @@
 """Ember's tiled matrix product (``ember::tiled_matmul``): the generated alternative to cuBLAS that
-``ember tune`` may choose for one matmul of a GPU graph (passes/gpu_matmuls.py).
+``ember tune`` may choose for one matmul of a GPU graph (passes/gpu_library_choices.py).
 
 ``tiled_matmul(a, b, bias, tiles)`` is ``mm`` / ``bmm`` (2-D or 3-D operands) or ``addmm`` (a
 bias with one value per column) computed by the Triton kernel ``tiled_matmul`` of

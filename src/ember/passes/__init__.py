@@ -27,7 +27,7 @@ from ember.passes.cpu_library import lower_cpu_library_calls
 from ember.passes.depthwise import generate_depthwise_convs
 from ember.passes.fold_conv import fold_conv_affine
 from ember.passes.freeze import extend_frozen, mark_frozen
-from ember.passes.gpu_matmuls import choose_matmul_implementations
+from ember.passes.gpu_library_choices import choose_gpu_library_implementations
 from ember.passes.layout import to_channels_last
 from ember.passes.library_sites import Choose
 from ember.passes.pad_matmul import pad_unaligned_matmuls
@@ -129,10 +129,10 @@ def passes_for(context: PassContext) -> list[GraphPass]:
     if context.library_choice is not None and BY_NAME[context.target].gpu_code_path:
         choose, device_type = context.library_choice, BY_NAME[context.target].device_type
 
-        def tuned_matmuls(gm: fx.GraphModule) -> int:  # last: the products the program would run
-            return choose_matmul_implementations(gm, choose, device_type)
-        tuned_matmuls.__name__ = choose_matmul_implementations.__name__
-        passes.append(tuned_matmuls)
+        def tuned_library_calls(gm: fx.GraphModule) -> int:  # last: the products the program would run
+            return choose_gpu_library_implementations(gm, choose, device_type)
+        tuned_library_calls.__name__ = choose_gpu_library_implementations.__name__
+        passes.append(tuned_library_calls)
     return passes
 
 

@@ -46,7 +46,8 @@ def _same(new: object, old: object) -> bool:
             and new.dtype == old.dtype and new.stride() == old.stride())
 
 
-def _forward(gm: fx.GraphModule, mode: object, node: fx.Node) -> bool:
+def forward_to_ember(gm: fx.GraphModule, mode: object, node: fx.Node) -> bool:
+    """``node`` (a convolution the rule takes) as ``ember::depthwise_conv2d``; False where it stays."""
     x, weight, bias, stride, padding, dilation, transposed, output_padding, groups = node.args
     if not takes(_val(x), _val(weight), stride, padding, dilation, transposed, output_padding, groups):
         return False
@@ -62,7 +63,8 @@ def _forward(gm: fx.GraphModule, mode: object, node: fx.Node) -> bool:
     return True
 
 
-def _backward(gm: fx.GraphModule, mode: object, node: fx.Node) -> bool:
+def backward_to_ember(gm: fx.GraphModule, mode: object, node: fx.Node) -> bool:
+    """``node`` (a convolution's backward the rule takes) as Ember's gradient kernels; False where it stays."""
     grad, x, weight, _bias_sizes, stride, padding, dilation, transposed, output_padding, groups, mask = node.args
     if not takes(_val(x), _val(weight), stride, padding, dilation, transposed, output_padding, groups):
         return False
@@ -103,6 +105,6 @@ def generate_depthwise_convs(gm: fx.GraphModule) -> int:
             continue
         if mode is None:
             mode = fake_mode_of(gm)
-        done = (_forward if node.target is aten.convolution.default else _backward)(gm, mode, node)
+        done = (forward_to_ember if node.target is aten.convolution.default else backward_to_ember)(gm, mode, node)
         changed += done
     return changed

@@ -10,9 +10,12 @@ the choice; ``impls`` are the implementations Ember can emit for it, the fixed r
           aten       addmm / mm as captured (MKL through ATen); epilogue a separate kernel
   conv    onednn     mkldnn._convolution_pointwise with the weight reordered once, post-ops fused
           aten       aten.convolution as captured; epilogue a separate kernel
-  matmul  cublas     mm / addmm / bmm as captured (GPU code path, passes/gpu_matmuls.py)
+  matmul  cublas     mm / addmm / bmm as captured (GPU code path, passes/gpu_library_choices.py)
           small_bmm  ember::small_bmm, where its rule takes the product
           tiled      ember::tiled_matmul with a tile configuration (the choice's ``config``)
+  conv, conv_backward (GPU code path: a depthwise convolution, its gradients)
+          cudnn      aten.convolution / convolution_backward as captured
+          ember      Ember's depthwise kernels (ops/depthwise_conv.py)
 
 A pass asks a chooser (``Choose``) for each site; ``None`` keeps the rule. For a matmul site,
 ``x`` is the left operand, ``weight`` the right one and ``bias`` addmm's.
@@ -44,13 +47,15 @@ def _channels_last_sig(sig: TensorSig) -> TensorSig:
 
 @dataclass(frozen=True)
 class LibrarySite:
-    op: str  # "linear" or "conv"
+    op: str  # "linear", "conv", "matmul" or "conv_backward"
     x: TensorSig
     weight: TensorSig
     bias: TensorSig | None
-    params: tuple  # conv: (stride, padding, dilation, groups); linear: ()
-    epilogue: str  # "none", "relu", "gelu:none", "gelu:tanh", "hardswish", ..., "add", "add+relu"
-    other: TensorSig | None = None  # the added tensor of an "add" epilogue
+    params: tuple  # conv, conv_backward: (stride, padding, dilation, groups); linear, matmul: ()
+    # "none", "relu", "gelu:none", "gelu:tanh", "hardswish", ..., "add", "add+relu"; conv_backward:
+    # the gradients asked for ("grads:input,weight")
+    epilogue: str
+    other: TensorSig | None = None  # the added tensor of an "add" epilogue; conv_backward: the gradient
     x_is_graph_input: bool = False  # a convolution's input that keeps the caller's layout
     impls: tuple[str, ...] = ()
     device_type: str = "cpu"  # where the call runs ("cuda"; "cpu" for CPU tensors and the interpreter)
@@ -58,9 +63,14 @@ class LibrarySite:
     def describe(self) -> dict:
         described = {"op": self.op, "x": self.x, "weight": self.weight, "bias": self.bias, "params": self.params,
                      "epilogue": self.epilogue, "other": self.other, "x_is_graph_input": self.x_is_graph_input}
-        if self.op == "matmul":  # ``{}`` in the database means the rule: a key per rule
+        if self.gpu_code_path:  # ``{}`` in the database means the rule: a key per rule
             described.update(device_type=self.device_type, rule=self.impls[0])
         return described
+
+    @property
+    def gpu_code_path(self) -> bool:
+        """A site of the GPU code path's passes (passes/gpu_library_choices.py), not a CPU library call's."""
+        return self.impls[:1] in (("cublas",), ("small_bmm",), ("cudnn",))
 
     @property
     def key(self) -> str:
@@ -83,15 +93,21 @@ class LibrarySite:
         co, _, kh, kw = self.weight[0]
         stride, _, _, groups = self.params
         extra = f" s{stride[0]}" + (f" g{groups}" if groups != 1 else "")
+        if self.op == "conv_backward":
+            return f"conv backward {shape} {kh}x{kw}->{co}{extra} {self.epilogue.removeprefix('grads:')} ({dtype})"
         return f"conv {shape} {kh}x{kw}->{co}{extra}{epi} ({dtype})"
 
     def measured_x(self) -> TensorSig:
         """The input layout the program will feed: a convolution's input inside a network is
         channels_last (oneDNN's convolutions return it), whatever the captured strides say."""
-        return _channels_last_sig(self.x) if self.op == "conv" and not self.x_is_graph_input else self.x
+        if self.op == "conv" and not self.x_is_graph_input and not self.gpu_code_path:
+            return _channels_last_sig(self.x)
+        return self.x  # (a GPU site's strides are those its pass laid out)
 
     def measured_other(self) -> TensorSig | None:
-        return _channels_last_sig(self.other) if self.other is not None and self.op == "conv" else self.other
+        if self.other is not None and self.op == "conv" and not self.gpu_code_path:
+            return _channels_last_sig(self.other)
+        return self.other
 
 
 @dataclass(frozen=True)

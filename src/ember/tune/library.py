@@ -70,6 +70,12 @@ def operands(site: LibrarySite, seed: int) -> Operands:
         b = _tensor(site.weight, gen, 1.0 / math.sqrt(max(site.x[0][-1], 1))).to(dev)
         bias = _tensor(site.bias, gen, 0.1).to(dev) if site.bias is not None else None
         return Operands(_tensor(site.x, gen).to(dev), b, bias, None)
+    if site.gpu_code_path:  # a depthwise convolution: operands on the site's device, in its layouts
+        dev = _device(site)
+        weight = _tensor(site.weight, gen, 1.0 / math.sqrt(max(math.prod(site.weight[0][1:]), 1))).to(dev)
+        bias = _tensor(site.bias, gen, 0.1).to(dev) if site.bias is not None else None
+        grad = _tensor(site.other, gen).to(dev) if site.other is not None else None
+        return Operands(_tensor(site.x, gen).to(dev), weight, bias, grad)
     fan_in = math.prod(site.weight[0][1:])
     x = _tensor(site.measured_x(), gen)
     weight = _tensor(site.weight, gen, 1.0 / math.sqrt(max(fan_in, 1)))
@@ -93,11 +99,40 @@ def _epilogue(site: LibrarySite, y: torch.Tensor, other: torch.Tensor | None) ->
     return ops[epi](y)
 
 
-def _captured(site: LibrarySite, ops: Operands) -> torch.Tensor:
+_GRADS = ("input", "weight", "bias")
+
+
+def _grads(site: LibrarySite) -> list[int]:
+    """Which gradients a conv_backward site asks for (indices into ``_GRADS``)."""
+    return [_GRADS.index(g) for g in site.epilogue.removeprefix("grads:").split(",")]
+
+
+def _conv_backward(site: LibrarySite, ops: Operands) -> tuple[torch.Tensor, ...]:
+    stride, padding, dilation, groups = (list(p) if isinstance(p, tuple) else p for p in site.params)
+    wanted = _grads(site)
+    mask = [i in wanted for i in range(3)]
+    out = aten.convolution_backward(ops.other, ops.x, ops.weight, [ops.weight.shape[0]], stride, padding, dilation,
+                                    False, [0, 0], groups, mask)
+    return tuple(out[i] for i in wanted)
+
+
+def _ember_conv_backward(site: LibrarySite, ops: Operands) -> tuple[torch.Tensor, ...]:
+    stride, padding, dilation, _ = (list(p) if isinstance(p, tuple) else p for p in site.params)
+    ember = torch.ops.ember
+    calls = {0: lambda: ember.depthwise_conv2d_backward_input(ops.other, ops.weight, list(ops.x.shape), stride,
+                                                              padding, dilation),
+             1: lambda: ember.depthwise_conv2d_backward_weight(ops.other, ops.x, ops.weight, stride, padding, dilation),
+             2: lambda: ops.other.sum([0, 2, 3])}
+    return tuple(calls[i]() for i in _grads(site))
+
+
+def _captured(site: LibrarySite, ops: Operands) -> torch.Tensor | tuple[torch.Tensor, ...]:
     """The ops as captured, in ATen (no prepared weight, no fused epilogue)."""
     if site.op == "matmul":
         product = torch.bmm if ops.x.dim() == 3 else torch.mm
         return product(ops.x, ops.weight) if ops.bias is None else torch.addmm(ops.bias, ops.x, ops.weight)
+    if site.op == "conv_backward":
+        return _conv_backward(site, ops)
     if site.op == "linear":
         wt = ops.weight.t()
         y = torch.addmm(ops.bias, ops.x, wt) if ops.bias is not None else torch.mm(ops.x, wt)
@@ -108,10 +143,14 @@ def _captured(site: LibrarySite, ops: Operands) -> torch.Tensor:
     return _epilogue(site, y, ops.other)
 
 
-def reference(site: LibrarySite, ops: Operands) -> torch.Tensor:
+def reference(site: LibrarySite, ops: Operands) -> list[torch.Tensor]:
     """The captured ops in float64: what every candidate is checked against."""
     wide = Operands(*(t.double() if t is not None else None for t in (ops.x, ops.weight, ops.bias, ops.other)))
-    return _captured(site, wide).to(ops.x.dtype)
+    return [t.to(ops.x.dtype) for t in _outputs(_captured(site, wide))]
+
+
+def _outputs(got: torch.Tensor | tuple[torch.Tensor, ...]) -> list[torch.Tensor]:
+    return list(got) if isinstance(got, tuple) else [got]
 
 
 _UNARY_ATTR = {"relu": "relu", "sigmoid": "sigmoid", "tanh": "tanh", "swish": "swish", "hardswish": "hardswish",
@@ -122,8 +161,13 @@ def implementation(site: LibrarySite, impl: str, ops: Operands, config: dict | N
                    ) -> Callable[[], torch.Tensor]:
     """A function computing ``site`` (epilogue included) as ``impl`` does (with ``config``: a
     tiled kernel's tiles), its weight prepared now."""
-    if impl in ("aten", "cublas"):
+    if impl in ("aten", "cublas", "cudnn"):
         return lambda: _captured(site, ops)
+    if site.op == "conv" and impl == "ember":
+        stride, padding, dilation, _ = (list(p) if isinstance(p, tuple) else p for p in site.params)
+        return lambda: torch.ops.ember.depthwise_conv2d(ops.x, ops.weight, ops.bias, stride, padding, dilation)
+    if site.op == "conv_backward" and impl == "ember":
+        return lambda: _ember_conv_backward(site, ops)
     if site.op == "matmul" and impl == "small_bmm":
         return lambda: torch.ops.ember.small_bmm(ops.x, ops.weight)
     if site.op == "matmul" and impl == "tiled":
@@ -214,12 +258,12 @@ def tune_site(site: LibrarySite, db: TuningDB, device: str, per_candidate_s: flo
         out.tried += bool(config)
         try:
             run = implementation(site, impl, ops, config)
-            got = run()
-            if got.device.type == "cuda":
+            got = _outputs(run())
+            if got[0].device.type == "cuda":
                 torch.cuda.synchronize()
             for hook in list(_OUTPUT_HOOKS):
-                hook(LibraryCandidate(f"{site.key}:{impl}", f"library impl={impl} {site.label}"), [got])
-            why = mismatch([ref], [got])
+                hook(LibraryCandidate(f"{site.key}:{impl}", f"library impl={impl} {site.label}"), got)
+            why = mismatch(ref, got)
         except Exception as err:  # noqa: BLE001 - an implementation that cannot run here is failed, not fatal
             why = f"{type(err).__name__}: {str(err)[:300]}"
         if why:

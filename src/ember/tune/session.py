@@ -211,7 +211,7 @@ def _site_work(site: LibrarySite) -> int:
     if site.op == "matmul":
         return math.prod(site.x[0]) * site.weight[0][-1]
     out = math.prod(site.x[0]) if site.op == "linear" else math.prod(site.x[0][2:])
-    return out * math.prod(site.weight[0][:1]) * (math.prod(site.weight[0][1:]) if site.op == "conv" else 1)
+    return out * math.prod(site.weight[0][:1]) * (math.prod(site.weight[0][1:]) if site.op.startswith("conv") else 1)
 
 
 def _progress(enabled: bool):

@@ -1,12 +1,12 @@
 #!/usr/bin/env bash
-# GPU matmul implementations tuned for training steps, then the first-call rows that go with them.
-#   bash benchmarks/scripts/gpu_tune_matmuls.sh "bert swin_t" 150
-# Per model: gpu_tune.py --library-only (untuned steps, `ember tune`'s matmul sites within the
-# budget, tuned steps, a second tune) under its own time limit. Results under $OUT/tune_matmuls/.
+# GPU library choices (matmuls, depthwise convolutions) tuned for training steps, model by model.
+#   bash benchmarks/scripts/gpu_tune_library.sh "bert swin_t" 150
+# Per model: gpu_tune.py --library-only (untuned steps, `ember tune`'s library sites within the
+# budget, tuned steps, a second tune) under its own time limit. Results under $OUT/tune_library/.
 set -u
 MODELS=${1:-"bert"}
 BUDGET=${2:-150}
-OUT=${OUT:-out}/tune_matmuls
+OUT=${OUT:-out}/tune_library
 mkdir -p "$OUT"
 export PYTHONPATH=src
 for model in $MODELS; do

@@ -1,9 +1,10 @@
-"""GPU matmul implementations as tuned decisions (passes/gpu_matmuls.py, ops/tiled_matmul.py), on
+"""GPU library choices as tuned decisions (passes/gpu_library_choices.py, ops/tiled_matmul.py), on
 the GPU code path through Triton's interpreter: the sites a training compile meets (addmm, mm,
-bmm, Ember's small products) with their rules; every candidate checked against a float64
-reference and a wrong one rejected; tuned answers applied by compile (Ember's tiled kernel in
-place of cuBLAS, cuBLAS in place of the small-product rule) with forward and gradients as eager's,
-and explain naming each choice."""
+bmm, Ember's small products; depthwise convolutions and their backward) with their rules; every
+candidate checked against a float64 reference and a wrong one rejected; tuned answers applied by
+compile (Ember's tiled kernel in place of cuBLAS, cuBLAS in place of the small-product rule,
+Ember's depthwise kernels in place of cuDNN) with forward and gradients as eager's, and explain
+naming each choice."""
 
 from __future__ import annotations
 
@@ -140,4 +141,65 @@ def test_no_database_no_pass(tmp_path: Path) -> None:
         choose = library_chooser(TRITON_INTERPRET, tmp_path, GraphRecord("g", "forward", "0/0", "triton-interpret"))
     assert choose is None
     names = [p.__name__ for p in passes_for(PassContext("forward", "triton-interpret", set(), library_choice=choose))]
-    assert "choose_matmul_implementations" not in names
+    assert "choose_gpu_library_implementations" not in names
+
+
+class Depthwise(torch.nn.Module):
+    """A depthwise convolution (stride 2, with a bias) between two pointwise ones."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.expand = torch.nn.Conv2d(4, 16, 1)
+        self.depthwise = torch.nn.Conv2d(16, 16, 3, 2, 1, groups=16)
+        self.project = torch.nn.Conv2d(16, 8, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.project(torch.relu(self.depthwise(self.expand(x))))
+
+
+def test_depthwise_sites_checked_and_ember_kernels_applied(tmp_path: Path) -> None:
+    torch.manual_seed(5)
+    x = torch.randn(2, 4, 12, 12)
+    with config.patch(layout_min_activation_to_weight=0.0, depthwise_kernels=False):
+        convs = [s for s in collect_work(Depthwise(), (x,), train=True, target="triton-interpret",
+                                         loss=lambda out: out.square().mean())[1] if s.op.startswith("conv")]
+    assert sorted(s.op for s in convs) == ["conv", "conv_backward"]
+    forward = next(s for s in convs if s.op == "conv")
+    backward = next(s for s in convs if s.op == "conv_backward")
+    assert forward.impls == ("cudnn", "ember") and forward.label.startswith("conv 2x16x12x12 3x3->16 s2 g16")
+    assert backward.epilogue == "grads:input,weight"  # (the bias gradient: a sum of its own)
+    dev = device_key("cpu")
+    db = TuningDB(tmp_path / "t.sqlite")
+    for site in convs:  # Ember's kernels pass their check against float64
+        result = tune_site(site, db, dev, per_candidate_s=0.01)
+        assert result.failed == 0 and result.tried == 1, result.failures
+
+    corrupted = []
+
+    def corrupt_ember(candidate, outputs) -> None:
+        if "impl=ember" in candidate.source:
+            corrupted.append(candidate.name)
+            outputs[-1].view(-1)[0] += 1.0  # the last gradient asked for
+
+    with candidate_output_hook(corrupt_ember):
+        bad = tune_site(backward, TuningDB(tmp_path / "bad.sqlite"), dev, per_candidate_s=0.01)
+    assert corrupted and bad.failed == 1
+
+    db_path = tmp_path / "tuning.sqlite"
+    TuningDB(db_path).record([row for site in convs for row in (
+        Result(site.key, dev, {}, 2.0, "ok", label=site.label), Result(site.key, dev, {"impl": "ember"}, 1.0, "ok"))])
+    eager, model = Depthwise(), Depthwise()
+    model.load_state_dict(eager.state_dict())
+    want = [eager(x)]
+    want[0].square().mean().backward()
+    want += [p.grad for p in eager.parameters()]
+    with config.patch(layout_min_activation_to_weight=0.0, depthwise_kernels=False, tuning_db=str(db_path)):
+        compiled = ember.compile(model, target="triton-interpret", cache=False)
+        out = compiled(x)
+        out.square().mean().backward()
+    for g, w in zip([out, *(p.grad for p in model.parameters())], want):
+        torch.testing.assert_close(g, w, rtol=1e-4, atol=1e-4)
+    programs = {g.kind: g.program for g in compiled._ember_backend.log.graphs}
+    assert programs["forward"].count("torch.ops.ember.depthwise_conv2d.default") == 1
+    assert all(programs["backward"].count(f"torch.ops.ember.depthwise_conv2d_backward_{k}.default") == 1
+               for k in ("input", "weight"))
