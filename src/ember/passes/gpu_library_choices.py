@@ -18,10 +18,10 @@ would run (padded, merged, laid out channels_last, or Ember's small products).
 
 from __future__ import annotations
 
+import operator
+
 import torch
 import torch.fx as fx
-
-import operator
 
 from ember.ops import tiled_matmul
 from ember.passes import depthwise
