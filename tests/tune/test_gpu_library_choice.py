@@ -203,3 +203,48 @@ def test_depthwise_sites_checked_and_ember_kernels_applied(tmp_path: Path) -> No
     assert programs["forward"].count("torch.ops.ember.depthwise_conv2d.default") == 1
     assert all(programs["backward"].count(f"torch.ops.ember.depthwise_conv2d_backward_{k}.default") == 1
                for k in ("input", "weight"))
+
+
+class SelfAttention(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.qkv = torch.nn.Linear(16, 48)
+
+    def forward(self, x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        q, k, v = (t.unflatten(-1, (2, 8)).transpose(1, 2) for t in self.qkv(x).chunk(3, -1))
+        return torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask).transpose(1, 2).flatten(2)
+
+
+@pytest.mark.parametrize("masked", [True, False], ids=["bool_mask", "no_mask"])
+def test_attention_backend_chosen_for_inference(masked: bool, tmp_path: Path) -> None:
+    torch.manual_seed(7)
+    model = SelfAttention().eval()
+    x = torch.randn(2, 10, 16)
+    mask = (torch.rand(2, 1, 10, 10) < 0.7) | torch.eye(10, dtype=torch.bool) if masked else None
+    with torch.no_grad():
+        sites = [s for s in collect_work(model, (x, mask), train=False, target="triton-interpret")[1]
+                 if s.op == "attention"]
+    (site,) = sites
+    assert site.impls == ("flash_cpu", "math") and site.label.startswith("attention q 2x2x10x8 kv 2x2x10x8")
+    assert ("mask 2x1x10x10 float32" in site.label) == masked  # (SDPA turns a boolean mask into a bias)
+    dev = device_key("cpu")
+    result = tune_site(site, TuningDB(tmp_path / "t.sqlite"), dev, per_candidate_s=0.01)
+    assert result.failed == 0 and result.tried == 1, result.failures
+
+    def corrupt_math(candidate, outputs) -> None:
+        if "impl=math" in candidate.source:
+            outputs[0].view(-1)[1] += 0.5
+
+    with candidate_output_hook(corrupt_math):
+        assert tune_site(site, TuningDB(tmp_path / "bad.sqlite"), dev, per_candidate_s=0.01).failed == 1
+
+    db_path = tmp_path / "tuning.sqlite"
+    TuningDB(db_path).record([Result(site.key, dev, {}, 2.0, "ok", label=site.label),
+                              Result(site.key, dev, {"impl": "math"}, 1.0, "ok")])
+    with config.patch(tuning_db=str(db_path)), torch.no_grad():
+        compiled = ember.compile(model, target="triton-interpret", cache=False)
+        got = compiled(x, mask)
+        want = model(x, mask)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    program = "\n".join(g.program for g in compiled._ember_backend.log.graphs)
+    assert "_scaled_dot_product_attention_math" in program and "flash_attention_for_cpu" not in program

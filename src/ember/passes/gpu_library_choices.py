@@ -11,6 +11,15 @@ depthwise kernels take (passes/depthwise.py's rule) and cuDNN runs, is a site ("
 "conv_backward") whose implementations are ``cudnn`` (the rule) and ``ember``. Where
 ``EMBER_DEPTHWISE=1`` already gave them to Ember's kernels, they are not sites.
 
+Attention in inference graphs: every ``_scaled_dot_product_*_attention`` call whose output alone
+is read (no log-sum-exp saved for a backward), without dropout, is a site ("attention") whose
+implementations are the backend the dispatcher picked at capture (the rule) and the others with
+a fake kernel for its inputs: ``flash`` (no mask), ``efficient``, ``cudnn`` and ``math`` (ATen's
+composite) on the GPU, ``math`` beside ``flash_cpu`` on CPU tensors. Where the chosen backend
+lays its output out otherwise (``math``'s is contiguous, the others' heads-inner), the ops after it
+are planned again for its strides (passes/strided_results.py), a copy only where a view cannot
+follow; the whole-model check of ``ember tune`` times that cost with the rest.
+
 Each site is offered to the tuning database's chooser; a tuned answer replaces the node, no answer
 keeps the rule's. Runs last among the GPU passes, so the calls it sees are those the program
 would run (padded, merged, laid out channels_last, or Ember's small products).
@@ -25,8 +34,9 @@ import torch.fx as fx
 
 from ember.ops import tiled_matmul
 from ember.passes import depthwise
-from ember.passes.graph_edit import add_node, fake_mode_of, node_val
+from ember.passes.graph_edit import add_node, fake_mode_of, fake_result, node_val
 from ember.passes.library_sites import Choose, LibraryChoice, LibrarySite, tensor_sig
+from ember.passes.strided_results import refresh_downstream, restore_output_strides, same_layout
 
 aten = torch.ops.aten
 _PRODUCTS = (aten.mm.default, aten.addmm.default, aten.bmm.default)
@@ -109,11 +119,107 @@ def _replace_product(gm: fx.GraphModule, mode: object, node: fx.Node, site: Libr
     return True
 
 
+_ATTENTION = {aten._scaled_dot_product_flash_attention.default: "flash",
+              aten._scaled_dot_product_efficient_attention.default: "efficient",
+              aten._scaled_dot_product_cudnn_attention.default: "cudnn",
+              aten._scaled_dot_product_flash_attention_for_cpu.default: "flash_cpu"}
+
+
+def attention_call(impl: str, q: object, k: object, v: object, mask: object, causal: bool, scale: object
+                   ) -> tuple[object, tuple, dict]:
+    """(op, args, kwargs) of attention without dropout as ``impl`` computes it (output: item 0)."""
+    if impl == "flash":
+        return aten._scaled_dot_product_flash_attention.default, (q, k, v, 0.0, causal, False), {"scale": scale}
+    if impl == "efficient":
+        return aten._scaled_dot_product_efficient_attention.default, (q, k, v, mask, False, 0.0, causal), \
+            {"scale": scale}
+    if impl == "cudnn":
+        return aten._scaled_dot_product_cudnn_attention.default, (q, k, v, mask, False, 0.0, causal, False), \
+            {"scale": scale}
+    if impl == "flash_cpu":
+        return aten._scaled_dot_product_flash_attention_for_cpu.default, (q, k, v, 0.0, causal), \
+            {"attn_mask": mask, "scale": scale}
+    return aten._scaled_dot_product_attention_math.default, (q, k, v, mask, 0.0, causal), {"scale": scale}
+
+
+def _attention_operands(node: fx.Node) -> tuple | None:
+    """(q, k, v, mask, causal, scale) of an attention call without dropout, or None."""
+    args, kwargs = node.args, node.kwargs
+
+    def arg(index: int, name: str, default: object) -> object:
+        return args[index] if len(args) > index else kwargs.get(name, default)
+    if _ATTENTION[node.target] in ("flash", "flash_cpu"):
+        mask, dropout, causal = kwargs.get("attn_mask"), arg(3, "dropout_p", 0.0), arg(4, "is_causal", False)
+    else:
+        mask, dropout, causal = arg(3, "attn_bias", None), arg(5, "dropout_p", 0.0), arg(6, "is_causal", False)
+    return None if dropout else (*args[:3], mask, bool(causal), kwargs.get("scale"))
+
+
+def attention_site(node: fx.Node, mode: object, device_type: str) -> LibrarySite | None:
+    """The site of an attention call whose output alone is read, or None."""
+    users = list(node.users)
+    if not users or any(u.target is not operator.getitem or u.args[1] != 0 for u in users):
+        return None
+    operands = _attention_operands(node)
+    if operands is None:
+        return None
+    q, k, v, mask, causal, scale = operands
+    vals = [node_val(t) for t in (q, k, v)]
+    mask_val = node_val(mask) if mask is not None else None
+    old = node_val(users[0])
+    tensors = [*vals, old] + ([mask_val] if mask is not None else [])
+    if not all(isinstance(t, torch.Tensor) and t.dim() == 4 for t in tensors[:4]) or \
+            not all(isinstance(t, torch.Tensor) and all(type(s) is int for s in (*t.shape, *t.stride()))
+                    for t in tensors):
+        return None
+    rule = _ATTENTION[node.target]
+    others = ("flash", "efficient", "cudnn", "math") if device_type == "cuda" else ("flash_cpu", "math")
+    impls = [rule]
+    for impl in others:  # (one whose output has other strides: the ops after it are planned again)
+        if impl == rule or (impl == "flash" and mask is not None):
+            continue
+        try:
+            val = fake_result(mode, *attention_call(impl, q, k, v, mask, causal, scale))[0]
+        except Exception:  # noqa: BLE001 - a backend without a fake kernel for these inputs is no candidate
+            continue
+        if val.shape == old.shape and val.dtype == old.dtype:
+            impls.append(impl)
+    if len(impls) == 1:
+        return None
+    return LibrarySite("attention", tensor_sig(vals[0]), tensor_sig(vals[1]),
+                       tensor_sig(mask_val) if mask is not None else None, (causal, scale), "none",
+                       other=tensor_sig(vals[2]), impls=tuple(impls), device_type=device_type)
+
+
+def _replace_attention(gm: fx.GraphModule, mode: object, node: fx.Node, choice: LibraryChoice,
+                       restrided: set[fx.Node]) -> bool:
+    """Replace the call; an output in other strides than the rule's joins ``restrided``."""
+    q, k, v, mask, causal, scale = _attention_operands(node)  # type: ignore[misc]
+    target, args, kwargs = attention_call(choice.impl, q, k, v, mask, causal, scale)
+    before = node_val(next(iter(node.users)))
+    with gm.graph.inserting_before(node):
+        new = add_node(gm.graph, mode, target, args, kwargs)
+        out = add_node(gm.graph, mode, operator.getitem, (new, 0), val=new.meta["val"][0])
+    new.meta["stack_trace"] = out.meta["stack_trace"] = node.meta.get("stack_trace")
+    for user in list(node.users):
+        user.replace_all_uses_with(out)
+        gm.graph.erase_node(user)
+    gm.graph.erase_node(node)
+    if not same_layout(out.meta["val"], before.stride()):
+        restrided.add(out)
+    return True
+
+
 def choose_gpu_library_implementations(gm: fx.GraphModule, choose: Choose, device_type: str) -> int:
-    """Replace every matmul and depthwise convolution whose site has a tuned implementation;
-    returns how many."""
+    """Replace every matmul, depthwise convolution and attention call whose site has a tuned
+    implementation; returns how many."""
     mode = None
     changed = 0
+    output = next(n for n in gm.graph.nodes if n.op == "output")
+    outs = list(output.args[0]) if isinstance(output.args[0], (list, tuple)) else [output.args[0]]
+    original_outs = [node_val(o) for o in outs]
+    captured = {n: node_val(n) for n in gm.graph.nodes}  # each node's value before the pass
+    restrided: set[fx.Node] = set()
     for node in list(gm.graph.nodes):
         if node.op != "call_function":
             continue
@@ -121,6 +227,10 @@ def choose_gpu_library_implementations(gm: fx.GraphModule, choose: Choose, devic
             site = matmul_site(node, device_type)
         elif node.target in (aten.convolution.default, aten.convolution_backward.default):
             site = conv_site(node, device_type)
+        elif node.target in _ATTENTION:
+            if mode is None:
+                mode = fake_mode_of(gm)
+            site = attention_site(node, mode, device_type)
         else:
             continue
         choice = choose(site) if site is not None else None
@@ -130,8 +240,13 @@ def choose_gpu_library_implementations(gm: fx.GraphModule, choose: Choose, devic
             mode = fake_mode_of(gm)
         if site.op == "matmul":
             changed += _replace_product(gm, mode, node, site, choice)
+        elif site.op == "attention":
+            changed += _replace_attention(gm, mode, node, choice, restrided)
         elif site.op == "conv":
             changed += depthwise.forward_to_ember(gm, mode, node)
         else:
             changed += depthwise.backward_to_ember(gm, mode, node)
+    if restrided:  # the ops after an output in new strides: planned again, graph outputs copied back
+        refresh_downstream(gm, mode, restrided, captured, "attention choice")
+        restore_output_strides(gm, mode, output, original_outs)
     return changed

@@ -16,9 +16,13 @@ the choice; ``impls`` are the implementations Ember can emit for it, the fixed r
   conv, conv_backward (GPU code path: a depthwise convolution, its gradients)
           cudnn      aten.convolution / convolution_backward as captured
           ember      Ember's depthwise kernels (ops/depthwise_conv.py)
+  attention (GPU code path, inference: the output alone read)
+          the backend picked at capture first, then flash / efficient / cudnn / math (GPU), or
+          flash_cpu / math (CPU tensors)
 
 A pass asks a chooser (``Choose``) for each site; ``None`` keeps the rule. For a matmul site,
-``x`` is the left operand, ``weight`` the right one and ``bias`` addmm's.
+``x`` is the left operand, ``weight`` the right one and ``bias`` addmm's; for attention ``x``,
+``weight``, ``other`` and ``bias`` are the queries, keys, values and mask.
 """
 
 from __future__ import annotations
@@ -47,15 +51,17 @@ def _channels_last_sig(sig: TensorSig) -> TensorSig:
 
 @dataclass(frozen=True)
 class LibrarySite:
-    op: str  # "linear", "conv", "matmul" or "conv_backward"
+    op: str  # "linear", "conv", "matmul", "conv_backward" or "attention"
     x: TensorSig
     weight: TensorSig
     bias: TensorSig | None
-    params: tuple  # conv, conv_backward: (stride, padding, dilation, groups); linear, matmul: ()
+    # conv, conv_backward: (stride, padding, dilation, groups); linear, matmul: (); attention: (causal, scale)
+    params: tuple
     # "none", "relu", "gelu:none", "gelu:tanh", "hardswish", ..., "add", "add+relu"; conv_backward:
     # the gradients asked for ("grads:input,weight")
     epilogue: str
-    other: TensorSig | None = None  # the added tensor of an "add" epilogue; conv_backward: the gradient
+    # the added tensor of an "add" epilogue; conv_backward: the gradient; attention: the values
+    other: TensorSig | None = None
     x_is_graph_input: bool = False  # a convolution's input that keeps the caller's layout
     impls: tuple[str, ...] = ()
     device_type: str = "cpu"  # where the call runs ("cuda"; "cpu" for CPU tensors and the interpreter)
@@ -70,7 +76,7 @@ class LibrarySite:
     @property
     def gpu_code_path(self) -> bool:
         """A site of the GPU code path's passes (passes/gpu_library_choices.py), not a CPU library call's."""
-        return self.impls[:1] in (("cublas",), ("small_bmm",), ("cudnn",))
+        return self.op in ("matmul", "conv_backward", "attention") or self.impls[:1] == ("cudnn",)
 
     @property
     def key(self) -> str:
@@ -86,6 +92,11 @@ class LibrarySite:
             bias = " +bias" if self.bias is not None else ""
             a, b = ("x".join(map(str, sig[0])) for sig in (self.x, self.weight))
             return f"{'bmm' if len(self.x[0]) == 3 else 'mm'} {a} @ {b}{bias} ({dtype}, rule {self.impls[0]})"
+        if self.op == "attention":
+            mask = f" mask {'x'.join(map(str, self.bias[0]))} {self.bias[2]}" if self.bias is not None else ""
+            causal = " causal" if self.params[0] else ""
+            return (f"attention q {'x'.join(map(str, self.x[0]))} kv {'x'.join(map(str, self.weight[0]))}{mask}"
+                    f"{causal} ({dtype}, rule {self.impls[0]})")
         if self.op == "linear":
             (m, k), n = self.x[0], self.weight[0][0]
             return f"linear {m}x{k}->{n}{epi} ({dtype})"

@@ -70,6 +70,11 @@ def operands(site: LibrarySite, seed: int) -> Operands:
         b = _tensor(site.weight, gen, 1.0 / math.sqrt(max(site.x[0][-1], 1))).to(dev)
         bias = _tensor(site.bias, gen, 0.1).to(dev) if site.bias is not None else None
         return Operands(_tensor(site.x, gen).to(dev), b, bias, None)
+    if site.op == "attention":  # queries, keys, values O(1); a float mask O(1), a boolean one all True
+        dev = _device(site)
+        mask = _tensor(site.bias, gen).to(dev) if site.bias is not None else None
+        return Operands(_tensor(site.x, gen).to(dev), _tensor(site.weight, gen).to(dev), mask,
+                        _tensor(site.other, gen).to(dev))  # type: ignore[arg-type]
     if site.gpu_code_path:  # a depthwise convolution: operands on the site's device, in its layouts
         dev = _device(site)
         weight = _tensor(site.weight, gen, 1.0 / math.sqrt(max(math.prod(site.weight[0][1:]), 1))).to(dev)
@@ -126,6 +131,13 @@ def _ember_conv_backward(site: LibrarySite, ops: Operands) -> tuple[torch.Tensor
     return tuple(calls[i]() for i in _grads(site))
 
 
+def _attention(site: LibrarySite, ops: Operands, impl: str) -> torch.Tensor:
+    from ember.passes.gpu_library_choices import attention_call
+    causal, scale = site.params
+    op, args, kwargs = attention_call(impl, ops.x, ops.weight, ops.other, ops.bias, causal, scale)
+    return op(*args, **kwargs)[0]
+
+
 def _captured(site: LibrarySite, ops: Operands) -> torch.Tensor | tuple[torch.Tensor, ...]:
     """The ops as captured, in ATen (no prepared weight, no fused epilogue)."""
     if site.op == "matmul":
@@ -133,6 +145,8 @@ def _captured(site: LibrarySite, ops: Operands) -> torch.Tensor | tuple[torch.Te
         return product(ops.x, ops.weight) if ops.bias is None else torch.addmm(ops.bias, ops.x, ops.weight)
     if site.op == "conv_backward":
         return _conv_backward(site, ops)
+    if site.op == "attention":  # ATen's composite: the reference (the rule is a backend: ``_attention``)
+        return _attention(site, ops, "math")
     if site.op == "linear":
         wt = ops.weight.t()
         y = torch.addmm(ops.bias, ops.x, wt) if ops.bias is not None else torch.mm(ops.x, wt)
@@ -145,7 +159,8 @@ def _captured(site: LibrarySite, ops: Operands) -> torch.Tensor | tuple[torch.Te
 
 def reference(site: LibrarySite, ops: Operands) -> list[torch.Tensor]:
     """The captured ops in float64: what every candidate is checked against."""
-    wide = Operands(*(t.double() if t is not None else None for t in (ops.x, ops.weight, ops.bias, ops.other)))
+    wide = Operands(*(t.double() if t is not None and t.is_floating_point() else t
+                      for t in (ops.x, ops.weight, ops.bias, ops.other)))  # (a boolean mask stays one)
     return [t.to(ops.x.dtype) for t in _outputs(_captured(site, wide))]
 
 
@@ -161,6 +176,8 @@ def implementation(site: LibrarySite, impl: str, ops: Operands, config: dict | N
                    ) -> Callable[[], torch.Tensor]:
     """A function computing ``site`` (epilogue included) as ``impl`` does (with ``config``: a
     tiled kernel's tiles), its weight prepared now."""
+    if site.op == "attention":
+        return lambda: _attention(site, ops, impl)
     if impl in ("aten", "cublas", "cudnn"):
         return lambda: _captured(site, ops)
     if site.op == "conv" and impl == "ember":
