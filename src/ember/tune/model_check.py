@@ -188,8 +188,10 @@ def check_in_model(model: Callable, inputs: tuple, train: bool, target: str, db:
                 p.grad = None
             call(fn)
         runs.append(run)
-    out_tol, grad_tol = _TOLERANCE.get(precision, _TOLERANCE[torch.float32])
     ref_out, ref_grads = outputs[0]
+    # The looser of the run's precision and the outputs' dtype (a model in bf16 weights, no autocast).
+    out_tol, grad_tol = max(_TOLERANCE.get(precision, _TOLERANCE[torch.float32]),
+                            _TOLERANCE.get(getattr(ref_out, "dtype", None), _TOLERANCE[torch.float32]))
     for variant, (got, grads) in zip(variants, outputs):
         worst_out = _rel(got, ref_out)
         worst_grad = max((_rel(a, b) for a, b in zip(grads, ref_grads)), default=0.0)
