@@ -52,11 +52,12 @@ class Operands:
     other: torch.Tensor | None
 
 
-def _tensor(sig: TensorSig, gen: torch.Generator, scale: float = 1.0) -> torch.Tensor:
+def _tensor(sig: TensorSig, gen: torch.Generator, scale: float = 1.0, device: str = "cpu") -> torch.Tensor:
+    """Random values in the signature's shape, strides and dtype, on ``device`` (strides kept)."""
     shape, stride, dtype = sig
     val = torch.empty_strided(shape, stride, device="meta")
     base = torch.randn(_storage_numel(val), generator=gen) * scale
-    return base.to(getattr(torch, dtype)).as_strided(shape, stride)
+    return base.to(getattr(torch, dtype)).to(device).as_strided(shape, stride)
 
 
 def _device(site: LibrarySite) -> torch.device:
@@ -64,29 +65,22 @@ def _device(site: LibrarySite) -> torch.device:
 
 
 def operands(site: LibrarySite, seed: int) -> Operands:
+    """Fresh random operands of ``site`` on its device: a matmul's right operand scaled by
+    1/sqrt(k) and a convolution's weight by 1/sqrt(fan-in), so results are O(1); attention's
+    queries, keys and values O(1), its mask a bias O(1) (a boolean one all True)."""
     gen = torch.Generator().manual_seed(seed)
-    if site.op == "matmul":  # the right operand scaled by 1/sqrt(k): products O(1)
-        dev = _device(site)
-        b = _tensor(site.weight, gen, 1.0 / math.sqrt(max(site.x[0][-1], 1))).to(dev)
-        bias = _tensor(site.bias, gen, 0.1).to(dev) if site.bias is not None else None
-        return Operands(_tensor(site.x, gen).to(dev), b, bias, None)
-    if site.op == "attention":  # queries, keys, values O(1); a float mask O(1), a boolean one all True
-        dev = _device(site)
-        mask = _tensor(site.bias, gen).to(dev) if site.bias is not None else None
-        return Operands(_tensor(site.x, gen).to(dev), _tensor(site.weight, gen).to(dev), mask,
-                        _tensor(site.other, gen).to(dev))  # type: ignore[arg-type]
-    if site.gpu_code_path:  # a depthwise convolution: operands on the site's device, in its layouts
-        dev = _device(site)
-        weight = _tensor(site.weight, gen, 1.0 / math.sqrt(max(math.prod(site.weight[0][1:]), 1))).to(dev)
-        bias = _tensor(site.bias, gen, 0.1).to(dev) if site.bias is not None else None
-        grad = _tensor(site.other, gen).to(dev) if site.other is not None else None
-        return Operands(_tensor(site.x, gen).to(dev), weight, bias, grad)
+    dev = str(_device(site))
+
+    def tensor(sig: TensorSig | None, scale: float = 1.0) -> torch.Tensor | None:
+        return _tensor(sig, gen, scale, dev) if sig is not None else None
+    if site.op == "matmul":
+        return Operands(tensor(site.x), tensor(site.weight, 1.0 / math.sqrt(max(site.x[0][-1], 1))),
+                        tensor(site.bias, 0.1), None)  # type: ignore[arg-type]
+    if site.op == "attention":
+        return Operands(tensor(site.x), tensor(site.weight), tensor(site.bias), tensor(site.other))  # type: ignore[arg-type]
     fan_in = math.prod(site.weight[0][1:])
-    x = _tensor(site.measured_x(), gen)
-    weight = _tensor(site.weight, gen, 1.0 / math.sqrt(max(fan_in, 1)))
-    bias = _tensor(site.bias, gen, 0.1) if site.bias is not None else None
-    other = _tensor(site.measured_other(), gen) if site.other is not None else None  # type: ignore[arg-type]
-    return Operands(x, weight, bias, other)
+    return Operands(tensor(site.measured_x()), tensor(site.weight, 1.0 / math.sqrt(max(fan_in, 1))),  # type: ignore[arg-type]
+                    tensor(site.bias, 0.1), tensor(site.measured_other()))
 
 
 def _epilogue(site: LibrarySite, y: torch.Tensor, other: torch.Tensor | None) -> torch.Tensor:
