@@ -215,15 +215,15 @@ class SelfAttention(torch.nn.Module):
         return torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask).transpose(1, 2).flatten(2)
 
 
-@pytest.mark.parametrize("masked", [True, False], ids=["bool_mask", "no_mask"])
-def test_attention_backend_chosen_for_inference(masked: bool, tmp_path: Path) -> None:
+@pytest.mark.parametrize("target,masked", [("triton-interpret", True), ("triton-interpret", False), ("cpu", True)],
+                         ids=["bool_mask", "no_mask", "cpu_target"])
+def test_attention_backend_chosen_for_inference(target: str, masked: bool, tmp_path: Path) -> None:
     torch.manual_seed(7)
     model = SelfAttention().eval()
     x = torch.randn(2, 10, 16)
     mask = (torch.rand(2, 1, 10, 10) < 0.7) | torch.eye(10, dtype=torch.bool) if masked else None
     with torch.no_grad():
-        sites = [s for s in collect_work(model, (x, mask), train=False, target="triton-interpret")[1]
-                 if s.op == "attention"]
+        sites = [s for s in collect_work(model, (x, mask), train=False, target=target)[1] if s.op == "attention"]
     (site,) = sites
     assert site.impls == ("flash_cpu", "math") and site.label.startswith("attention q 2x2x10x8 kv 2x2x10x8")
     assert ("mask 2x1x10x10 float32" in site.label) == masked  # (SDPA turns a boolean mask into a bias)
@@ -242,7 +242,7 @@ def test_attention_backend_chosen_for_inference(masked: bool, tmp_path: Path) ->
     TuningDB(db_path).record([Result(site.key, dev, {}, 2.0, "ok", label=site.label),
                               Result(site.key, dev, {"impl": "math"}, 1.0, "ok")])
     with config.patch(tuning_db=str(db_path)), torch.no_grad():
-        compiled = ember.compile(model, target="triton-interpret", cache=False)
+        compiled = ember.compile(model, target=target, cache=False)
         got = compiled(x, mask)
         want = model(x, mask)
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)

@@ -117,6 +117,13 @@ def passes_for(context: PassContext) -> list[GraphPass]:
         # extend_frozen after the library calls: the nodes they add (a linear's output view) are
         # computed from parameters too, and a frozen node must only read frozen ones.
         passes += [mark_frozen_parameters, fold_conv_affine, library, eliminate_dead_code, extend_frozen]
+        if context.library_choice is not None:
+            tuned = context.library_choice
+
+            def tuned_attention(gm: fx.GraphModule) -> int:
+                return choose_gpu_library_implementations(gm, tuned, "cpu", attention_only=True)
+            tuned_attention.__name__ = choose_gpu_library_implementations.__name__
+            passes.append(tuned_attention)
     elif context.gpu_freezing:
         def mark_frozen_parameters(gm: fx.GraphModule) -> int:
             return mark_frozen(gm, context.static_inputs)

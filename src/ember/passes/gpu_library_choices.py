@@ -20,7 +20,8 @@ lays its output out otherwise (``math``'s is contiguous, the others' heads-inner
 are planned again for its strides (passes/strided_results.py), a copy only where a view cannot
 follow; the whole-model check of ``ember tune`` times that cost with the rest.
 
-Each site is offered to the tuning database's chooser; a tuned answer replaces the node, no answer
+The CPU target's inference graphs get the attention choice alone (their matmuls and convolutions
+are the CPU library pass's sites). Each site is offered to the tuning database's chooser; a tuned answer replaces the node, no answer
 keeps the rule's. Runs last among the GPU passes, so the calls it sees are those the program
 would run (padded, merged, laid out channels_last, or Ember's small products).
 """
@@ -210,9 +211,11 @@ def _replace_attention(gm: fx.GraphModule, mode: object, node: fx.Node, choice: 
     return True
 
 
-def choose_gpu_library_implementations(gm: fx.GraphModule, choose: Choose, device_type: str) -> int:
+def choose_gpu_library_implementations(gm: fx.GraphModule, choose: Choose, device_type: str,
+                                       attention_only: bool = False) -> int:
     """Replace every matmul, depthwise convolution and attention call whose site has a tuned
-    implementation; returns how many."""
+    implementation; returns how many. ``attention_only``: the attention calls alone (CPU
+    inference, where matmuls and convolutions are the CPU library pass's choices)."""
     mode = None
     changed = 0
     output = next(n for n in gm.graph.nodes if n.op == "output")
@@ -221,7 +224,7 @@ def choose_gpu_library_implementations(gm: fx.GraphModule, choose: Choose, devic
     captured = {n: node_val(n) for n in gm.graph.nodes}  # each node's value before the pass
     restrided: set[fx.Node] = set()
     for node in list(gm.graph.nodes):
-        if node.op != "call_function":
+        if node.op != "call_function" or (attention_only and node.target not in _ATTENTION):
             continue
         if node.target in (*_PRODUCTS, torch.ops.ember.small_bmm.default):
             site = matmul_site(node, device_type)
