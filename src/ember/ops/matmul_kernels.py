@@ -15,18 +15,10 @@ import triton.language as tl
 
 
 @triton.jit
-def small_bmm(a_ptr, b_ptr, c_ptr, M, N, K, TILES_M, TILES_N,
-              sab, sam, sak, sbb, sbk, sbn, scb, scm, scn,
-              BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, UPCAST: tl.constexpr):
-    pid = tl.program_id(0)
-    tiles = TILES_M * TILES_N
-    batch = pid // tiles
-    tile = pid % tiles
-    rm = (tile // TILES_N) * BLOCK_M + tl.arange(0, BLOCK_M)
-    rn = (tile % TILES_N) * BLOCK_N + tl.arange(0, BLOCK_N)
+def tile_product(a_base, b_base, rm, rn, M, N, K, sam, sak, sbk, sbn,
+                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, UPCAST: tl.constexpr):
+    """The float32 sums of one tile: rows ``rm`` of A times columns ``rn`` of B, K in BLOCK_K steps."""
     rk = tl.arange(0, BLOCK_K)
-    a_base = a_ptr + batch.to(tl.int64) * sab
-    b_base = b_ptr + batch.to(tl.int64) * sbb
     acc = tl.full([BLOCK_M, BLOCK_N], 0.0, tl.float32)
     for k0 in range(0, K, BLOCK_K):
         kk = k0 + rk
@@ -38,6 +30,21 @@ def small_bmm(a_ptr, b_ptr, c_ptr, M, N, K, TILES_M, TILES_N,
             a = a.to(tl.float32)
             b = b.to(tl.float32)
         acc = tl.dot(a, b, acc, input_precision="ieee")
+    return acc
+
+
+@triton.jit
+def small_bmm(a_ptr, b_ptr, c_ptr, M, N, K, TILES_M, TILES_N,
+              sab, sam, sak, sbb, sbk, sbn, scb, scm, scn,
+              BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, UPCAST: tl.constexpr):
+    pid = tl.program_id(0)
+    tiles = TILES_M * TILES_N
+    batch = pid // tiles
+    tile = pid % tiles
+    rm = (tile // TILES_N) * BLOCK_M + tl.arange(0, BLOCK_M)
+    rn = (tile % TILES_N) * BLOCK_N + tl.arange(0, BLOCK_N)
+    acc = tile_product(a_ptr + batch.to(tl.int64) * sab, b_ptr + batch.to(tl.int64) * sbb, rm, rn, M, N, K,
+                       sam, sak, sbk, sbn, BLOCK_M, BLOCK_N, BLOCK_K, UPCAST)
     c = c_ptr + batch.to(tl.int64) * scb + rm[:, None] * scm + rn[None, :] * scn
     tl.store(c, acc.to(c_ptr.dtype.element_ty), mask=(rm[:, None] < M) & (rn[None, :] < N))
 
@@ -61,20 +68,8 @@ def tiled_matmul(a_ptr, b_ptr, bias_ptr, c_ptr, M, N, K, TILES_M, TILES_N,
     tile_n = (tile % width) // rows
     rm = tile_m * BLOCK_M + tl.arange(0, BLOCK_M)
     rn = tile_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    rk = tl.arange(0, BLOCK_K)
-    a_base = a_ptr + batch.to(tl.int64) * sab
-    b_base = b_ptr + batch.to(tl.int64) * sbb
-    acc = tl.full([BLOCK_M, BLOCK_N], 0.0, tl.float32)
-    for k0 in range(0, K, BLOCK_K):
-        kk = k0 + rk
-        a = tl.load(a_base + rm[:, None] * sam + kk[None, :] * sak, mask=(rm[:, None] < M) & (kk[None, :] < K),
-                    other=0.0)
-        b = tl.load(b_base + kk[:, None] * sbk + rn[None, :] * sbn, mask=(kk[:, None] < K) & (rn[None, :] < N),
-                    other=0.0)
-        if UPCAST:  # Triton's interpreter multiplies bfloat16 operands' bits, not their values
-            a = a.to(tl.float32)
-            b = b.to(tl.float32)
-        acc = tl.dot(a, b, acc, input_precision="ieee")
+    acc = tile_product(a_ptr + batch.to(tl.int64) * sab, b_ptr + batch.to(tl.int64) * sbb, rm, rn, M, N, K,
+                       sam, sak, sbk, sbn, BLOCK_M, BLOCK_N, BLOCK_K, UPCAST)
     if HAS_BIAS:
         acc += tl.load(bias_ptr + rn * sbias, mask=rn < N, other=0.0).to(tl.float32)[None, :]
     c = c_ptr + batch.to(tl.int64) * scb + rm[:, None] * scm + rn[None, :] * scn
