@@ -83,8 +83,9 @@ def passes_for(context: PassContext) -> list[GraphPass]:
     graphs and (when switched on) depthwise convolutions as Ember's kernels, then clones that keep
     their source's layout removed; freezing, convolution folding and oneDNN library calls for CPU
     inference graphs whose parameters are known; freezing for GPU inference graphs, then matmuls
-    of one activation with frozen weights merged into one (attention's query, key and value); last
-    on the GPU targets, the tuned implementation of each matmul (tuning database, when one exists)."""
+    of one activation with frozen weights merged into one (attention's query, key and value); last,
+    when a tuning database exists, the tuned implementation of each matmul, depthwise convolution and
+    inference attention call on the GPU targets, of each attention call in CPU inference graphs."""
     passes = list(DEFAULT_PASSES)
     if BY_NAME[context.target].runs_on_cuda and context.kind == "backward":
         passes.append(route_attention_seeds)  # memory-efficient attention's dropout seeds, captured or not

@@ -1,7 +1,7 @@
 """Compile-time use of the tuning database: after codegen, each kernel with a tuned answer for
 this device is generated again with its best checked configuration; during the passes, each
-library site with a tuned answer (a CPU convolution / linear layer, a GPU matmul) gets its
-measured-best implementation (``library_chooser``).
+library site with a tuned answer (a CPU convolution / linear layer; a GPU matmul or depthwise
+convolution; an inference attention call) gets its measured-best implementation (``library_chooser``).
 
 Cost without tuning: nothing when neither database file exists (a ``stat`` per file), else one
 indexed query per graph for all of its kernels.
@@ -106,8 +106,8 @@ def collecting_sites() -> Iterator[list[LibrarySite]]:
 
 def library_chooser(target: Target, cache_root: Path, record: GraphRecord) -> Choose | None:
     """The chooser of library implementations for one graph's passes (CPU inference's library
-    calls, the GPU code path's matmuls), or None (the rules) when tuning is off or there is
-    neither a database nor a collector."""
+    calls, passes/gpu_library_choices.py's sites), or None (the rules) when tuning is off or there
+    is neither a database nor a collector."""
     if not (target.device_type == "cpu" or target.gpu_code_path) or not config.tuning_enabled():
         return None
     db = tuning_db(cache_root)
