@@ -36,22 +36,33 @@ MAX_K = 64
 ALIGN = 8  # elements of bf16/fp16 in 16 bytes: cuBLAS's vector loads need each size a multiple
 
 
-def takes(a: object, b: object) -> bool:
-    """Whether ``bmm(a, b)`` runs as ``ember::small_bmm``: bf16/fp16 operands of one dtype with
-    static sizes, products of at most MAX_MN x MAX_MN with K at most MAX_K (one tile), and a size
-    that is not a multiple of 8 (an aligned product keeps cuBLAS's vector kernels)."""
-    if not (isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor)) or a.dim() != 3 or b.dim() != 3:
-        return False
+def product_dims(a: object, b: object) -> tuple[int, int, int, int] | None:
+    """(batch, m, n, k) of ``a @ b`` where Ember's matmul kernels can compute it: bf16/fp16
+    operands of one dtype and device, both 2-D or both 3-D with one batch, static sizes and
+    strides, nothing empty, every tensor under 2**31 elements; else None."""
+    if not (isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor)) or a.dim() != b.dim() \
+            or a.dim() not in (2, 3):
+        return None
     if not all(type(s) is int for t in (a, b) for s in (*t.shape, *t.stride())):
-        return False  # symbolic sizes (dynamic shapes): the kernel's launch needs numbers, cuBLAS takes them
-    (batch, m, k), (batch_b, k_b, n) = a.shape, b.shape
+        return None  # symbolic sizes (dynamic shapes): the kernel's launch needs numbers, cuBLAS takes them
+    batch, batch_b = (a.shape[0], b.shape[0]) if a.dim() == 3 else (1, 1)
+    m, k, k_b, n = a.shape[-2], a.shape[-1], b.shape[-2], b.shape[-1]
     if a.dtype not in DTYPES or b.dtype != a.dtype or batch != batch_b or k != k_b or a.device != b.device:
+        return None
+    if min(batch, m, n, k) < 1 or max(a.numel(), b.numel(), batch * m * n) >= 2**31:
+        return None
+    return batch, m, n, k
+
+
+def takes(a: object, b: object) -> bool:
+    """Whether ``bmm(a, b)`` runs as ``ember::small_bmm``: 3-D operands the kernels take
+    (``product_dims``), products of at most MAX_MN x MAX_MN with K at most MAX_K (one tile), and a
+    size that is not a multiple of 8 (an aligned product keeps cuBLAS's vector kernels)."""
+    product = product_dims(a, b) if getattr(a, "dim", lambda: 0)() == 3 else None
+    if product is None:
         return False
-    if min(batch, m, n, k) < 1 or max(m, n) > MAX_MN or k > MAX_K:
-        return False
-    if max(a.numel(), b.numel(), batch * m * n) >= 2**31:
-        return False
-    return any(size % ALIGN for size in (m, n, k))
+    _, m, n, k = product
+    return max(m, n) <= MAX_MN and k <= MAX_K and any(size % ALIGN for size in (m, n, k))
 
 
 def blocks(m: int, n: int, k: int) -> dict[str, int]:

@@ -19,11 +19,10 @@ import math
 import torch
 import triton
 
-from ember.ops.small_bmm import MATMUL_KERNELS, _kernels
+from ember.ops.small_bmm import MATMUL_KERNELS, _kernels, product_dims
 from ember.runtime import precompile
 
 TILE_KEYS = ("BLOCK_M", "BLOCK_N", "BLOCK_K", "GROUP_M", "num_warps", "num_stages")
-DTYPES = (torch.float16, torch.bfloat16)  # float32 stays cuBLAS's (TF32 or not is its choice)
 # Tile shapes, warps and pipeline stages to rank (those of common Triton GEMM tunings on sm80+).
 _CONFIGS = (
     (16, 64, 64, 4, 3), (32, 32, 64, 4, 3), (32, 64, 32, 4, 4), (64, 32, 32, 4, 4), (64, 64, 32, 4, 3),
@@ -41,26 +40,15 @@ def dims(a: torch.Tensor, b: torch.Tensor) -> tuple[int, int, int, int]:
 
 
 def takes(a: object, b: object, bias: object = None) -> bool:
-    """Whether ``tiled_matmul`` computes this product: bf16/fp16 operands of one dtype with static
-    sizes, both 2-D or both 3-D with one batch, a bias (if any) 1-D with one value per column."""
-    if not (isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor)) or a.dim() != b.dim() \
-            or a.dim() not in (2, 3):
-        return False
-    tensors = [a, b] + ([bias] if bias is not None else [])
-    if not all(isinstance(t, torch.Tensor) for t in tensors):
-        return False
-    if not all(type(s) is int for t in tensors for s in (*t.shape, *t.stride())):
-        return False  # symbolic sizes: the launch needs numbers
-    if a.dtype not in DTYPES or any(t.dtype != a.dtype or t.device != a.device for t in tensors):
-        return False
-    if a.dim() == 3 and a.shape[0] != b.shape[0]:
-        return False
-    batch, m, n, k = dims(a, b)
-    if a.shape[-1] != b.shape[-2] or min(batch, m, n, k) < 1:
-        return False
-    if bias is not None and (bias.dim() != 1 or bias.shape[0] != n):
-        return False
-    return max(a.numel(), b.numel(), batch * m * n) < 2**31
+    """Whether ``tiled_matmul`` computes this product: operands the matmul kernels take
+    (``small_bmm.product_dims``), a bias (if any) 1-D with one value per column, of their dtype,
+    device and static size."""
+    product = product_dims(a, b)
+    if product is None or bias is None:
+        return product is not None
+    return (isinstance(bias, torch.Tensor) and bias.dim() == 1
+            and all(type(s) is int for s in (*bias.shape, *bias.stride())) and bias.shape[0] == product[2]
+            and bias.dtype == a.dtype and bias.device == a.device)  # type: ignore[union-attr]
 
 
 def tiles_of(config: dict) -> list[int]:

@@ -118,13 +118,6 @@ def passes_for(context: PassContext) -> list[GraphPass]:
         # extend_frozen after the library calls: the nodes they add (a linear's output view) are
         # computed from parameters too, and a frozen node must only read frozen ones.
         passes += [mark_frozen_parameters, fold_conv_affine, library, eliminate_dead_code, extend_frozen]
-        if context.library_choice is not None:
-            tuned = context.library_choice
-
-            def tuned_attention(gm: fx.GraphModule) -> int:
-                return choose_gpu_library_implementations(gm, tuned, "cpu", attention_only=True)
-            tuned_attention.__name__ = choose_gpu_library_implementations.__name__
-            passes.append(tuned_attention)
     elif context.gpu_freezing:
         def mark_frozen_parameters(gm: fx.GraphModule) -> int:
             return mark_frozen(gm, context.static_inputs)
@@ -134,11 +127,14 @@ def passes_for(context: PassContext) -> list[GraphPass]:
                 return merge_sibling_matmuls(gm, settings().merge_matmuls_max_copy_mb)
             merge_matmuls.__name__ = merge_sibling_matmuls.__name__  # the pass keeps its name in reports
             passes.append(merge_matmuls)
-    if context.library_choice is not None and BY_NAME[context.target].gpu_code_path:
-        choose, device_type = context.library_choice, BY_NAME[context.target].device_type
+    target = BY_NAME[context.target]
+    if context.library_choice is not None and (target.gpu_code_path or context.cpu_library):
+        # Last: the calls the program would run. CPU inference: attention alone (its matmuls and
+        # convolutions are the CPU library pass's choices).
+        choose, attention_only = context.library_choice, not target.gpu_code_path
 
-        def tuned_library_calls(gm: fx.GraphModule) -> int:  # last: the products the program would run
-            return choose_gpu_library_implementations(gm, choose, device_type)
+        def tuned_library_calls(gm: fx.GraphModule) -> int:
+            return choose_gpu_library_implementations(gm, choose, target.device_type, attention_only)
         tuned_library_calls.__name__ = choose_gpu_library_implementations.__name__
         passes.append(tuned_library_calls)
     return passes

@@ -19,7 +19,7 @@ import torch
 import torch.fx as fx
 
 from ember.ops import depthwise_conv  # registers torch.ops.ember.depthwise_conv2d*
-from ember.passes.graph_edit import add_node, fake_mode_of, fake_result
+from ember.passes.graph_edit import add_node, fake_mode_of, fake_result, same_value
 
 aten = torch.ops.aten
 
@@ -39,13 +39,6 @@ def takes(x: object, weight: object, stride: list[int], padding: list[int], dila
                                     list(output_padding), groups)
 
 
-def _same(new: object, old: object) -> bool:
-    """The replacement's value matches the captured one in shape, dtype and strides (the nodes after
-    it were planned for those)."""
-    return (isinstance(new, torch.Tensor) and isinstance(old, torch.Tensor) and new.shape == old.shape
-            and new.dtype == old.dtype and new.stride() == old.stride())
-
-
 def forward_to_ember(gm: fx.GraphModule, mode: object, node: fx.Node) -> bool:
     """``node`` (a convolution the rule takes) as ``ember::depthwise_conv2d``; False where it stays."""
     x, weight, bias, stride, padding, dilation, transposed, output_padding, groups = node.args
@@ -53,7 +46,7 @@ def forward_to_ember(gm: fx.GraphModule, mode: object, node: fx.Node) -> bool:
         return False
     args = (x, weight, bias, list(stride), list(padding), list(dilation))
     val = fake_result(mode, torch.ops.ember.depthwise_conv2d.default, args)
-    if not _same(val, node.meta.get("val")):
+    if not same_value(val, node.meta.get("val")):
         return False
     with gm.graph.inserting_before(node):
         new = add_node(gm.graph, mode, torch.ops.ember.depthwise_conv2d.default, args, val=val)
@@ -80,7 +73,7 @@ def backward_to_ember(gm: fx.GraphModule, mode: object, node: fx.Node) -> bool:
              2: (aten.sum.dim_IntList, (grad, [0, 2, 3]))}
     # Only the gradients somebody reads, each with the layout the graph recorded for it.
     vals = {u.args[1]: fake_result(mode, *calls[u.args[1]]) for u in users}
-    if any(not _same(vals[u.args[1]], u.meta.get("val")) for u in users):
+    if any(not same_value(vals[u.args[1]], u.meta.get("val")) for u in users):
         return False
     made: dict[int, fx.Node] = {}
     with gm.graph.inserting_before(node):

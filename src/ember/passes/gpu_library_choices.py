@@ -35,7 +35,7 @@ import torch.fx as fx
 
 from ember.ops import tiled_matmul
 from ember.passes import depthwise
-from ember.passes.graph_edit import add_node, fake_mode_of, fake_result, node_val
+from ember.passes.graph_edit import add_node, fake_mode_of, fake_result, node_val, same_value
 from ember.passes.library_sites import Choose, LibraryChoice, LibrarySite, tensor_sig
 from ember.passes.strided_results import refresh_downstream, restore_output_strides, same_layout
 
@@ -100,8 +100,7 @@ def conv_site(node: fx.Node, device_type: str) -> LibrarySite | None:
                        other=sig["grad"], impls=("cudnn", "ember"), device_type=device_type)
 
 
-def _replace_product(gm: fx.GraphModule, mode: object, node: fx.Node, site: LibrarySite,
-                     choice: LibraryChoice) -> bool:
+def _replace_product(gm: fx.GraphModule, mode: object, node: fx.Node, choice: LibraryChoice) -> bool:
     a, b, bias = _operands(node)  # type: ignore[misc]
     with gm.graph.inserting_before(node):
         if choice.impl == "tiled":
@@ -109,9 +108,7 @@ def _replace_product(gm: fx.GraphModule, mode: object, node: fx.Node, site: Libr
                            (a, b, bias, tiled_matmul.tiles_of(choice.config)))
         else:  # cuBLAS where the small-product rule took it
             new = add_node(gm.graph, mode, aten.bmm.default, (a, b))
-    old = node_val(node)
-    val = new.meta["val"]
-    if val.shape != old.shape or val.stride() != old.stride() or val.dtype != old.dtype:
+    if not same_value(new.meta["val"], node_val(node)):
         gm.graph.erase_node(new)  # planned for other strides: keep the rule's product
         return False
     new.meta["stack_trace"] = node.meta.get("stack_trace")
@@ -242,7 +239,7 @@ def choose_gpu_library_implementations(gm: fx.GraphModule, choose: Choose, devic
         if mode is None:
             mode = fake_mode_of(gm)
         if site.op == "matmul":
-            changed += _replace_product(gm, mode, node, site, choice)
+            changed += _replace_product(gm, mode, node, choice)
         elif site.op == "attention":
             changed += _replace_attention(gm, mode, node, choice, restrided)
         elif site.op == "conv":

@@ -23,6 +23,13 @@ def _fake_args(args: object) -> object:
     return fx.node.map_arg(args, node_val)
 
 
+def same_value(new: object, old: object) -> bool:
+    """A replacement's value matches the captured one in shape, dtype and strides (the nodes after
+    it were planned for those)."""
+    return (isinstance(new, torch.Tensor) and isinstance(old, torch.Tensor) and new.shape == old.shape
+            and new.dtype == old.dtype and new.stride() == old.stride())
+
+
 def fake_result(mode: object, target: object, args: tuple, kwargs: dict | None = None) -> object:
     """What ``target`` returns for these node arguments, run on their fake values."""
     with mode:

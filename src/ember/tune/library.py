@@ -1,4 +1,4 @@
-"""Tuning a library choice: which implementation a convolution, linear layer or matmul runs as.
+"""Tuning a library choice: which implementation a convolution, linear layer, matmul or attention runs as.
 
 For one ``LibrarySite`` (passes/library_sites.py) every implementation Ember can emit is built
 on fresh random operands (the site's shapes, strides and dtypes; weights scaled by 1/sqrt(fan-in)
@@ -7,7 +7,8 @@ outside the timing), and run with the epilogue the rule would fuse: as a oneDNN 
 the implementation fuses it, else as the ATen op after it (what a separate kernel costs). A GPU
 matmul site's candidates are cuBLAS, Ember's small-product kernel where the rule took it, and
 Ember's tiled kernel in the tile configurations the cost model ranks best (ops/tiled_matmul.py),
-compiled by the compile workers side by side before the first is run.
+compiled by the compile workers side by side before the first is run; a depthwise convolution's
+(or its gradients') are cuDNN and Ember's kernels; attention's are its backends.
 
 Every candidate, the rule's included, is checked against a float64 computation of the captured
 ops on the same operands before it may be chosen; a wrong one is recorded as failed. Results go
@@ -238,7 +239,7 @@ def _compile_tiled_ahead(site: LibrarySite, ops: Operands, configs: list[dict]) 
         return
     from ember.ops.tiled_matmul import job, tiles_of
     from ember.runtime import precompile
-    out = _captured(site, ops)
+    out = ops.x.new_empty((*ops.x.shape[:-1], ops.weight.shape[-1]))  # the product's (contiguous) result
     try:
         precompile.precompile([job(ops.x, ops.weight, ops.bias, out, tiles_of(c)) for c in configs])
     except Exception:  # noqa: BLE001 - compiling ahead only saves time: the first launch compiles anyway

@@ -4,8 +4,8 @@ within a time budget.
 The model is a bench registry name or a Python script that defines ``model`` and
 ``example_inputs`` (or ``make_model()`` and ``make_inputs()``). Compiling it once (training:
 forward and backward) collects every fused group with the target it was generated for, and
-every library call whose implementation may be chosen (CPU inference's convolutions and linear
-layers, the GPU code path's matmuls).
+every library call whose implementation may be chosen (CPU inference's convolutions, linear
+layers and attention; the GPU code path's matmuls, depthwise convolutions and inference attention).
 What the user's database or the shared read-only one already answers costs nothing; the rest is
 tuned, library choices first, largest first, until the budget is spent (checked between the
 candidates of one kernel too). Results go to the user's tuning database, which the next compile
