@@ -155,7 +155,10 @@ def test_paused_block_keeps_a_callers_own_arrangement() -> None:
             with gc_paused():
                 assert not gc.isenabled()
                 raise RuntimeError("a failed compile")
-        assert gc.isenabled() and gc.get_freeze_count() == frozen
+        # Still frozen: `keep` is not among the collected generations' objects. (The count itself
+        # may drop a little: frozen objects other threads release are freed by reference counting.)
+        assert gc.isenabled() and gc.get_freeze_count() > frozen // 2
+        assert not any(obj is keep for obj in gc.get_objects())
     finally:
         gc.unfreeze()
     del keep
