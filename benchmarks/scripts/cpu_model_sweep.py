@@ -1,7 +1,7 @@
 """Ember against eager on a broad sweep of small models, each in its own process (CPU).
 
-Models: torchvision, timm, transformers (tiny configs) and hand-written modules with unusual ops,
-random weights, small inputs. Per model, in a fresh process with an empty ``EMBER_CACHE_DIR``:
+Models (``sweep_models.py``): torchvision, timm, transformers (tiny configs) and hand-written
+modules with unusual ops, random weights, small inputs; ``--set core`` (default), ``wider`` or ``all``. Per model, in a fresh process with an empty ``EMBER_CACHE_DIR``:
 1. training: one forward + backward with a fixed random cotangent through ``ember.compile``,
    against eager float32 and a float64 eager reference (a ``.double()`` deep copy). Ember passes
    where its error vs float64 is within ``ember.bench.check.acceptable`` (at most 4x eager's,
@@ -17,6 +17,7 @@ not ATen while they compile (``--aten-first`` keeps Ember's default).
 Run from the repository root:
     python benchmarks/scripts/cpu_model_sweep.py --json /tmp/sweep/default.json
     python benchmarks/scripts/cpu_model_sweep.py --only custom_data_branch,hf_gpt2 --target triton-interpret
+    python benchmarks/scripts/cpu_model_sweep.py --set wider --json /tmp/sweep/wider.json
     python benchmarks/scripts/cpu_model_sweep.py --list
 """
 
@@ -35,307 +36,16 @@ import traceback
 from collections import Counter
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
-import torch.nn.functional as F
+from sweep_models import REGISTRY, Inputs, _register_all
 from torch import nn
 
 REPO = Path(__file__).resolve().parents[2]
 FLOOR = 1e-5
-Inputs = tuple[tuple, dict]
 LIVE: set[subprocess.Popen] = set()  # running worker processes
-
-
-@dataclass
-class Case:
-    family: str
-    build: Callable[[], nn.Module]
-    make: Callable[[torch.Generator], Inputs]
-    train: bool = True
-
-
-REGISTRY: dict[str, Case] = {}
-
-
-def _add(name: str, family: str, build: Callable[[], nn.Module], make: Callable[[torch.Generator], Inputs],
-         train: bool = True) -> None:
-    REGISTRY[name] = Case(family, build, make, train)
-
-
-def image(*shape: int) -> Callable[[torch.Generator], Inputs]:
-    return lambda g: ((torch.randn(*shape, generator=g),), {})
-
-
-def kw_inputs(**makers: Callable[[torch.Generator], torch.Tensor]) -> Callable[[torch.Generator], Inputs]:
-    return lambda g: ((), {k: f(g) for k, f in makers.items()})
-
-
-def ids(*shape: int, vocab: int = 500) -> Callable[[torch.Generator], torch.Tensor]:  # no pad or special ids
-    return lambda g: torch.randint(3, vocab, shape, generator=g)
-
-
-def randn(*shape: int) -> Callable[[torch.Generator], torch.Tensor]:
-    return lambda g: torch.randn(*shape, generator=g)
-
-
-class Wrap(nn.Module):
-    """``fn(self, *inputs)`` as a module's forward, with ``layers`` (modules, parameters, buffers)."""
-
-    def __init__(self, fn: Callable[..., Any], **layers: Any) -> None:
-        super().__init__()
-        self.fn = fn
-        for k, v in layers.items():  # a plain tensor becomes a buffer
-            (self.register_buffer if type(v) is torch.Tensor else self.__setattr__)(k, v)
-
-    def forward(self, *inputs: Any) -> Any:
-        return self.fn(self, *inputs)
-
-
-def _register_torchvision() -> None:
-    import torchvision.models as tvm
-    from torchvision.models import detection, maxvit, optical_flow, segmentation, video
-
-    # 64 px where a network's last batch norms would see a single position per image at 32 px: with a batch
-    # of 2 they normalise 2 values, and float32 eager is itself far (up to 2x) from float64 there.
-    plain = ("resnet18 32 | regnet_y_400mf 32 | efficientnet_b0 64 | mobilenet_v2 64 | mobilenet_v3_small 64 | "
-             "shufflenet_v2_x0_5 64 | densenet121 64 | convnext_tiny 32 | swin_v2_t 64")
-    for entry in plain.split("|"):
-        name, px = entry.split()
-        _add(f"tv_{name}", "torchvision", lambda n=name: getattr(tvm, n)(num_classes=10), image(2, 3, int(px), int(px)))
-    seg = {"weights_backbone": None, "num_classes": 3}
-    other = {
-        "googlenet": (lambda: tvm.googlenet(aux_logits=False, init_weights=True, num_classes=10), 32),
-        "inception_v3": (lambda: tvm.inception_v3(aux_logits=False, init_weights=True, num_classes=10), 75),
-        "vit_small": (lambda: tvm.VisionTransformer(32, 8, 2, 4, 64, 128, num_classes=10), 32),
-        "maxvit_small": (lambda: maxvit.MaxVit((64, 64), 16, 2, [16, 32], [1, 1], 8, 0.0, num_classes=10), 64),
-        "lraspp_mbv3": (lambda: segmentation.lraspp_mobilenet_v3_large(**seg), 64),
-    }
-    for name, (build, px) in other.items():
-        _add(f"tv_{name}", "torchvision", build, image(2, 3, px, px))
-    _add("tv_r3d_18", "torchvision", lambda: video.r3d_18(num_classes=10), image(2, 3, 4, 32, 32))
-    _add("tv_raft_small", "torchvision",  # two frames in, the list of flow refinements out
-         lambda: Wrap(lambda m, a, b: m.raft(a, b, num_flow_updates=2), raft=optical_flow.raft_small(weights=None)),
-         lambda g: ((torch.randn(1, 3, 128, 128, generator=g), torch.randn(1, 3, 128, 128, generator=g)), {}))
-    det = lambda: detection.fasterrcnn_mobilenet_v3_large_320_fpn(  # noqa: E731
-        weights=None, weights_backbone=None, num_classes=3, min_size=128, max_size=128)
-    _add("tv_fasterrcnn_mbv3", "torchvision", lambda: Wrap(lambda m, x: m.det(list(x)), det=det()),
-         lambda g: ((torch.rand(2, 3, 96, 96, generator=g),), {}), train=False)  # eval-mode detection only
-
-
-# "model pixels [img] [depth=N]": "img" passes img_size=pixels; depth trims a transformer's blocks.
-TIMM = """
-tf_efficientnetv2_b0 64 | mobilevit_xxs 64 | levit_128s 64 img | poolformer_s12 32 | mixer_s16_224 32 img
-coat_lite_tiny 64 img | maxvit_nano_rw_256 64 img | edgenext_xx_small 64 | repvgg_a0 32 | ghostnet_100 64
-eca_nfnet_l0 32 | xcit_nano_12_p16_224 32 img | pvt_v2_b0 64 | eva02_tiny_patch14_224 28 img
-cait_xxs24_224 32 img depth=4 | efficientformerv2_s0 64 img | hiera_tiny_224 64 img | resnest14d 32
-"""
-
-
-def _register_timm() -> None:
-    import timm
-
-    def builder(model: str, kw: dict[str, Any]) -> Callable[[], nn.Module]:
-        def build() -> nn.Module:
-            if not timm.is_model(model):
-                raise LookupError(f"not in timm {timm.__version__}")
-            return timm.create_model(model, pretrained=False, num_classes=10, **kw)
-        return build
-
-    for entry in filter(str.strip, TIMM.replace("\n", "|").split("|")):
-        model, px, *extra = entry.split()
-        kw: dict[str, Any] = {"img_size": int(px)} if "img" in extra else {}
-        kw.update({k: int(v) for k, v in (e.split("=") for e in extra if "=" in e)})
-        _add(f"timm_{model}", "timm", builder(model, kw), image(2, 3, int(px), int(px)))
-
-    def convmixer() -> nn.Module:
-        from timm.models.convmixer import ConvMixer
-        return ConvMixer(dim=64, depth=2, kernel_size=5, patch_size=4, num_classes=10)
-
-    _add("timm_convmixer_small", "timm", convmixer, image(2, 3, 32, 32))
-
-
-def _register_transformers() -> None:
-    import transformers as T
-
-    enc = {"vocab_size": 500, "hidden_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4,
-           "intermediate_size": 128, "max_position_embeddings": 64}
-    dec = {**enc, "num_key_value_heads": 2}
-    s2s = {"vocab_size": 500, "d_model": 64, "encoder_layers": 2, "decoder_layers": 2, "encoder_attention_heads": 4,
-           "decoder_attention_heads": 4, "encoder_ffn_dim": 128, "decoder_ffn_dim": 128,
-           "max_position_embeddings": 64, "pad_token_id": 1, "bos_token_id": 0, "eos_token_id": 2,
-           "decoder_start_token_id": 2}
-    vis = {"image_size": 32, "patch_size": 8, "hidden_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4,
-           "intermediate_size": 128}
-    text, masked = kw_inputs(input_ids=ids(2, 16)), kw_inputs(
-        input_ids=ids(2, 16), attention_mask=lambda g: (torch.arange(16) < torch.tensor([[16], [11]])).long())
-    seq2seq = kw_inputs(input_ids=ids(2, 16), decoder_input_ids=ids(2, 8))
-    pixels = kw_inputs(pixel_values=randn(2, 3, 32, 32))
-
-    def hf(model: str, config: str, **kw: Any) -> Callable[[], nn.Module]:
-        return lambda: getattr(T, model)(getattr(T, config)(**kw))
-
-    cases = {
-        "bert_mlm": (hf("BertForMaskedLM", "BertConfig", **enc), masked),
-        "roberta_cls": (hf("RobertaForSequenceClassification", "RobertaConfig", **enc, num_labels=3), text),
-        "albert": (hf("AlbertForMaskedLM", "AlbertConfig", **enc, embedding_size=32), text),
-        "distilbert_tok": (hf("DistilBertForTokenClassification", "DistilBertConfig", vocab_size=500, dim=64,
-                              n_layers=2, n_heads=4, hidden_dim=128, num_labels=5), masked),
-        "deberta_v2": (hf("DebertaV2ForSequenceClassification", "DebertaV2Config", **enc, num_labels=3,
-                          relative_attention=True, pos_att_type=["p2c", "c2p"], position_buckets=8), masked),
-        "mobilebert": (hf("MobileBertModel", "MobileBertConfig", **{**enc, "intermediate_size": 64},
-                          embedding_size=32, intra_bottleneck_size=32, true_hidden_size=32,
-                          num_feedforward_networks=2), text),
-        "gpt2": (hf("GPT2LMHeadModel", "GPT2Config", vocab_size=500, n_embd=64, n_layer=2, n_head=4, n_positions=64,
-                    bos_token_id=0, eos_token_id=0), text),
-        "gpt_neo": (hf("GPTNeoForCausalLM", "GPTNeoConfig", vocab_size=500, hidden_size=64, num_layers=2,
-                       num_heads=4, attention_types=[[["global", "local"], 1]], window_size=8,
-                       max_position_embeddings=64, bos_token_id=0, eos_token_id=0), text),
-        "opt": (hf("OPTForCausalLM", "OPTConfig", vocab_size=500, hidden_size=64, num_hidden_layers=2, ffn_dim=128,
-                   num_attention_heads=4, max_position_embeddings=64, word_embed_proj_dim=64), masked),
-        "llama": (hf("LlamaForCausalLM", "LlamaConfig", **dec), text),
-        "llama_eager_attn": (hf("LlamaForCausalLM", "LlamaConfig", **dec, attn_implementation="eager"), masked),
-        "mistral": (hf("MistralForCausalLM", "MistralConfig", **dec, sliding_window=8), text),
-        "phi": (hf("PhiForCausalLM", "PhiConfig", **enc, partial_rotary_factor=0.5), text),
-        "gemma": (hf("GemmaForCausalLM", "GemmaConfig", **{**dec, "num_key_value_heads": 1}, head_dim=16), text),
-        "bloom": (hf("BloomForCausalLM", "BloomConfig", vocab_size=500, hidden_size=64, n_layer=2, n_head=4),
-                  masked),  # alibi
-        "t5": (hf("T5ForConditionalGeneration", "T5Config", vocab_size=500, d_model=64, d_ff=128, num_layers=2,
-                  num_heads=4, d_kv=16), seq2seq),
-        "bart": (hf("BartForConditionalGeneration", "BartConfig", **s2s), seq2seq),
-        "whisper": (hf("WhisperForConditionalGeneration", "WhisperConfig", **s2s, num_mel_bins=16,
-                       max_source_positions=16, max_target_positions=32),
-                    kw_inputs(input_features=randn(2, 16, 32), decoder_input_ids=ids(2, 8))),
-        "swin": (hf("SwinForImageClassification", "SwinConfig", image_size=32, patch_size=2, embed_dim=16,
-                    depths=[1, 1], num_heads=[2, 2], window_size=4, num_labels=10), pixels),
-        "clip": (hf("CLIPModel", "CLIPConfig", text_config={**enc, "max_position_embeddings": 16},
-                    vision_config=vis, projection_dim=32),
-                 kw_inputs(input_ids=ids(2, 16), pixel_values=randn(2, 3, 32, 32))),
-        "wav2vec2_ctc": (hf("Wav2Vec2ForCTC", "Wav2Vec2Config", **{**enc, "vocab_size": 32}, conv_dim=(32, 32, 32),
-                            conv_stride=(5, 2, 2), conv_kernel=(10, 3, 3), num_conv_pos_embeddings=16,
-                            num_conv_pos_embedding_groups=4, mask_time_prob=0.0, mask_feature_prob=0.0),
-                         kw_inputs(input_values=randn(2, 1600))),
-    }
-    for name, (build, make) in cases.items():
-        _add(f"hf_{name}", "transformers", build, make)
-
-
-def _inplace_views(m: nn.Module, x: torch.Tensor) -> torch.Tensor:
-    y = m.lin(x).clone()
-    y[:, :4].mul_(2.0)
-    y.transpose(0, 1)[1].add_(1.0)
-    z = y.view(-1, 4, 4)
-    z.diagonal(dim1=1, dim2=2).zero_()
-    y.narrow(1, 8, 4).add_(x[:, :4])
-    return F.relu_(y) + z.sum(1).repeat(1, 4)
-
-
-def _where_cumsum_sort(m: nn.Module, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
-    h = m.lin(x)
-    h = torch.where(h > 0, h, 0.1) + torch.where(h < -0.5, 1.0, h * 2)
-    c = h.cumsum(-1) + h.flip(-1).cumprod(-1).clamp(-10, 10)
-    v, i = h.sort(dim=-1, descending=True)
-    tv, ti = h.topk(5, dim=-1)
-    return c + v, tv * 2, i, ti, torch.logsumexp(h, -1), h.std(-1, correction=0), (h > 0).any(-1)
-
-
-def _index_scatter(m: nn.Module, x: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
-    h = m.lin(x) + m.emb(idx)
-    out = h.new_zeros(8, 16).index_put((idx % 8,), h, accumulate=True)
-    out = out.scatter_add(0, (idx % 8)[:, None].expand(-1, 16), h * 2)
-    g = torch.gather(h, 1, (idx[:, None] + torch.arange(4)) % 16)
-    soft = h.masked_fill(h.abs() < 0.1, float("-inf")).softmax(-1)
-    h2 = h.clone()
-    h2[idx % 3 == 0] = 0.0
-    return out.sum() + g.mean(1, keepdim=True) * soft + h2 + h.index_select(0, idx.argsort())
-
-
-def _spatial_ops(m: nn.Module, x: torch.Tensor) -> torch.Tensor:
-    h = F.silu(m.gn(m.conv(x)))
-    h = F.interpolate(h, scale_factor=1.5, mode="bilinear", align_corners=False)
-    grid = F.affine_grid(m.theta.expand(x.shape[0], 2, 3), list(h.shape), align_corners=False)
-    h = m.inorm(F.grid_sample(h, grid, mode="bilinear", padding_mode="border", align_corners=False))
-    p = F.unfold(h, kernel_size=3, stride=2).mean(1).sum(-1)
-    u = F.pixel_shuffle(m.up(F.avg_pool2d(h, 3, 2, ceil_mode=True)), 2).amax((1, 2, 3))
-    return p + u + F.adaptive_max_pool2d(F.pad(h, (1, 2, 0, 1), mode="replicate"), 3).sum((1, 2, 3))
-
-
-def _einsum_attention(m: nn.Module, x: torch.Tensor) -> torch.Tensor:
-    q, k, v = m.qkv(x).unflatten(-1, (3, 4, 8)).unbind(2)
-    a = torch.einsum("bqhd,bkhd->bhqk", q, k).mul(8 ** -0.5).tril().softmax(-1)
-    h = torch.einsum("bhqk,bkhd->bqhd", a, v).flatten(2)
-    o, w = m.mha(h, x, x, need_weights=True)
-    return o + torch.bmm(w, x) + torch.baddbmm(x, w, h, alpha=0.5)
-
-
-def _dict_output(m: nn.Module, x: torch.Tensor) -> dict[str, Any]:
-    m.calls += 1  # a buffer written by forward
-    h = m.lin(x)
-    return {"h": h, "pair": (h.t(), F.normalize(h, dim=0)), "arg": h.argmax(-1), "pos": h > 0,
-            "count": h.floor().to(torch.int64) // 2 % 3, "view": x.t()}
-
-
-def _data_branch(m: nn.Module, x: torch.Tensor) -> torch.Tensor:
-    h = m.a(x)
-    h = m.b(h).relu() if h.sum() > 0 else m.b(-h).tanh()  # graph break on a tensor's value
-    return h * int((h > 0).sum().item()) + h.nonzero().float().sum()
-
-
-def _norms_encoder(m: nn.Module, x: torch.Tensor) -> torch.Tensor:
-    h = m.bn(m.conv(x.transpose(1, 2))).transpose(1, 2)  # Dynamo does not trace nn.LSTM/GRU: a conv instead
-    g = m.ln(h)
-    return m.encoder(g) + torch.var_mean(g, dim=1, keepdim=True)[0]
-
-
-def _mixed_dtypes(m: nn.Module, x: torch.Tensor, n: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    h = m.lin(x)
-    lo = h.to(torch.bfloat16).exp().to(h.dtype) + h.half().sigmoid().to(h.dtype)
-    ints = (n * 7 - 20) // 3 + torch.remainder(n - 9, 4) + (n & 6) - torch.div(n, -3, rounding_mode="trunc")
-    return lo * ints.float() / (1 + ints.abs().float()), ints.cumsum(-1)
-
-
-def _register_custom() -> None:
-    x16, cl = image(4, 16), torch.channels_last
-    lin = lambda i, o: (lambda: nn.Linear(i, o))  # noqa: E731
-
-    wrap = lambda fn, **layers: (lambda: Wrap(fn, **{k: f() for k, f in layers.items()}))  # noqa: E731
-    def spatial() -> nn.Module:
-        return Wrap(_spatial_ops, conv=nn.Conv2d(3, 8, 3, padding=1, padding_mode="reflect"), gn=nn.GroupNorm(2, 8),
-                    inorm=nn.InstanceNorm2d(8, affine=True), up=nn.ConvTranspose2d(8, 4, 2, stride=2),
-                    theta=nn.Parameter(torch.tensor([[1.0, 0.1, 0.0], [-0.1, 0.9, 0.05]])))
-
-    def norms_encoder() -> nn.Module:
-        layer = nn.TransformerEncoderLayer(16, 2, 32, dropout=0.0, batch_first=True)  # eval: its fused fast path
-        return Wrap(_norms_encoder, conv=nn.Conv1d(8, 16, 3, padding=1), bn=nn.BatchNorm1d(16),
-                    ln=nn.LayerNorm(16, elementwise_affine=False),
-                    encoder=nn.TransformerEncoder(layer, 2, enable_nested_tensor=False))
-
-    ints = lambda hi, shape, lo=0: (  # noqa: E731 - (float (n, 16), ints of shape)
-        lambda g: ((torch.randn(shape[0], 16, generator=g), torch.randint(lo, hi, shape, generator=g)), {}))
-    cases: dict[str, tuple[Callable[[], nn.Module], Callable[[torch.Generator], Inputs]]] = {
-        "inplace_views": (wrap(_inplace_views, lin=lin(16, 16)), x16),
-        "inplace_views_strided": (wrap(_inplace_views, lin=lin(16, 16)),  # a transposed, non-contiguous input
-                                  lambda g: ((torch.randn(16, 4, generator=g).t(),), {})),
-        "where_cumsum_sort": (wrap(_where_cumsum_sort, lin=lin(16, 32)), x16),
-        "index_scatter": (wrap(_index_scatter, lin=lin(16, 16), emb=lambda: nn.Embedding(50, 16)), ints(50, (6,))),
-        "spatial_ops": (spatial, image(2, 3, 12, 12)),
-        "spatial_ops_channels_last": (spatial, lambda g: ((image(2, 3, 12, 12)(g)[0][0].to(memory_format=cl),), {})),
-        "einsum_attention": (wrap(_einsum_attention, qkv=lin(32, 96),
-                                  mha=lambda: nn.MultiheadAttention(32, 4, batch_first=True)), image(2, 8, 32)),
-        "dict_output": (wrap(_dict_output, lin=lin(16, 8), calls=lambda: torch.zeros((), dtype=torch.long)), x16),
-        "data_branch": (wrap(_data_branch, a=lin(16, 16), b=lin(16, 16)), x16),
-        "norms_encoder": (norms_encoder, image(3, 8, 8)),
-        "mixed_dtypes": (wrap(_mixed_dtypes, lin=lin(16, 16)), ints(30, (4, 16), -30)),
-    }
-    for name, (build, make) in cases.items():
-        _add(f"custom_{name}", "custom", build, make)
-
-
-def _register_all() -> None:
-    for register in (_register_torchvision, _register_timm, _register_transformers, _register_custom):
-        register()
 
 
 def _leaves(out: Any, prefix: str = "out") -> dict[str, torch.Tensor]:
@@ -545,6 +255,8 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--only", help="comma-separated model names (see --list)")
     p.add_argument("--family", choices=("torchvision", "timm", "transformers", "custom"))
+    p.add_argument("--set", choices=("core", "wider", "all"), default="core",
+                   help="core: the first sweeps' 68 models; wider: further ones (default core)")
     p.add_argument("--timeout", type=float, default=300.0, help="seconds per model (default 300)")
     p.add_argument("--json", type=Path, help="write the records here (rewritten after each model)")
     p.add_argument("--jobs", type=int, default=1, help="models run at once (default 1)")
@@ -562,7 +274,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.worker:
         args.result.write_text(json.dumps(run_case(args.worker, args.target, args.seed), default=str))
         return 0
-    names = [n for n, c in REGISTRY.items() if args.family in (None, c.family)]
+    names = [n for n, c in REGISTRY.items() if args.family in (None, c.family) and args.set in ("all", c.group)]
     if args.only:
         wanted = [n.strip() for n in args.only.split(",") if n.strip()]
         if unknown := [n for n in wanted if n not in REGISTRY]:
@@ -572,7 +284,7 @@ def main(argv: list[str] | None = None) -> int:
         print("\n".join(f"{n}  ({REGISTRY[n].family})" for n in names))
         return 0
     records: list[dict[str, Any]] = []
-    meta = {"target": args.target or "default", "seed": args.seed, "torch": torch.__version__,
+    meta = {"target": args.target or "default", "seed": args.seed, "torch": torch.__version__, "set": args.set,
             "aten_first": args.aten_first, "strict": args.strict}
     for rec in ThreadPoolExecutor(max_workers=max(1, args.jobs)).map(lambda n: run_one(n, args), names):
         records.append(rec)
