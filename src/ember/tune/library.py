@@ -241,7 +241,7 @@ def _compile_tiled_ahead(site: LibrarySite, ops: Operands, configs: list[dict]) 
     from ember.runtime import precompile
     out = ops.x.new_empty((*ops.x.shape[:-1], ops.weight.shape[-1]))  # the product's (contiguous) result
     try:
-        precompile.precompile([job(ops.x, ops.weight, ops.bias, out, tiles_of(c)) for c in configs])
+        precompile.precompile([j for c in configs for j in job(ops.x, ops.weight, ops.bias, out, tiles_of(c))])
     except Exception:  # noqa: BLE001 - compiling ahead only saves time: the first launch compiles anyway
         pass
 

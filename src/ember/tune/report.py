@@ -16,8 +16,9 @@ def config_label(config: dict, library: bool = False, rule: str = "onednn") -> s
     if not config:
         return f"the rule ({_RULE_NAMES.get(rule, rule)})" if library else "default (the rules)"
     if config.get("impl") == "tiled" and "BLOCK_M" in config:
+        split = f", K in {config['SPLIT_K']} slices" if config.get("SPLIT_K", 1) > 1 else ""
         return (f"impl=tiled {config['BLOCK_M']}x{config['BLOCK_N']}x{config['BLOCK_K']} "
-                f"(group {config['GROUP_M']}, {config['num_warps']} warps, {config['num_stages']} stages)")
+                f"(group {config['GROUP_M']}, {config['num_warps']} warps, {config['num_stages']} stages{split})")
     return ", ".join(f"{k}={v}" for k, v in sorted(config.items()))
 
 
