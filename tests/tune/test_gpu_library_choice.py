@@ -131,6 +131,26 @@ def test_tuned_choices_compiled_and_trained_like_eager(sites, tmp_path: Path) ->
     assert "impl=tiled " in text and "warps" in text and "impl=cublas" in text and "2.00x" in text
 
 
+def test_an_answer_the_pass_cannot_apply_is_not_listed(sites, tmp_path: Path, monkeypatch) -> None:
+    from ember.passes import gpu_library_choices
+
+    dev = device_key("cpu")
+    rows = []
+    for site in (s for s in sites if s.op == "matmul" and s.impls[0] == "cublas"):
+        tiled = next(c for c, impl in site_candidates(site) if impl == "tiled")
+        rows += [Result(site.key, dev, {}, 2.0, "ok", label=site.label), Result(site.key, dev, tiled, 1.0, "ok")]
+    TuningDB(tmp_path / "t.sqlite").record(rows)
+    x = torch.randn(3, 7, 24, generator=torch.Generator().manual_seed(2)).bfloat16()
+
+    def library_rows() -> list[dict]:
+        with config.patch(tuning_db=str(tmp_path / "t.sqlite"), small_bmm=True):
+            report = explain_with(_model(), (x,), target="triton-interpret", steps=0, cache=False)
+        return [t for g in report.graphs for t in g.tuned.values() if t.get("kind") == "library"]
+    assert library_rows()  # applied: listed
+    monkeypatch.setattr(gpu_library_choices, "_replace_product", lambda *args: False)  # planned for other strides
+    assert library_rows() == []
+
+
 def test_no_database_no_pass(tmp_path: Path) -> None:
     from ember.passes import PassContext, passes_for
     from ember.report.records import GraphRecord

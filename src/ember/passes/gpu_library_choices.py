@@ -239,13 +239,16 @@ def choose_gpu_library_implementations(gm: fx.GraphModule, choose: Choose, devic
         if mode is None:
             mode = fake_mode_of(gm)
         if site.op == "matmul":
-            changed += _replace_product(gm, mode, node, choice)
+            applied = _replace_product(gm, mode, node, choice)
         elif site.op == "attention":
-            changed += _replace_attention(gm, mode, node, choice, restrided)
+            applied = _replace_attention(gm, mode, node, choice, restrided)
         elif site.op == "conv":
-            changed += depthwise.forward_to_ember(gm, mode, node)
+            applied = depthwise.forward_to_ember(gm, mode, node)
         else:
-            changed += depthwise.backward_to_ember(gm, mode, node)
+            applied = depthwise.backward_to_ember(gm, mode, node)
+        changed += bool(applied)
+        if not applied and choice.declined is not None:
+            choice.declined()
     if restrided:  # the ops after an output in new strides: planned again, graph outputs copied back
         refresh_downstream(gm, mode, restrided, captured, "attention choice")
         restore_output_strides(gm, mode, output, original_outs)

@@ -30,7 +30,7 @@ from __future__ import annotations
 import hashlib
 import json
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -128,6 +128,9 @@ class LibraryChoice:
 
     impl: str
     config: dict
+    # Called by a pass that could not apply the answer at one site (its result planned in other
+    # strides), so that explain does not list a choice the program does not run.
+    declined: Callable[[], None] | None = field(default=None, compare=False)
 
 
 # A chooser: the tuned choice for a site, or None for the fixed rule.

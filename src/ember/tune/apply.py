@@ -127,8 +127,14 @@ def library_chooser(target: Target, cache_root: Path, record: GraphRecord) -> Ch
         impl = choice.config.get("impl", site.impls[0])
         if impl not in site.impls:
             return None  # an answer this Ember cannot emit here (another version's candidate)
-        record.tuned[site.key] = {"kernel": site.key, "label": site.label, "kind": "library", "rule": site.impls[0],
-                                  "config": choice.config, "ms": choice.ms, "default_ms": choice.default_ms,
-                                  "gain": choice.gain, "source": choice.source}
-        return LibraryChoice(impl, dict(choice.config))
+        entry = record.tuned.setdefault(site.key, {
+            "kernel": site.key, "label": site.label, "kind": "library", "rule": site.impls[0], "config": choice.config,
+            "ms": choice.ms, "default_ms": choice.default_ms, "gain": choice.gain, "source": choice.source, "sites": 0})
+        entry["sites"] += 1
+
+        def declined() -> None:  # listed while at least one site of this key runs the answer
+            entry["sites"] -= 1
+            if entry["sites"] <= 0:
+                record.tuned.pop(site.key, None)
+        return LibraryChoice(impl, dict(choice.config), declined)
     return choose
