@@ -131,25 +131,37 @@ def _register_timm() -> None:
     _add("timm_convmixer_small", "timm", convmixer, image(2, 3, 32, 32))
 
 
+# Tiny transformers configurations: encoders, decoders (grouped-query attention), encoder-decoders, ViTs.
+HF_ENCODER = {"vocab_size": 500, "hidden_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4,
+              "intermediate_size": 128, "max_position_embeddings": 64}
+HF_DECODER = {**HF_ENCODER, "num_key_value_heads": 2}
+HF_SEQ2SEQ = {"vocab_size": 500, "d_model": 64, "encoder_layers": 2, "decoder_layers": 2, "encoder_attention_heads": 4,
+              "decoder_attention_heads": 4, "encoder_ffn_dim": 128, "decoder_ffn_dim": 128,
+              "max_position_embeddings": 64, "pad_token_id": 1, "bos_token_id": 0, "eos_token_id": 2,
+              "decoder_start_token_id": 2}
+HF_VISION = {"image_size": 32, "patch_size": 8, "hidden_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4,
+             "intermediate_size": 128}
+
+
+def hf(model: str, config: str, **kw: Any) -> Callable[[], nn.Module]:
+    """A transformers model class built from its configuration class with ``kw``."""
+    def build() -> nn.Module:
+        import transformers as T
+        return getattr(T, model)(getattr(T, config)(**kw))
+    return build
+
+
+def _hf_inputs() -> tuple[Callable[[torch.Generator], Inputs], ...]:
+    """Input makers: token ids, ids with a padding mask, encoder-decoder ids, pixels."""
+    masked = kw_inputs(input_ids=ids(2, 16),
+                       attention_mask=lambda g: (torch.arange(16) < torch.tensor([[16], [11]])).long())
+    return (kw_inputs(input_ids=ids(2, 16)), masked, kw_inputs(input_ids=ids(2, 16), decoder_input_ids=ids(2, 8)),
+            kw_inputs(pixel_values=randn(2, 3, 32, 32)))
+
+
 def _register_transformers() -> None:
-    import transformers as T
-
-    enc = {"vocab_size": 500, "hidden_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4,
-           "intermediate_size": 128, "max_position_embeddings": 64}
-    dec = {**enc, "num_key_value_heads": 2}
-    s2s = {"vocab_size": 500, "d_model": 64, "encoder_layers": 2, "decoder_layers": 2, "encoder_attention_heads": 4,
-           "decoder_attention_heads": 4, "encoder_ffn_dim": 128, "decoder_ffn_dim": 128,
-           "max_position_embeddings": 64, "pad_token_id": 1, "bos_token_id": 0, "eos_token_id": 2,
-           "decoder_start_token_id": 2}
-    vis = {"image_size": 32, "patch_size": 8, "hidden_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4,
-           "intermediate_size": 128}
-    text, masked = kw_inputs(input_ids=ids(2, 16)), kw_inputs(
-        input_ids=ids(2, 16), attention_mask=lambda g: (torch.arange(16) < torch.tensor([[16], [11]])).long())
-    seq2seq = kw_inputs(input_ids=ids(2, 16), decoder_input_ids=ids(2, 8))
-    pixels = kw_inputs(pixel_values=randn(2, 3, 32, 32))
-
-    def hf(model: str, config: str, **kw: Any) -> Callable[[], nn.Module]:
-        return lambda: getattr(T, model)(getattr(T, config)(**kw))
+    enc, dec, s2s, vis = HF_ENCODER, HF_DECODER, HF_SEQ2SEQ, HF_VISION
+    text, masked, seq2seq, pixels = _hf_inputs()
 
     cases = {
         "bert_mlm": (hf("BertForMaskedLM", "BertConfig", **enc), masked),
@@ -341,25 +353,9 @@ def _register_wider_vision() -> None:
 
 
 def _register_wider_transformers() -> None:
-    import transformers as T
-
-    def hf(model: str, config: str, **kw: Any) -> Callable[[], nn.Module]:
-        return lambda: getattr(T, model)(getattr(T, config)(**kw))
-
-    enc = {"vocab_size": 500, "hidden_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4,
-           "intermediate_size": 128, "max_position_embeddings": 64}
-    dec = {**enc, "num_key_value_heads": 2}
-    s2s = {"vocab_size": 500, "d_model": 64, "encoder_layers": 2, "decoder_layers": 2, "encoder_attention_heads": 4,
-           "decoder_attention_heads": 4, "encoder_ffn_dim": 128, "decoder_ffn_dim": 128,
-           "max_position_embeddings": 64, "pad_token_id": 1, "bos_token_id": 0, "eos_token_id": 2,
-           "decoder_start_token_id": 2}
+    enc, dec, s2s, vis = HF_ENCODER, HF_DECODER, HF_SEQ2SEQ, HF_VISION
     t5 = {"vocab_size": 500, "d_model": 64, "d_ff": 128, "num_layers": 2, "num_heads": 4, "d_kv": 16}
-    vis = {"image_size": 32, "patch_size": 8, **{k: v for k, v in enc.items() if k not in ("vocab_size",
-                                                                                          "max_position_embeddings")}}
-    text, masked = kw_inputs(input_ids=ids(2, 16)), kw_inputs(
-        input_ids=ids(2, 16), attention_mask=lambda g: (torch.arange(16) < torch.tensor([[16], [11]])).long())
-    seq2seq = kw_inputs(input_ids=ids(2, 16), decoder_input_ids=ids(2, 8))
-    pixels = kw_inputs(pixel_values=randn(2, 3, 32, 32))
+    text, masked, seq2seq, pixels = _hf_inputs()
     cases = {
         "electra": (hf("ElectraForPreTraining", "ElectraConfig", **enc, embedding_size=32), masked),
         "funnel": (hf("FunnelModel", "FunnelConfig", vocab_size=500, block_sizes=[1, 1], d_model=64, n_head=4,
