@@ -34,7 +34,7 @@ from ember.codegen.program import ProgramSource, base_namespace, generate_progra
 from ember.config import Options, settings
 from ember.graph_utils import get_attr, is_symbolic, op_family
 from ember.instruments import run_stage
-from ember.ops import depthwise_conv, max_pool, reflection_pad, small_bmm, tiled_matmul
+from ember.ops import attention, depthwise_conv, max_pool, reflection_pad, small_bmm, tiled_matmul
 from ember.passes import PassContext, PassResult, passes_for, run_passes
 from ember.passes.attention_seeds import route_attention_seeds
 from ember.passes.freeze import static_input_indices
@@ -271,7 +271,7 @@ def _kernel_compile_stage(job: GraphJob, kernels: GeneratedKernels) -> PendingCo
     jobs = [job_for(kernel_file(ks, job.options.kernel_dir()), ks.name, ks.arg_dtypes(), ks.meta)
             for ks in kernels.unique()]
     jobs += reflection_pad.compile_jobs(job.gm) + max_pool.compile_jobs(job.gm) + depthwise_conv.compile_jobs(job.gm)
-    jobs += small_bmm.compile_jobs(job.gm) + tiled_matmul.compile_jobs(job.gm)
+    jobs += small_bmm.compile_jobs(job.gm) + tiled_matmul.compile_jobs(job.gm) + attention.compile_jobs(job.gm)
     return submit(jobs) if jobs else None
 
 

@@ -15,7 +15,7 @@ import torch
 
 import ember
 from ember import config
-from ember.ops import tiled_matmul
+from ember.ops import attention, tiled_matmul
 from ember.report.explain import explain_with
 from ember.tune.db import Result, TuningDB
 from ember.tune.device import device_key
@@ -268,3 +268,41 @@ def test_attention_backend_chosen_for_inference(target: str, masked: bool, tmp_p
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
     program = "\n".join(g.program for g in compiled._ember_backend.log.graphs)
     assert "_scaled_dot_product_attention_math" in program and "flash_attention_for_cpu" not in program
+
+
+@pytest.mark.parametrize("masked", [True, False], ids=["bool_mask", "no_mask"])
+def test_embers_attention_kernel_checked_chosen_and_run(masked: bool, tmp_path: Path) -> None:
+    # bf16 on the GPU code path (the interpreter here): Ember's kernel is a candidate per tile
+    # configuration, checked against float64; a corrupted one is rejected; a tuned answer runs it.
+    torch.manual_seed(8)
+    model = SelfAttention().bfloat16().eval()
+    x = torch.randn(2, 10, 16).bfloat16()
+    mask = (torch.rand(2, 1, 10, 10) < 0.7) | torch.eye(10, dtype=torch.bool) if masked else None
+    with torch.no_grad():
+        (site,) = [s for s in collect_work(model, (x, mask), train=False, target="triton-interpret")[1]
+                   if s.op == "attention"]
+    assert site.impls == ("flash_cpu", "math", "ember")
+    configs = [c for c, impl in site_candidates(site) if impl == "ember"]
+    assert configs and all(set(c) == {"impl", *attention.TILE_KEYS} for c in configs)
+    dev = device_key("cpu")
+    result = tune_site(site, TuningDB(tmp_path / "t.sqlite"), dev, per_candidate_s=0.01)
+    assert result.failed == 0 and result.tried == 1 + len(configs), result.failures
+
+    def corrupt_ember(candidate, outputs) -> None:
+        if "impl=ember" in candidate.source:
+            outputs[0].view(-1)[5] += 0.5
+    with candidate_output_hook(corrupt_ember):
+        assert tune_site(site, TuningDB(tmp_path / "bad.sqlite"), dev, per_candidate_s=0.01).failed == len(configs)
+
+    db_path = tmp_path / "tuning.sqlite"
+    TuningDB(db_path).record([Result(site.key, dev, {}, 2.0, "ok", label=site.label),
+                              Result(site.key, dev, configs[-1], 1.0, "ok")])
+    with config.patch(tuning_db=str(db_path)), torch.no_grad():
+        compiled = ember.compile(model, target="triton-interpret", cache=False)
+        got = compiled(x, mask)
+        want = model.float()(x.float(), mask)
+        eager = model.bfloat16()(x, mask)
+    # Within 3x of eager bf16's error against float32 (the interpreter truncates bf16: one more ulp).
+    assert (got.float() - want).abs().max() <= 3 * (eager.float() - want).abs().max() + 2**-7
+    program = "\n".join(g.program for g in compiled._ember_backend.log.graphs)
+    assert "torch.ops.ember.attention.default" in program and "flash_attention_for_cpu" not in program

@@ -15,14 +15,16 @@ Attention in inference graphs: every ``_scaled_dot_product_*_attention`` call wh
 is read (no log-sum-exp saved for a backward), without dropout, is a site ("attention") whose
 implementations are the backend the dispatcher picked at capture (the rule) and the others with
 a fake kernel for its inputs: ``flash`` (no mask), ``efficient``, ``cudnn`` and ``math`` (ATen's
-composite) on the GPU, ``math`` beside ``flash_cpu`` on CPU tensors. Where the chosen backend
+composite) on the GPU, ``math`` beside ``flash_cpu`` on CPU tensors; on the GPU code path also
+``ember`` (``ember::attention``, ops/attention.py, one candidate per tile configuration) where it
+takes the call. Where the chosen backend
 lays its output out otherwise (``math``'s is contiguous, the others' heads-inner), the ops after it
 are planned again for its strides (passes/strided_results.py), a copy only where a view cannot
 follow; the whole-model check of ``ember tune`` times that cost with the rest.
 
 The CPU target's inference graphs get the attention choice alone (their matmuls and convolutions
-are the CPU library pass's sites). Each site is offered to the tuning database's chooser; a tuned answer replaces the node, no answer
-keeps the rule's. Runs last among the GPU passes, so the calls it sees are those the program
+are the CPU library pass's sites; no generated kernel). Each site is offered to the tuning
+database's chooser; a tuned answer replaces the node, no answer keeps the rule's. Runs last among the GPU passes, so the calls it sees are those the program
 would run (padded, merged, laid out channels_last, or Ember's small products).
 """
 
@@ -33,7 +35,7 @@ import operator
 import torch
 import torch.fx as fx
 
-from ember.ops import tiled_matmul
+from ember.ops import attention, tiled_matmul
 from ember.passes import depthwise
 from ember.passes.graph_edit import add_node, fake_mode_of, fake_result, node_val, same_value
 from ember.passes.library_sites import Choose, LibraryChoice, LibrarySite, tensor_sig
@@ -123,9 +125,13 @@ _ATTENTION = {aten._scaled_dot_product_flash_attention.default: "flash",
               aten._scaled_dot_product_flash_attention_for_cpu.default: "flash_cpu"}
 
 
-def attention_call(impl: str, q: object, k: object, v: object, mask: object, causal: bool, scale: object
-                   ) -> tuple[object, tuple, dict]:
-    """(op, args, kwargs) of attention without dropout as ``impl`` computes it (output: item 0)."""
+def attention_call(impl: str, q: object, k: object, v: object, mask: object, causal: bool, scale: object,
+                   config: dict | None = None) -> tuple[object, tuple, dict]:
+    """(op, args, kwargs) of attention without dropout as ``impl`` computes it (output: item 0;
+    ``config``: the tiles of Ember's kernel, ``ember``)."""
+    if impl == "ember":
+        tiles = attention.tiles_of(config) if config else attention.tiles_of(attention.candidates(1, 1, 1)[0])
+        return torch.ops.ember.attention.default, (q, k, v, mask, causal, scale, tiles), {}
     if impl == "flash":
         return aten._scaled_dot_product_flash_attention.default, (q, k, v, 0.0, causal, False), {"scale": scale}
     if impl == "efficient":
@@ -153,8 +159,9 @@ def _attention_operands(node: fx.Node) -> tuple | None:
     return None if dropout else (*args[:3], mask, bool(causal), kwargs.get("scale"))
 
 
-def attention_site(node: fx.Node, mode: object, device_type: str) -> LibrarySite | None:
-    """The site of an attention call whose output alone is read, or None."""
+def attention_site(node: fx.Node, mode: object, device_type: str, generated: bool = True) -> LibrarySite | None:
+    """The site of an attention call whose output alone is read, or None. ``generated``: Ember's
+    kernel among the candidates (the GPU code path) where it takes the call."""
     users = list(node.users)
     if not users or any(u.target is not operator.getitem or u.args[1] != 0 for u in users):
         return None
@@ -172,6 +179,8 @@ def attention_site(node: fx.Node, mode: object, device_type: str) -> LibrarySite
         return None
     rule = _ATTENTION[node.target]
     others = ("flash", "efficient", "cudnn", "math") if device_type == "cuda" else ("flash_cpu", "math")
+    if generated and attention.takes(*vals, mask_val):
+        others += ("ember",)
     impls = [rule]
     for impl in others:  # (one whose output has other strides: the ops after it are planned again)
         if impl == rule or (impl == "flash" and mask is not None):
@@ -193,7 +202,7 @@ def _replace_attention(gm: fx.GraphModule, mode: object, node: fx.Node, choice: 
                        restrided: set[fx.Node]) -> bool:
     """Replace the call; an output in other strides than the rule's joins ``restrided``."""
     q, k, v, mask, causal, scale = _attention_operands(node)  # type: ignore[misc]
-    target, args, kwargs = attention_call(choice.impl, q, k, v, mask, causal, scale)
+    target, args, kwargs = attention_call(choice.impl, q, k, v, mask, causal, scale, choice.config)
     before = node_val(next(iter(node.users)))
     with gm.graph.inserting_before(node):
         new = add_node(gm.graph, mode, target, args, kwargs)
@@ -230,7 +239,7 @@ def choose_gpu_library_implementations(gm: fx.GraphModule, choose: Choose, devic
         elif node.target in _ATTENTION:
             if mode is None:
                 mode = fake_mode_of(gm)
-            site = attention_site(node, mode, device_type)
+            site = attention_site(node, mode, device_type, generated=not attention_only)
         else:
             continue
         choice = choose(site) if site is not None else None

@@ -181,6 +181,9 @@ EMBER_OPS = {
                  "(ops/small_bmm.py, passes/small_bmm.py)",
     "tiled_matmul": "Ember's tiled Triton matmul with a tuned tile configuration, where `ember tune` measured it "
                     "faster than the rule's implementation (ops/tiled_matmul.py, passes/gpu_library_choices.py)",
+    "attention": "Ember's Triton attention kernel (online softmax, the scores kept on chip) with a tuned tile "
+                 "configuration, where `ember tune` measured it faster than the rule's SDPA backend "
+                 "(ops/attention.py, passes/gpu_library_choices.py)",
     "pad_zeros": "a copy into a zero-padded buffer in the source's layout, for an aligned matmul "
                  "(ops/pad_zeros.py, passes/pad_matmul.py)",
     "rnn": "ATen's RNN (cuDNN's LSTM / GRU on the GPU, oneDNN's on the CPU) as one call, for a long recurrence "

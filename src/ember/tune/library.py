@@ -126,10 +126,10 @@ def _ember_conv_backward(site: LibrarySite, ops: Operands) -> tuple[torch.Tensor
     return tuple(calls[i]() for i in _grads(site))
 
 
-def _attention(site: LibrarySite, ops: Operands, impl: str) -> torch.Tensor:
+def _attention(site: LibrarySite, ops: Operands, impl: str, config: dict | None = None) -> torch.Tensor:
     from ember.passes.gpu_library_choices import attention_call
     causal, scale = site.params
-    op, args, kwargs = attention_call(impl, ops.x, ops.weight, ops.other, ops.bias, causal, scale)
+    op, args, kwargs = attention_call(impl, ops.x, ops.weight, ops.other, ops.bias, causal, scale, config)
     return op(*args, **kwargs)[0]
 
 
@@ -172,7 +172,7 @@ def implementation(site: LibrarySite, impl: str, ops: Operands, config: dict | N
     """A function computing ``site`` (epilogue included) as ``impl`` does (with ``config``: a
     tiled kernel's tiles), its weight prepared now."""
     if site.op == "attention":
-        return lambda: _attention(site, ops, impl)
+        return lambda: _attention(site, ops, impl, config)
     if impl in ("aten", "cublas", "cudnn"):
         return lambda: _captured(site, ops)
     if site.op == "conv" and impl == "ember":
@@ -217,10 +217,14 @@ def _config(site: LibrarySite, impl: str) -> dict:
 
 def site_candidates(site: LibrarySite, top: int = 6) -> list[tuple[dict, str]]:
     """(configuration, implementation) of every candidate of ``site``, the rule's first; a tiled
-    matmul kernel once per tile configuration of the cost model's best ``top``."""
+    matmul kernel once per tile configuration of the cost model's best ``top``, Ember's attention
+    kernel once per tile configuration that suits the tokens."""
     out = []
     for impl in site.impls:
-        if site.op == "matmul" and impl == "tiled":
+        if site.op == "attention" and impl == "ember":
+            from ember.ops.attention import candidates
+            out += [({"impl": "ember", **tiles}, impl) for tiles in candidates(site.x[0][2], site.weight[0][2])]
+        elif site.op == "matmul" and impl == "tiled":
             from ember.ops.tiled_matmul import candidates
             from ember.tune.device import fingerprint
             (batch, m, k), n = ((1, *site.x[0]) if len(site.x[0]) == 2 else site.x[0]), site.weight[0][-1]
