@@ -101,12 +101,13 @@ def _compare(errors: dict[str, tuple[float, float, float]], prefix: str, got: di
     reference, Ember's against eager (float32 against float32) with a floor of 1e-3. A gradient's
     error is measured against the model's gradient scale where it is near zero (a conv bias before
     a norm: rounding noise; check.py's rule, 1e-6 of the largest gradient, 1e-4 without float64);
-    a buffer's likewise (a batch norm's running mean of values whose batch mean is exactly zero)."""
+    a buffer's likewise (a batch norm's running mean of values whose batch mean is exactly zero);
+    at least 1e-12, so that all-zero buffers (bart's ``final_logits_bias``) compare as equal."""
     base, floor = (ref, FLOOR) if ref is not None else (eager, 1e-3)
     floors = {}
     for kind in ("grad", "buffer"):
         scale = [t.double().norm().item() for k, t in base.items() if k.startswith(kind + " ")]
-        floors[kind] = (1e-6 if ref is not None else 1e-4) * max(scale) if scale else 1e-12
+        floors[kind] = max((1e-6 if ref is not None else 1e-4) * max(scale), 1e-12) if scale else 1e-12
     for key, r in base.items():
         f = floors.get(key.split()[0], 1e-12)
         e = _err(eager.get(key), r, f) if ref is not None else 0.0
