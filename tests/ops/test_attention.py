@@ -111,7 +111,7 @@ def test_the_compile_job_follows_the_call(masked: bool) -> None:
     with FakeTensorMode():
         q = torch.empty(1, 128, 12, 64, device="cuda", dtype=torch.bfloat16).transpose(1, 2)
         mask = torch.empty(1, 1, 1, 128, device="cuda", dtype=torch.bfloat16) if masked else None
-        job = att.job(q, q, q, mask, False, None, [64, 64, 4, 2])
+    job = att.job(q, q, q, mask, False, None, [64, 64, 4, 2])  # a graph's fake values, outside their mode
     meta = dict(job.meta)
     assert meta["MASK"] == (1 if masked else 0) and meta["SCALE"] == 0.125 and meta["BLOCK_D"] == 64
     fn = att._kernels(False).attention_forward

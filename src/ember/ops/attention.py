@@ -130,7 +130,7 @@ def compile_jobs(gm: torch.fx.GraphModule) -> list[precompile.CompileJob]:
 def job(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, causal: bool,
         scale: float | None, tiles: list[int]) -> precompile.CompileJob:
     """The compile job of one call (the kernel specialises on its sizes and strides)."""
-    out, lse = _out(q.to("meta"), v.to("meta"))
+    out, lse = _out(q, v)  # (fake tensors in a graph's values: no memory)
     _, ints, meta = _launch(q, k, v, mask, out, causal, scale, tiles)
     pointers = [q.dtype, k.dtype, v.dtype, (mask if mask is not None else q).dtype, out.dtype, lse.dtype]
     return precompile.job_for(ATTENTION_KERNELS, "attention_forward", pointers + [precompile.int_arg(x) for x in ints],

@@ -236,16 +236,23 @@ def site_candidates(site: LibrarySite, top: int = 6) -> list[tuple[dict, str]]:
     return out
 
 
-def _compile_tiled_ahead(site: LibrarySite, ops: Operands, configs: list[dict]) -> None:
-    """The tiled candidates compiled by the compile workers side by side (on their first launch
-    Triton would compile them one at a time while the tuner waits)."""
+def _compile_generated_ahead(site: LibrarySite, ops: Operands, configs: list[dict]) -> None:
+    """The candidates of Ember's kernels (tiled matmuls, attention) compiled by the compile workers
+    side by side (on their first launch Triton would compile them one at a time while the tuner
+    waits)."""
     if site.device_type != "cuda" or not configs:
         return
-    from ember.ops.tiled_matmul import job, tiles_of
+    from ember.ops import attention, tiled_matmul
     from ember.runtime import precompile
-    out = ops.x.new_empty((*ops.x.shape[:-1], ops.weight.shape[-1]))  # the product's (contiguous) result
+    if site.op == "attention":
+        causal, scale = site.params
+        jobs = [attention.job(ops.x, ops.weight, ops.other, ops.bias, causal, scale, attention.tiles_of(c))
+                for c in configs]
+    else:
+        out = ops.x.new_empty((*ops.x.shape[:-1], ops.weight.shape[-1]))  # the product's (contiguous) result
+        jobs = [j for c in configs for j in tiled_matmul.job(ops.x, ops.weight, ops.bias, out, tiled_matmul.tiles_of(c))]
     try:
-        precompile.precompile([j for c in configs for j in job(ops.x, ops.weight, ops.bias, out, tiles_of(c))])
+        precompile.precompile(jobs)
     except Exception:  # noqa: BLE001 - compiling ahead only saves time: the first launch compiles anyway
         pass
 
@@ -265,7 +272,8 @@ def tune_site(site: LibrarySite, db: TuningDB, device: str, per_candidate_s: flo
     passed: list[tuple[dict, Callable[[], torch.Tensor]]] = []
     # What a run the budget cut short measured is not measured again (the rule is, beside the rest).
     todo = [(config, impl) for config, impl in site_candidates(site) if not (config and config_key(config) in done)]
-    _compile_tiled_ahead(site, ops, [config for config, impl in todo if impl == "tiled"])
+    _compile_generated_ahead(site, ops, [config for config, impl in todo if impl in ("tiled", "ember")
+                                         and site.op in ("matmul", "attention")])
     for config, impl in todo:
         if deadline is not None and time.perf_counter() >= deadline and passed:
             results.append(incomplete_marker(site.key, device, out.label, stamp))
