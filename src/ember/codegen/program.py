@@ -42,7 +42,7 @@ class ProgramSource:
 
 def base_namespace() -> dict:
     """The names every generated program uses besides its own kernels and constants."""
-    return {"torch": torch, "aten": torch.ops.aten, "prims": torch.ops.prims, "operator": operator,
+    return {"torch": torch, "aten": torch.ops.aten, "prims": torch.ops.prims, "operator": operator, "math": math,
             "_empty": torch.empty_strided, "_kernels": {}, "_frozen": FrozenValues(),
             "_reuse": reuse_storage, "_bump": bump_version, "_cast_all": cast_all}
 
@@ -334,6 +334,12 @@ def _qualname(target: object) -> str:
         ns = target.namespace
         packet = target._overloadpacket.__name__
         return f"{'aten' if ns == 'aten' else 'prims' if ns == 'prims' else 'torch.ops.' + ns}.{packet}.{target._overloadname}"
+    # Python's own functions on sizes (``operator.ge`` of a data-dependent size in a check,
+    # ``torch.sym_max``, ``math.ceil``): by their module's name, which the namespace holds.
+    name = getattr(target, "__name__", "")
+    for module, prefix in ((operator, "operator"), (torch, "torch"), (math, "math")):
+        if name and getattr(module, name, None) is target:
+            return f"{prefix}.{name}"
     raise TypeError(f"cannot name {target!r}")
 
 
