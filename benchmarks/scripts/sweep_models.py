@@ -340,7 +340,7 @@ def _register_wider_vision() -> None:
         _add(f"timm_{model}", "timm", lambda m=model, kw=kw: timm.create_model(m, pretrained=False, num_classes=10, **kw),
              image(2, 3, int(px), int(px)), group="wider")
     for name, px in {"mnasnet0_5": 64, "squeezenet1_1": 64, "resnext50_32x4d": 32, "efficientnet_v2_s": 64,
-                     "regnet_x_400mf": 32, "mobilenet_v3_large": 64, "swin_t": 64, "wide_resnet50_2": 32}.items():
+                     "regnet_x_400mf": 64, "mobilenet_v3_large": 64, "swin_t": 64, "wide_resnet50_2": 32}.items():
         _add(f"tv_{name}", "torchvision", lambda n=name: getattr(tvm, n)(num_classes=10), image(2, 3, px, px),
              group="wider")
     _add("tv_deeplabv3_mbv3", "torchvision", lambda: segmentation.deeplabv3_mobilenet_v3_large(
