@@ -115,18 +115,9 @@ _CALLING: list[EmberBackend] = []
 
 class _RecompileLimitWatch(logging.Filter):
     """Dynamo logs "torch._dynamo hit config.recompile_limit" and from then on runs the frame
-    eagerly. Ember notes it in the model's log, and warns once per model and function. Likewise a
-    frame Dynamo cannot trace at all ("WON'T CONVERT": an error in its trace, not a graph break),
-    which Ember's calls let run eagerly (``suppress_errors``, ShapePolicy): noted and warned once
-    in a line, in place of Dynamo's record with its traceback."""
+    eagerly. Ember notes it in the model's log, and warns once per model and function."""
 
     def filter(self, record: logging.LogRecord) -> bool:
-        if _CALLING and isinstance(record.msg, str) and record.msg.startswith("WON'T CONVERT"):
-            where = record.getMessage().splitlines()[0].removeprefix("WON'T CONVERT").strip()
-            err = record.exc_info[1] if record.exc_info else None
-            due = f"{type(err).__name__}: {(str(err).strip().splitlines() or [''])[0][:300]}" if err else "an error"
-            _CALLING[-1].dynamo_gave_up(f"{where}: Dynamo could not trace it ({due})")
-            return False
         if _CALLING and str(record.msg).startswith("torch._dynamo hit config."):
             args = record.args if isinstance(record.args, tuple) else ()
             if len(args) >= 4:
@@ -163,8 +154,6 @@ class ShapePolicy:
                 (_LIMIT, backend.static_budget + DYNAMIC_RECOMPILES)) + _RNN_SWITCH
             if _DICT_TAGS and backend.options.dict_tag_guards is not None:
                 wanted = backend.dynamo_settings = wanted + ((_DICT_TAGS, backend.options.dict_tag_guards),)
-            # A frame Dynamo fails to trace runs eagerly, as it would without Ember (strict: raises).
-            wanted = backend.dynamo_settings = wanted + (("suppress_errors", not settings().strict),)
         cfg = torch._dynamo.config
         for name, value in wanted:
             if value is None:  # allow_rnn: on for inference calls (Options.trace_rnn); else the user's
@@ -228,16 +217,14 @@ class EmberBackend:
 
     def dynamo_gave_up(self, note: str) -> None:
         """Dynamo stopped compiling a frame of this model: it runs eagerly (correct, not compiled)."""
-        function = note.split(": Dynamo ")[0]
-        if any(n.split(": Dynamo ")[0] == function for n in self.log.gave_up):
+        function = note.split(": Dynamo hit")[0]
+        if any(n.split(": Dynamo hit")[0] == function for n in self.log.gave_up):
             return
         self.log.gave_up.append(note)
-        why = ("A frame compiles at most max_recompiles="
-               f"{self.options.max_recompiles} static graphs plus {DYNAMIC_RECOMPILES} more; "
-               "ember.explain(model, ...) lists every recompile." if ": Dynamo hit" in note else
-               "torch.compile would raise this error; EMBER_STRICT=1 raises it here too.")
         warnings.warn(f"ember: Dynamo stopped compiling a frame of this model and runs it eagerly from now on "
-                      f"(correct results, no Ember code): {note}. {why}", RuntimeWarning, stacklevel=2)
+                      f"(correct results, no Ember code): {note}. A frame compiles at most max_recompiles="
+                      f"{self.options.max_recompiles} static graphs plus {DYNAMIC_RECOMPILES} more; "
+                      f"ember.explain(model, ...) lists every recompile.", RuntimeWarning, stacklevel=2)
 
     def __call__(self, gm: fx.GraphModule, example_inputs: list) -> Callable:
         with progress.scope(self.options.progress):
