@@ -245,6 +245,26 @@ def test_wrong_rank_raises_like_eager(case, warm: bool) -> None:
     assert key in str(info.value), (key, str(info.value)[:400])
 
 
+@pytest.mark.parametrize("warm_start", [False, True])
+def test_a_bad_first_call_leaves_the_next_good_one_compiled(warm_start: bool) -> None:
+    # With the user's settings (not the tests' strict mode): the bad call raises eager's error and
+    # changes nothing, so the next call compiles. (Running a frame Dynamo failed on eagerly, through
+    # Dynamo's suppress_errors, marked torch's shared call wrapper skipped for good.)
+    from ember import config
+
+    model = SmallNet()
+    with config.patch(strict=False, warm_start=warm_start):
+        compiled = ember.compile(model)
+        with pytest.raises(RuntimeError):  # (Dynamo's, naming the shapes; eager: "cannot be multiplied")
+            compiled(torch.randn(3, 5))
+        x = torch.randn(3, 8)
+        assert_close(compiled(x), model(x), "good call after a bad one")
+        other = ember.compile(SmallNet())  # another model compiles too
+        other(x)
+    assert log_of(compiled).graphs and log_of(other).graphs
+    assert not log_of(compiled).gave_up
+
+
 def test_a_call_sets_dynamo_settings_only_while_it_runs() -> None:
     # ShapePolicy writes the settings that differ, restores exactly those, and a user's own
     # value (here a limit of 3) is what Dynamo sees again after the call.
