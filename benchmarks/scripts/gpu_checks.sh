@@ -29,6 +29,8 @@ CHECKS=(
   "bart_grads|240|python benchmarks/scripts/gpu_bart_grads.py"
   # host time per training step under Ember's per-graph mode (cProfile)
   "host_profile|200|python benchmarks/scripts/gpu_host_profile.py densenet121 resnet50 --backend ember --steps 15 --out $OUT/host"
+  # Ember's tiled matmul (split K) and attention kernel against cuBLAS and the SDPA backends, bert batch-1 shapes
+  "generated_vs_library|150|python benchmarks/scripts/gpu_generated_vs_library.py --json $OUT/generated_vs_library.json"
   # batch-1 inference kernels, Ember against Inductor with CUDA graphs
   "infer_profile|200|python benchmarks/scripts/gpu_profile.py resnet50 bert --mode infer --batch 1 --steps 20 --backend ember,inductor-cudagraphs --no-trace --out $OUT/infer"
 )
