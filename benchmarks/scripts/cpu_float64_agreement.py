@@ -8,6 +8,7 @@ One training step (forward, backward with a fixed random cotangent) of a sweep m
 largest relative gradient difference among gradients above 1e-9 of the largest one.
 
     python benchmarks/scripts/cpu_float64_agreement.py timm_rexnet_100 tv_mnasnet0_5
+    python benchmarks/scripts/cpu_float64_agreement.py --target triton-interpret timm_hgnetv2_b0
 """
 
 from __future__ import annotations
@@ -32,7 +33,7 @@ def _step(model: torch.nn.Module, fn: object, args: tuple, kwargs: dict) -> dict
     return {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
 
 
-def agreement(name: str) -> tuple[str, float, float]:
+def agreement(name: str, target: str | None = None) -> tuple[str, float, float]:
     """(parameter, relative difference, its gradient's norm) of the worst gradient."""
     case = REGISTRY[name]
     torch.manual_seed(0)
@@ -44,7 +45,7 @@ def agreement(name: str) -> tuple[str, float, float]:
     args = tuple(t.double() if t.is_floating_point() else t for t in args)
     eager = copy.deepcopy(model)
     want = _step(eager, eager, args, kwargs)
-    got = _step(model, ember.compile(model, cache=False), args, kwargs)
+    got = _step(model, ember.compile(model, cache=False, **({"target": target} if target else {})), args, kwargs)
     top = max(g.norm().item() for g in want.values())
     return max(((n, ((got[n] - want[n]).norm() / want[n].norm()).item(), want[n].norm().item())
                 for n in want if want[n].norm() > 1e-9 * top), key=lambda row: row[1])
@@ -52,6 +53,10 @@ def agreement(name: str) -> tuple[str, float, float]:
 
 if __name__ == "__main__":
     _register_all()
-    for model_name in sys.argv[1:]:
-        param, diff, norm = agreement(model_name)
+    names = sys.argv[1:]
+    chosen = None
+    if names[:1] == ["--target"]:
+        chosen, names = names[1], names[2:]
+    for model_name in names:
+        param, diff, norm = agreement(model_name, chosen)
         print(f"{model_name}: largest float64 gradient difference {diff:.3e} ({param}, norm {norm:.3e})", flush=True)
