@@ -67,10 +67,11 @@ def _launch(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tenso
     meta = dict(zip(TILE_KEYS, tiles))
     batch, heads, lq, dim = q.shape
     lk, dv = k.shape[2], v.shape[3]
-    ints = [heads, lq, lk, dim, dv, *q.stride(), *k.stride(), *v.stride(), *_mask_strides(mask, (batch, heads, lq, lk)),
-            *out.stride()]
-    meta.update(SCALE=float(scale) if scale is not None else dim ** -0.5, BLOCK_D=max(16, triton.next_power_of_2(dim)),
-                BLOCK_DV=max(16, triton.next_power_of_2(dv)), MASK=0 if mask is None else 2 if mask.dtype == torch.bool else 1, CAUSAL=bool(causal))
+    ints = [heads, lq, lk, dim, dv, *q.stride(), *k.stride(), *v.stride(),
+            *_mask_strides(mask, (batch, heads, lq, lk)), *out.stride()]
+    meta.update(SCALE=float(scale) if scale is not None else dim ** -0.5,
+                BLOCK_D=max(16, triton.next_power_of_2(dim)), BLOCK_DV=max(16, triton.next_power_of_2(dv)),
+                MASK=0 if mask is None else 2 if mask.dtype == torch.bool else 1, CAUSAL=bool(causal))
     return (triton.cdiv(lq, meta["BLOCK_M"]), batch * heads), ints, meta
 
 
@@ -113,7 +114,9 @@ def candidates(lq: int, lk: int, top: int = 4) -> list[dict[str, int]]:
 
 
 def tiles_of(config: dict) -> list[int]:
-    return [int(config[key]) for key in TILE_KEYS]
+    """``config``'s tiles in TILE_KEYS order; the first configuration's where it has none (a probe
+    of the output's shape)."""
+    return [int(config.get(key, default)) for key, default in zip(TILE_KEYS, _CONFIGS[0])]
 
 
 def compile_jobs(gm: torch.fx.GraphModule) -> list[precompile.CompileJob]:

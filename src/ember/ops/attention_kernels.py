@@ -24,8 +24,8 @@ def attention_forward(q_ptr, k_ptr, v_ptr, mask_ptr, o_ptr, lse_ptr, H, LQ, LK, 
                       BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
                       SCALE: tl.constexpr, MASK: tl.constexpr, CAUSAL: tl.constexpr, UPCAST: tl.constexpr):
     """``SCALE``: the scores' factor (a constant of the call site). ``MASK``: 0 none, 1 additive,
-    2 boolean (True: attend). ``lse``: the rows' log-sum-exp of
-    the scaled scores, float32, contiguous ``[batch * heads, LQ]``."""
+    2 boolean (True: attend). ``lse``: the rows' log-sum-exp of the scaled scores, float32,
+    contiguous ``[batch * heads, LQ]``."""
     pid_m = tl.program_id(0)
     bh = tl.program_id(1)
     b = (bh // H).to(tl.int64)

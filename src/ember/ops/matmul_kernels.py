@@ -2,9 +2,9 @@
 many small products, and ``tiled_matmul`` behind ``ember::tiled_matmul`` (ops/tiled_matmul.py),
 the tuned alternative to cuBLAS, with ``split_k_sum`` after it where the K loop is split.
 
-One program computes one ``BLOCK_M x BLOCK_N`` tile of one product of the batch, looping over K (or
-over one of ``SPLIT_K`` slices of it) in ``BLOCK_K`` steps with float32 sums on the tensor cores (``tl.dot``), rounded once to the output
-dtype. Every operand is read through its own strides, so transposed views (the backward's
+One program computes one ``BLOCK_M x BLOCK_N`` tile of one product of the batch, looping over K
+(or over one of ``SPLIT_K`` slices of it) in ``BLOCK_K`` steps with float32 sums on the tensor
+cores (``tl.dot``), rounded once to the output dtype. Every operand is read through its own strides, so transposed views (the backward's
 ``grad @ k`` and ``q^T @ grad``) need no copy. ``UPCAST`` is for Triton's interpreter only: the
 operands go to float32 first, so the products are exact there, and bfloat16 results are
 truncated, not rounded. Load this file with ``runtime.kernels.load_module``.

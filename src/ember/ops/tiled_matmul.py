@@ -73,11 +73,10 @@ def _meta(tiles: list[int], k: int) -> dict[str, int]:
 
 
 def _launch(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None, c: torch.Tensor,
-            tiles: list[int]) -> tuple[tuple[int, int], list, dict]:
-    """(grid, arguments, launch meta) of one product; with SPLIT_K > 1, ``c`` is the float32
-    slices' buffer ``[SPLIT_K, *result]``, contiguous."""
+            meta: dict[str, int]) -> tuple[tuple[int, int], list, dict]:
+    """(grid, arguments, launch meta) of one product with ``meta`` (``_meta``); with SPLIT_K > 1,
+    ``c`` is the float32 slices' buffer ``[SPLIT_K, *result]``, contiguous."""
     batch, m, n, k = dims(a, b)
-    meta = _meta(tiles, k)
     split = meta["SPLIT_K"]
     tiles_m, tiles_n = triton.cdiv(m, meta["BLOCK_M"]), triton.cdiv(n, meta["BLOCK_N"])
     k_slice = triton.cdiv(triton.cdiv(k, meta["BLOCK_K"]), split) * meta["BLOCK_K"]
@@ -107,10 +106,11 @@ def tiled_matmul(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None, ti
         return c
     interpret = a.device.type != "cuda"
     kernels = _kernels(interpret)
-    split = _meta(tiles, a.shape[-1])["SPLIT_K"]
+    meta = _meta(tiles, a.shape[-1])
+    split = meta["SPLIT_K"]
     out = _slices(c, split) if split > 1 else c
-    grid, args, meta = _launch(a, b, bias, out, tiles)
-    kernels.tiled_matmul[grid](*args, **meta, UPCAST=interpret)
+    grid, args, launch_meta = _launch(a, b, bias, out, meta)
+    kernels.tiled_matmul[grid](*args, **launch_meta, UPCAST=interpret)
     if split > 1:
         kernels.split_k_sum[(triton.cdiv(c.numel(), SUM_BLOCK),)](*_sum_args(out, bias, c), **_sum_meta(split, bias))
     return c
@@ -147,9 +147,10 @@ def compile_jobs(gm: torch.fx.GraphModule) -> list[precompile.CompileJob]:
 def job(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None, c: torch.Tensor,
         tiles: list[int]) -> list[precompile.CompileJob]:
     """The compile jobs of one product's launches (the kernels specialise on sizes and strides)."""
-    split = _meta(tiles, a.shape[-1])["SPLIT_K"]
+    meta = _meta(tiles, a.shape[-1])
+    split = meta["SPLIT_K"]
     slices = _slices(c, split, "meta") if split > 1 else c  # its strides and dtype only
-    _, args, meta = _launch(a, b, bias, slices, tiles)
+    _, args, meta = _launch(a, b, bias, slices, meta)
 
     def arg_types(args: list) -> list:
         return [x.dtype if isinstance(x, torch.Tensor) else precompile.int_arg(x) for x in args]

@@ -17,15 +17,14 @@ implementations are the backend the dispatcher picked at capture (the rule) and 
 a fake kernel for its inputs: ``flash`` (no mask), ``efficient``, ``cudnn`` and ``math`` (ATen's
 composite) on the GPU, ``math`` beside ``flash_cpu`` on CPU tensors; on the GPU code path also
 ``ember`` (``ember::attention``, ops/attention.py, one candidate per tile configuration) where it
-takes the call. Where the chosen backend
-lays its output out otherwise (``math``'s is contiguous, the others' heads-inner), the ops after it
-are planned again for its strides (passes/strided_results.py), a copy only where a view cannot
+takes the call. Where the chosen backend lays its output out otherwise (``math``'s is contiguous,
+the others' heads-inner), the ops after it are planned again for its strides (passes/strided_results.py), a copy only where a view cannot
 follow; the whole-model check of ``ember tune`` times that cost with the rest.
 
 The CPU target's inference graphs get the attention choice alone (their matmuls and convolutions
 are the CPU library pass's sites; no generated kernel). Each site is offered to the tuning
-database's chooser; a tuned answer replaces the node, no answer keeps the rule's. Runs last among the GPU passes, so the calls it sees are those the program
-would run (padded, merged, laid out channels_last, or Ember's small products).
+database's chooser; a tuned answer replaces the node, no answer keeps the rule's. Runs last
+among the GPU passes, so the calls it sees are those the program would run (padded, merged, laid out channels_last, or Ember's small products).
 """
 
 from __future__ import annotations
@@ -130,8 +129,7 @@ def attention_call(impl: str, q: object, k: object, v: object, mask: object, cau
     """(op, args, kwargs) of attention without dropout as ``impl`` computes it (output: item 0;
     ``config``: the tiles of Ember's kernel, ``ember``)."""
     if impl == "ember":
-        tiles = attention.tiles_of(config) if config else attention.tiles_of(attention.candidates(1, 1, 1)[0])
-        return torch.ops.ember.attention.default, (q, k, v, mask, causal, scale, tiles), {}
+        return torch.ops.ember.attention.default, (q, k, v, mask, causal, scale, attention.tiles_of(config or {})), {}
     if impl == "flash":
         return aten._scaled_dot_product_flash_attention.default, (q, k, v, 0.0, causal, False), {"scale": scale}
     if impl == "efficient":

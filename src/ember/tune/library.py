@@ -1,4 +1,5 @@
-"""Tuning a library choice: which implementation a convolution, linear layer, matmul or attention runs as.
+"""Tuning a library choice: which implementation a convolution, linear layer, matmul or attention
+call runs as.
 
 For one ``LibrarySite`` (passes/library_sites.py) every implementation Ember can emit is built
 on fresh random operands (the site's shapes, strides and dtypes; weights scaled by 1/sqrt(fan-in)
@@ -236,10 +237,14 @@ def site_candidates(site: LibrarySite, top: int = 6) -> list[tuple[dict, str]]:
     return out
 
 
-def _compile_generated_ahead(site: LibrarySite, ops: Operands, configs: list[dict]) -> None:
-    """The candidates of Ember's kernels (tiled matmuls, attention) compiled by the compile workers
-    side by side (on their first launch Triton would compile them one at a time while the tuner
-    waits)."""
+_GENERATED = {"matmul": "tiled", "attention": "ember"}  # the site kinds whose Ember kernel has tiles
+
+
+def _compile_generated_ahead(site: LibrarySite, ops: Operands, todo: list[tuple[dict, str]]) -> None:
+    """The candidates of Ember's kernels among ``todo`` (tiled matmuls, attention) compiled by the
+    compile workers side by side (on their first launch Triton would compile them one at a time
+    while the tuner waits)."""
+    configs = [config for config, impl in todo if impl == _GENERATED.get(site.op)]
     if site.device_type != "cuda" or not configs:
         return
     from ember.ops import attention, tiled_matmul
@@ -272,8 +277,7 @@ def tune_site(site: LibrarySite, db: TuningDB, device: str, per_candidate_s: flo
     passed: list[tuple[dict, Callable[[], torch.Tensor]]] = []
     # What a run the budget cut short measured is not measured again (the rule is, beside the rest).
     todo = [(config, impl) for config, impl in site_candidates(site) if not (config and config_key(config) in done)]
-    _compile_generated_ahead(site, ops, [config for config, impl in todo if impl in ("tiled", "ember")
-                                         and site.op in ("matmul", "attention")])
+    _compile_generated_ahead(site, ops, todo)
     for config, impl in todo:
         if deadline is not None and time.perf_counter() >= deadline and passed:
             results.append(incomplete_marker(site.key, device, out.label, stamp))
