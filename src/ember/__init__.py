@@ -76,7 +76,8 @@ def compile(model: Callable, **options: Any) -> Callable:  # noqa: A001 - mirror
     if backend.options.whole_call and isinstance(compiled, torch_module()) and "forward" in compiled.__dict__:
         from ember.runtime.cudagraphs.whole_call import install as install_whole_call
         install_whole_call(compiled, model, backend)  # runtime/cudagraphs/whole_call.py
-    return compiled
+    from ember.capture.eager_fallback import install as install_eager_fallback
+    return install_eager_fallback(compiled, model, backend)  # what Dynamo cannot trace runs eagerly
 
 
 def torch_module() -> type:

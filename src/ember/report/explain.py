@@ -29,6 +29,7 @@ from torch.utils._pytree import tree_leaves
 
 from ember import config
 from ember.capture.backend import EmberBackend, optimize
+from ember.capture.eager_fallback import install as install_eager_fallback
 from ember.config import Options
 from ember.passes.pad_matmul import padding_line
 from ember.report.graph_breaks import collect_graph_breaks
@@ -527,7 +528,7 @@ def explain_with(model: Callable, args: tuple | list = (), kwargs: dict[str, Any
     model, inherited = _unwrap(model)
     backend = EmberBackend(Options.from_env(**{**inherited, **options}))
     timed = _TimedBackend(backend)
-    compiled = optimize(model, timed, isolate_recompiles=True)
+    compiled = install_eager_fallback(optimize(model, timed, isolate_recompiles=True), model, backend)
     kwargs = kwargs or {}
     steps = config.explain_steps() if steps is None else steps
     host, host_note = None, "not measured (steps=0)"
@@ -556,7 +557,8 @@ def explain_with(model: Callable, args: tuple | list = (), kwargs: dict[str, Any
         model_compiles=[cid for cid, _ in history.frames] if history else [],
         model_recompiles=_own_recompiles(history) if history else [],
         model_dynamic=list(history.dynamic) if history else [],
-        model_gave_up=list(history.gave_up) if history else [], host=host, host_note=host_note,
+        model_gave_up=list(dict.fromkeys([*(history.gave_up if history else []), *log.gave_up])),
+        host=host, host_note=host_note,
         model_whole_call=whole_call.describe() if whole_call is not None else "")
 
 

@@ -8,6 +8,7 @@ import time
 import warnings
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from typing import ClassVar
 
 import torch
 import torch.fx as fx
@@ -106,8 +107,12 @@ class CompiledGraph:
     # to if the program raises before it wrote any input, with ``on_rescue`` told why.
     rescue: Callable[[], Callable[[list], object]] | None = None
     on_rescue: Callable[[str], None] | None = None
+    # Runs of every compiled graph of the process: whether a model call ran compiled code before
+    # it failed (capture/eager_fallback.py may run such a call again eagerly only if none did).
+    runs: ClassVar[int] = 0
 
     def __call__(self, args: list) -> object:
+        CompiledGraph.runs += 1
         self.calls += 1
         if self.calls > 1 and not self.check:
             return self.run(args)
