@@ -382,12 +382,21 @@ def run_cli(args: Any) -> int:
             # The demoted choices are back on their rules, so the program is another one (a library
             # call's epilogue fused again, its neighbours grouped otherwise): tune the kernels it has
             # now and judge the choices it makes, so that the next ``ember tune`` finds them judged.
+            # Its library sites too: a convolution whose neighbour went back to its rule can take an
+            # epilogue again (mobilenet_v3's squeeze-excite convolutions with their hardsigmoid).
             with autocast, config.patch(tuning_db=str(db_path)):
-                groups = collect_groups(model, inputs, args.mode == "train", args.target, loss)
-            more = tune_kernels(groups, spent)
+                groups, sites = collect_work(model, inputs, args.mode == "train", args.target, loss)
+            more = tune_groups([], db, options.kernel_dir(), max(0.0, args.budget - spent), top=args.top,
+                               force=args.force, progress=console.is_terminal, sites=sites, shared=shared)
+            if any(k.best_config for k in more.measured):  # new library choices: their epilogues' kernels
+                with autocast, config.patch(tuning_db=str(db_path)):
+                    groups = collect_groups(model, inputs, args.mode == "train", args.target, loss)
+            kernels = tune_kernels(groups, spent + more.seconds)
+            more.kernels += kernels.kernels
+            more.seconds += kernels.seconds
             spent += more.seconds
             known = None
             if more.measured:
                 console.print(f"the program without the demoted choices: measured {len(more.measured)} more "
-                              f"kernel(s), {sum(k.failed for k in more.measured)} rejected")
+                              f"kernel(s) and library choice(s), {sum(k.failed for k in more.measured)} rejected")
     return 0
