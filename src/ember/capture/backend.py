@@ -36,6 +36,7 @@ from ember.capture.decompositions import decomposition_table
 from ember.capture.frame_cache import compile_frame as compile_cached_frame
 from ember.capture.instance_norm import rewrite_instance_norm
 from ember.capture.partition import partition_joint_graph
+from ember.capture.rng_states import fix_rng_state_sizes
 from ember.config import Options, settings
 from ember.graph_utils import is_symbolic
 from ember.ops.rnn import rewrite_long_rnns
@@ -255,6 +256,8 @@ class EmberBackend:
 
         def make(kind: str) -> Callable:
             def compiler(graph: fx.GraphModule, inputs: list) -> Callable:
+                if kind == "backward":  # activation checkpointing's saved RNG states (capture/rng_states.py)
+                    fix_rng_state_sizes(graph, inputs)
                 record = GraphRecord(title=f"{kind} {n} (frame {cid})", kind=kind, frame=cid, target="",
                                      input_signature=_signature(inputs))
                 self.log.graphs.append(record)

@@ -105,6 +105,8 @@ class _Writer:
             return str(a)
         if isinstance(a, (torch.layout, torch.memory_format)):
             return str(a)
+        if isinstance(a, torch._ops.OpOverload):  # an op handed to a higher-order op
+            return _qualname(a)
         return self.const(a)
 
     def call(self, node: fx.Node, target: object = None) -> str:
@@ -334,6 +336,10 @@ def _qualname(target: object) -> str:
         ns = target.namespace
         packet = target._overloadpacket.__name__
         return f"{'aten' if ns == 'aten' else 'prims' if ns == 'prims' else 'torch.ops.' + ns}.{packet}.{target._overloadname}"
+    if isinstance(target, torch._ops.HigherOrderOperator):
+        # Activation checkpointing's dropout: ``run_and_save_rng_state`` in the forward (the RNG
+        # state it ran with), ``run_with_rng_state`` in the recompute, so both draw one mask.
+        return f"torch.ops.higher_order.{target.name()}"
     # Python's own functions on sizes (``operator.ge`` of a data-dependent size in a check,
     # ``torch.sym_max``, ``math.ceil``): by their module's name, which the namespace holds.
     name = getattr(target, "__name__", "")
