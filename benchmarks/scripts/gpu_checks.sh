@@ -21,6 +21,8 @@ CHECKS=(
   "whole_step|180|python benchmarks/scripts/gpu_whole_step.py --part checks --json $OUT/whole_step.json"
   # dropout and attention dropout inside captured graphs
   "rng_capture|150|python benchmarks/scripts/gpu_rng_capture.py --skip-bert --json $OUT/rng_capture.json"
+  # dropout inside activation checkpoints: the recompute's mask, the backward compiled, CUDA graphs
+  "checkpoint_dropout|120|python benchmarks/scripts/gpu_checkpoint_dropout.py --json $OUT/checkpoint_dropout.json"
   # the shared op lowerings in compiled Triton against eager
   "lowering_check|120|python benchmarks/scripts/gpu_lowering_check.py"
   # the device prefetcher: input starvation with and without it

@@ -5,9 +5,10 @@ With ``torch.utils.checkpoint`` around dropout, AOTAutograd records the forward'
 backward as ``run_with_rng_state(state, op, ...)``, so both draw one mask. The saved state reaches
 the backward graph with a symbolic size (``uint8[s86]``): the state's size is the generator's, not
 the model's, and AOTAutograd does not know it. Ember generates code for static shapes only, so the
-whole backward would run op by op as captured. The size is fixed per device (5,056 bytes for the
-CPU generator, 16 for a CUDA one): where a symbolic input is only ever handed to
-``run_with_rng_state`` as its state, it is given that size, and the graph is static again.
+whole backward would run op by op as captured. The size is fixed per generator (5,056 bytes for
+the CPU one, 16 for a CUDA one; a CPU tensor either way): where a symbolic input is only ever
+handed to ``run_with_rng_state`` as its state, it is given the size of the generator of the
+device its op draws on, and the graph is static again.
 """
 
 from __future__ import annotations
@@ -20,6 +21,16 @@ from ember.graph_utils import is_symbolic
 
 def _is_run_with_rng_state(target: object) -> bool:
     return isinstance(target, torch._ops.HigherOrderOperator) and target.name() == "run_with_rng_state"
+
+
+def _drawing_device(state: fx.Node) -> torch.device | None:
+    """The device of the tensors the recomputed op reads (``run_with_rng_state(state, op, *args)``)."""
+    for user in state.users:
+        for arg in [*user.args[2:], *user.kwargs.values()]:
+            val = arg.meta.get("val") if isinstance(arg, fx.Node) else None
+            if isinstance(val, torch.Tensor):
+                return val.device
+    return None
 
 
 def _state_size(device: torch.device) -> int | None:
@@ -41,7 +52,9 @@ def fix_rng_state_sizes(graph: fx.GraphModule, inputs: list) -> int:
             continue
         if not node.users or not all(_is_run_with_rng_state(u.target) and u.args[0] is node for u in node.users):
             continue
-        size = _state_size(val.device)
+        # The generator is the device the op draws on; the state itself is a CPU tensor either way
+        # (``torch.cuda.get_rng_state()`` returns one).
+        size = _state_size(_drawing_device(node) or val.device)
         if size is None:
             continue
         mode = getattr(val, "fake_mode", None)
