@@ -298,3 +298,29 @@ def test_inference_graph_updating_batch_norm_statistics_is_captured() -> None:
 def test_explain_reports_why_cpu_programs_are_not_captured() -> None:
     report = ember.explain(ember.compile(torch.nn.Linear(4, 3), target="triton-interpret"), torch.randn(2, 4))
     assert "CUDA graph" in str(report) and "does not run on a CUDA device" in str(report)
+
+
+def test_dropout_inside_an_activation_checkpoint_is_not_captured() -> None:
+    # run_and_save_rng_state returns the generator's state as a host tensor (the forward) and the
+    # recompute takes it back (the backward): a replay would hand out the state of the capture.
+    from torch._prims.rng_prims import run_and_save_rng_state, run_with_rng_state
+
+    g = fx.Graph()
+    x = g.placeholder("x")
+    x.meta["val"] = _cuda(4, 8)
+    saved = g.call_function(run_and_save_rng_state, (aten.native_dropout.default, x, 0.5, True))
+    with _FAKE:
+        saved.meta["val"] = (torch.empty(16, dtype=torch.uint8),
+                             (torch.empty(4, 8, device="cuda"), torch.empty(4, 8, device="cuda", dtype=torch.bool)))
+    g.output(saved)
+    forward = fx.GraphModule(torch.nn.Module(), g)
+    assert "on cpu" in cudagraph_blocker(forward, [_cuda(4, 8)], "forward", "triton")
+
+    g = fx.Graph()
+    state, y = g.placeholder("state"), g.placeholder("y")
+    redo = g.call_function(run_with_rng_state, (state, aten.native_dropout.default, y, 0.5, True))
+    g.output(redo)
+    backward = fx.GraphModule(torch.nn.Module(), g)
+    with _FAKE:
+        host_state = torch.empty(16, dtype=torch.uint8)
+    assert "input 0 is on cpu" in cudagraph_blocker(backward, [host_state, _cuda(4, 8)], "backward", "triton")
