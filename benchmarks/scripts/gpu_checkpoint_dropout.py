@@ -22,9 +22,13 @@ import ember
 
 
 class DropoutInCheckpoint(torch.nn.Module):
-    def __init__(self, reentrant: bool) -> None:
+    """out = sum(dropout(x * w)) = sum(mask * x * w) / (1 - p), so d out / d w = sum(mask * x) / (1 - p)
+    and out == (w * grad_w).sum() exactly when the backward's mask is the forward's (also the CPU
+    tests' model: tests/capture/test_activation_checkpointing.py)."""
+
+    def __init__(self, reentrant: bool, features: int = 1024) -> None:
         super().__init__()
-        self.w = torch.nn.Parameter(torch.randn(1024))
+        self.w = torch.nn.Parameter(torch.randn(features))
         self.drop = torch.nn.Dropout(0.5)
         self.reentrant = reentrant
 

@@ -6,6 +6,7 @@ checkpoint the recompute draws the forward's mask, with the backward compiled
 from __future__ import annotations
 
 import copy
+import functools
 
 import pytest
 import torch
@@ -57,28 +58,26 @@ def test_checkpointed_blocks_train_as_eager(reentrant: bool) -> None:
     assert {g.kind for g in graphs} == {"forward", "backward"} and not any(g.error for g in graphs)
 
 
-class DropoutInCheckpoint(torch.nn.Module):
-    """out = sum(dropout(x * w)) = sum(mask * x * w) / (1 - p), so d out / d w = sum(mask * x) / (1 - p)
-    and out == (w * grad_w).sum() exactly when the backward's mask is the forward's."""
+@functools.cache
+def _device_check():
+    """benchmarks/scripts/gpu_checkpoint_dropout.py, whose model these tests share."""
+    import importlib.util
+    import sys
+    from pathlib import Path
 
-    def __init__(self, reentrant: bool) -> None:
-        super().__init__()
-        self.w = torch.nn.Parameter(torch.randn(64))
-        self.drop = torch.nn.Dropout(0.5)
-        self.reentrant = reentrant
-
-    def inner(self, x: torch.Tensor) -> torch.Tensor:
-        return self.drop(x * self.w)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return checkpoint(self.inner, x, use_reentrant=self.reentrant).sum()
+    path = Path(__file__).resolve().parents[2] / "benchmarks" / "scripts" / "gpu_checkpoint_dropout.py"
+    spec = importlib.util.spec_from_file_location("gpu_checkpoint_dropout", path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module
+    spec.loader.exec_module(module)
+    return module
 
 
 @pytest.mark.parametrize("target", ["cpu", "triton-interpret"])
 @pytest.mark.parametrize("reentrant", [False, True], ids=["non-reentrant", "reentrant"])
 def test_dropout_inside_a_checkpoint_recomputes_the_same_mask(reentrant: bool, target: str) -> None:
     torch.manual_seed(0)
-    model = DropoutInCheckpoint(reentrant)
+    model = _device_check().DropoutInCheckpoint(reentrant, features=64)
     compiled = ember.compile(model, target=target, warm_start=False)
     grads = set()
     x = torch.randn(32, 64)

@@ -340,22 +340,28 @@ def run_cli(args: Any) -> int:
     if not groups and not sites:
         console.print("nothing to tune: no generated kernels and no library choices (see `ember explain`)")
         return 0
-    report = tune_groups([], db, options.kernel_dir(), args.budget, top=args.top, force=args.force,
-                         progress=console.is_terminal, sites=sites, shared=shared)
-    report.device = describe(device.type)  # (the library sites alone would name the CPU)
-    if any(k.best_config for k in report.kernels):
-        # A library call that is not the rule any more leaves its epilogue to a generated kernel:
-        # compile again with the new choices to tune the kernels the program will really run.
-        with autocast, config.patch(tuning_db=str(db_path)):
-            groups = collect_groups(model, inputs, args.mode == "train", args.target, loss)
-    def tune_kernels(groups: list, spent_s: float) -> TuneReport:  # within what is left of the budget
-        return tune_groups(groups, db, options.kernel_dir(), max(0.0, args.budget - spent_s), top=args.top,
-                           force=args.force, progress=console.is_terminal, shared=shared)
 
-    rest = tune_kernels(groups, report.seconds)
-    report.kernels += rest.kernels
-    report.skipped += rest.skipped
-    report.seconds += rest.seconds
+    def tune_program(groups: list, sites: list, spent_s: float) -> TuneReport:
+        """The library sites, then the generated kernels of the program their choices make, within
+        what is left of the budget. The compile that found ``groups`` used the database's choices;
+        a library call newly taken off its rule leaves its epilogue to a generated kernel, so the
+        kernels are collected again for the program that will really run."""
+        def tune(groups: list, sites: list, spent_s: float) -> TuneReport:
+            return tune_groups(groups, db, options.kernel_dir(), max(0.0, args.budget - spent_s), top=args.top,
+                               force=args.force, progress=console.is_terminal, sites=sites, shared=shared)
+
+        report = tune([], sites, spent_s)
+        if any(k.best_config for k in report.measured):
+            with autocast, config.patch(tuning_db=str(db_path)):
+                groups = collect_groups(model, inputs, args.mode == "train", args.target, loss)
+        rest = tune(groups, (), spent_s + report.seconds)
+        report.kernels += rest.kernels
+        report.skipped += rest.skipped
+        report.seconds += rest.seconds
+        return report
+
+    report = tune_program(groups, sites, 0.0)
+    report.device = describe(device.type)  # (the library sites alone would name the CPU)
     console.print(summary_table(report))
     measured = report.measured
     if measured:
@@ -386,14 +392,7 @@ def run_cli(args: Any) -> int:
             # epilogue again (mobilenet_v3's squeeze-excite convolutions with their hardsigmoid).
             with autocast, config.patch(tuning_db=str(db_path)):
                 groups, sites = collect_work(model, inputs, args.mode == "train", args.target, loss)
-            more = tune_groups([], db, options.kernel_dir(), max(0.0, args.budget - spent), top=args.top,
-                               force=args.force, progress=console.is_terminal, sites=sites, shared=shared)
-            if any(k.best_config for k in more.measured):  # new library choices: their epilogues' kernels
-                with autocast, config.patch(tuning_db=str(db_path)):
-                    groups = collect_groups(model, inputs, args.mode == "train", args.target, loss)
-            kernels = tune_kernels(groups, spent + more.seconds)
-            more.kernels += kernels.kernels
-            more.seconds += kernels.seconds
+            more = tune_program(groups, sites, spent)
             spent += more.seconds
             known = None
             if more.measured:
