@@ -1,0 +1,83 @@
+"""Compile every Triton kernel a GPU run of the seed models would build, for an H100 (sm_90), on a
+machine without a GPU: the generated kernels (the rules' configuration and the tuner's best few)
+and Ember's own ops in each model's graphs, plus every tile configuration of the tuner's tiled
+matmul and attention kernels. Reports compile errors and kernels past the shared-memory limit.
+
+    PYTHONPATH=src python benchmarks/scripts/sm90_kernel_check.py [MODEL ...] [--mode train|infer|both]
+        [--batch 2] [--candidates 4] [--json OUT.json]
+
+Each model runs one step on the Triton interpreter at full size and ``--batch`` (bf16 autocast,
+as the GPU suite runs) to reach its kernels; the batch changes the kernels' sizes, not their kinds.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import torch  # noqa: E402
+import triton  # noqa: E402
+
+from ember.bench import gpu_kernels, models  # noqa: E402
+from ember.runtime.target_compile import H100, compile_for_target  # noqa: E402
+from ember.tune.session import load_model  # noqa: E402
+
+SEEDS = ["resnet50", "bert", "vgg16", "mobilenet_v3", "cyclegan", "style_transfer"]
+
+
+def _row(label: str, jobs: list, seconds_collect: float) -> dict:
+    t0 = time.perf_counter()
+    results = compile_for_target(jobs, H100)
+    bad = gpu_kernels.failures(results)
+    return {"case": label, "kernels": len(results), "collect_s": round(seconds_collect, 2),
+            "compile_wall_s": round(time.perf_counter() - t0, 2),
+            "compile_serial_s": round(sum(r.seconds for r in results), 2),
+            "max_shared": max((r.shared or 0) for r in results) if results else 0,
+            "failures": [{"kernel": r.describe(), "problem": r.problem()} for r in bad]}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("models", nargs="*", default=SEEDS)
+    ap.add_argument("--mode", choices=["train", "infer", "both"], default="both")
+    ap.add_argument("--batch", type=int, default=2)
+    ap.add_argument("--candidates", type=int, default=4)
+    ap.add_argument("--json")
+    args = ap.parse_args()
+    rows = []
+    t0 = time.perf_counter()
+    rows.append(_row("tuning families (tiled matmul, split-K sum, attention; bf16, fp16)",
+                     gpu_kernels.tuning_family_jobs(), time.perf_counter() - t0))
+    print(json.dumps(rows[-1])[:300], flush=True)
+    modes = ["train", "infer"] if args.mode == "both" else [args.mode]
+    for name in args.models:
+        models.get_case(name)
+        for mode in modes:
+            t0 = time.perf_counter()
+            model, inputs, loss = load_model(name, torch.device("cpu"), mode, args.batch, False)
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                jobs = gpu_kernels.model_jobs(model, inputs, mode == "train", gpu_kernels.scratch_folder(),
+                                              loss if mode == "train" else None, args.candidates)
+            rows.append(_row(f"{name} {mode} bs{args.batch} bf16", jobs, time.perf_counter() - t0))
+            print(json.dumps(rows[-1])[:300], flush=True)
+    print(f"\n{'case':<66} {'kernels':>7} {'max shared':>10} {'failed':>6}")
+    for r in rows:
+        print(f"{r['case']:<66} {r['kernels']:>7} {r['max_shared']:>10} {len(r['failures']):>6}")
+    if args.json:
+        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
+        env = {"python": platform.python_version(), "torch": torch.__version__, "triton": triton.__version__,
+               "target": f"{H100} (sm_90)", "cpu": platform.processor() or platform.machine(), "git_commit": commit,
+               "date": time.strftime("%Y-%m-%d"), "argv": sys.argv[1:]}
+        Path(args.json).write_text(json.dumps({"env": env, "rows": rows}, indent=1))
+
+
+if __name__ == "__main__":
+    main()
