@@ -5,9 +5,15 @@ matmul and attention kernels. Reports compile errors and kernels past the shared
 
     PYTHONPATH=src python benchmarks/scripts/sm90_kernel_check.py [MODEL ...] [--mode train|infer|both]
         [--batch 2] [--candidates 4] [--json OUT.json]
+    PYTHONPATH=src python benchmarks/scripts/sm90_kernel_check.py --sweep core|wider [--only NAME ...]
+        [--candidates 0] [--json OUT.json]
 
-Each model runs one step on the Triton interpreter at full size and ``--batch`` (bf16 autocast,
-as the GPU suite runs) to reach its kernels; the batch changes the kernels' sizes, not their kinds.
+Each seed model runs one step on the Triton interpreter at full size and ``--batch`` (bf16
+autocast, as the GPU suite runs) to reach its kernels; the batch changes the kernels' sizes, not
+their kinds. ``--sweep`` takes the CPU sweep's models instead (benchmarks/scripts/sweep_models.py,
+their small inputs, one training step where the sweep trains them, else one inference call; bf16
+autocast; dropout as the model has it), one row each, a model that fails on the interpreter
+reported as its row's error.
 """
 
 from __future__ import annotations
@@ -44,6 +50,33 @@ def _row(label: str, jobs: list, seconds_collect: float) -> dict:
             "failures": [{"kernel": r.describe(), "problem": r.problem()} for r in bad]}
 
 
+def _sweep_rows(set_name: str, only: list[str], candidates: int) -> list[dict]:
+    sys.path.insert(0, str(Path(__file__).parent))
+    import sweep_models
+    rows = []
+    names = [n for n, c in sweep_models.REGISTRY.items() if c.group == set_name and (not only or n in only)]
+    for name in names:
+        case = sweep_models.REGISTRY[name]
+        t0 = time.perf_counter()
+        try:
+            torch.manual_seed(0)
+            model = case.build().train(case.train)
+            args, kwargs = case.make(torch.Generator().manual_seed(0))
+
+            def call(*a: object, _m: torch.nn.Module = model, _kw: dict = kwargs) -> object:
+                return _m(*a, **_kw)
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                jobs = gpu_kernels.model_jobs(call, tuple(args), case.train, gpu_kernels.scratch_folder(),
+                                              candidates=candidates)
+        except Exception as err:  # noqa: BLE001 - one model's failure is its row
+            rows.append({"case": name, "kernels": 0, "collect_s": round(time.perf_counter() - t0, 2),
+                         "error": f"{type(err).__name__}: {str(err)[:500]}", "failures": []})
+        else:
+            rows.append(_row(name, jobs, time.perf_counter() - t0))
+        print(json.dumps(rows[-1])[:300], flush=True)
+    return rows
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("models", nargs="*", default=SEEDS)
@@ -51,14 +84,20 @@ def main() -> None:
     ap.add_argument("--batch", type=int, default=2)
     ap.add_argument("--candidates", type=int, default=4)
     ap.add_argument("--json")
+    ap.add_argument("--sweep", choices=["core", "wider"], help="the CPU sweep's models instead of the seeds")
+    ap.add_argument("--only", nargs="*", default=[], help="with --sweep: these models of the set")
+    ap.add_argument("--no-families", action="store_true", help="skip the tuner's kernel families")
     args = ap.parse_args()
     rows = []
     t0 = time.perf_counter()
-    rows.append(_row("tuning families (tiled matmul, split-K sum, attention; bf16, fp16)",
-                     gpu_kernels.tuning_family_jobs(), time.perf_counter() - t0))
-    print(json.dumps(rows[-1])[:300], flush=True)
+    if not args.no_families:
+        rows.append(_row("tuning families (tiled matmul, split-K sum, attention; bf16, fp16)",
+                         gpu_kernels.tuning_family_jobs(), time.perf_counter() - t0))
+        print(json.dumps(rows[-1])[:300], flush=True)
     modes = ["train", "infer"] if args.mode == "both" else [args.mode]
-    for name in args.models:
+    if args.sweep:
+        rows += _sweep_rows(args.sweep, args.only, args.candidates)
+    for name in args.models if not args.sweep else []:
         models.get_case(name)
         for mode in modes:
             t0 = time.perf_counter()
@@ -70,7 +109,8 @@ def main() -> None:
             print(json.dumps(rows[-1])[:300], flush=True)
     print(f"\n{'case':<66} {'kernels':>7} {'max shared':>10} {'failed':>6}")
     for r in rows:
-        print(f"{r['case']:<66} {r['kernels']:>7} {r['max_shared']:>10} {len(r['failures']):>6}")
+        print(f"{r['case']:<66} {r['kernels']:>7} {r.get('max_shared', '-'):>10} {len(r['failures']):>6} "
+              f"{r.get('error', '')[:100]}")
     if args.json:
         commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
         env = {"python": platform.python_version(), "torch": torch.__version__, "triton": triton.__version__,

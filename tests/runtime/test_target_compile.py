@@ -97,3 +97,22 @@ def test_a_target_that_is_not_one_is_refused(capsys: pytest.CaptureFixture) -> N
     with pytest.raises(SystemExit, match="not a Triton target"):
         main(["--target", "h100"])
     assert H100 == "cuda:90:32"
+
+
+def test_a_kernel_that_kills_its_compile_process_is_charged_alone(tmp_path: Path) -> None:
+    good = tmp_path / "good_kernel.py"
+    good.write_text(textwrap.dedent("""
+        import triton
+        import triton.language as tl
+
+        @triton.jit
+        def good_kernel(x_ptr, BLOCK: tl.constexpr):
+            rows = tl.arange(0, BLOCK)
+            tl.store(x_ptr + rows, tl.load(x_ptr + rows) * 2)
+    """))
+    dying = tmp_path / "dying_kernel.py"
+    dying.write_text("import os\nos._exit(3)  # a crash outside Python's exceptions\n")
+    jobs = [job_for(good, "good_kernel", ["float32"], {"BLOCK": 128}), job_for(dying, "dying_kernel", ["float32"], {})]
+    ok, dead = compile_for_target(jobs, processes=1)
+    assert ok.ok and ok.shared is not None
+    assert not dead.ok and "died (3)" in dead.error

@@ -76,22 +76,30 @@ def compile_for_target(jobs: Sequence[CompileJob], target: str = H100, processes
         return []
     processes = max(1, min(processes or len(os.sched_getaffinity(0)), len(distinct)))
     shares = [distinct[i::processes] for i in range(processes)]
+    by_job: dict[CompileJob, TargetCompile] = {}
     with tempfile.TemporaryDirectory(prefix="ember_target_compile_") as folder:
-        children = []
-        for i, share in enumerate(shares):
-            env = {**os.environ, "TRITON_CACHE_DIR": os.path.join(folder, f"cache{i}"), "TRITON_INTERPRET": "0"}
-            child = subprocess.Popen([sys.executable, "-m", "ember.runtime.target_compile", "--target", target],
-                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                                     text=True, env=env)
-            children.append((share, child, json.dumps([dataclasses.asdict(j) for j in share])))
-        by_job: dict[CompileJob, TargetCompile] = {}
-        for share, child, text in children:
+        children = [(share, _start(share, target, os.path.join(folder, f"cache{i}"))) for i, share in enumerate(shares)]
+        for share, (child, text) in children:
             out, err = child.communicate(text, timeout=timeout_s)
-            if child.returncode != 0:
-                raise RuntimeError(f"the target compile process failed ({child.returncode}): {err[-2000:]}")
-            for job, row in zip(share, json.loads(out)):
-                by_job[job] = TargetCompile(job, **row)
+            if child.returncode == 0:
+                by_job.update((job, TargetCompile(job, **row)) for job, row in zip(share, json.loads(out)))
+                continue
+            # A compiler that crashed its process (not an exception): each job again on its own,
+            # so the crash is charged to the kernel that caused it.
+            for job in share:
+                lone, lone_text = _start([job], target, os.path.join(folder, "lone"))
+                out, err = lone.communicate(lone_text, timeout=timeout_s)
+                by_job[job] = (TargetCompile(job, **json.loads(out)[0]) if lone.returncode == 0 else
+                               TargetCompile(job, 0.0, error=f"the compile process died ({lone.returncode}): "
+                                                             f"{err.strip()[-1000:]}"))
     return [by_job[j] for j in jobs]
+
+
+def _start(share: Sequence[CompileJob], target: str, cache_dir: str) -> tuple[subprocess.Popen, str]:
+    env = {**os.environ, "TRITON_CACHE_DIR": cache_dir, "TRITON_INTERPRET": "0"}
+    child = subprocess.Popen([sys.executable, "-m", "ember.runtime.target_compile", "--target", target],
+                             stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    return child, json.dumps([dataclasses.asdict(j) for j in share])
 
 
 def _compile_one(job: CompileJob, arch: int) -> dict:
