@@ -13,7 +13,8 @@ autocast, as the GPU suite runs) to reach its kernels; the batch changes the ker
 their kinds. ``--sweep`` takes the CPU sweep's models instead (benchmarks/scripts/sweep_models.py,
 their small inputs, one training step where the sweep trains them, else one inference call; bf16
 autocast; dropout as the model has it), one row each, a model that fails on the interpreter
-reported as its row's error.
+reported as its row's error. ``--python PY`` compiles every kernel a second time with the Triton of
+PY's environment (the GPU machine's 3.6.0: requirements-gpu-triton.txt; no torch needed there).
 """
 
 from __future__ import annotations
@@ -39,15 +40,24 @@ from ember.tune.session import load_model  # noqa: E402
 SEEDS = ["resnet50", "bert", "vgg16", "mobilenet_v3", "cyclegan", "style_transfer"]
 
 
+PYTHONS: list[str | None] = [None]  # the children's interpreters: None is the default (--python adds)
+
+
 def _row(label: str, jobs: list, seconds_collect: float) -> dict:
-    t0 = time.perf_counter()
-    results = compile_for_target(jobs, H100)
-    bad = gpu_kernels.failures(results)
-    return {"case": label, "kernels": len(results), "collect_s": round(seconds_collect, 2),
-            "compile_wall_s": round(time.perf_counter() - t0, 2),
-            "compile_serial_s": round(sum(r.seconds for r in results), 2),
-            "max_shared": max((r.shared or 0) for r in results) if results else 0,
-            "failures": [{"kernel": r.describe(), "problem": r.problem()} for r in bad]}
+    row: dict = {"case": label, "kernels": len(jobs), "collect_s": round(seconds_collect, 2), "failures": [],
+                 "by_triton": {}}
+    for python in PYTHONS:
+        t0 = time.perf_counter()
+        results = compile_for_target(jobs, H100, python=python)
+        version = ",".join(sorted({r.triton for r in results}))
+        row["by_triton"][version] = {"compile_wall_s": round(time.perf_counter() - t0, 2),
+                                     "compile_serial_s": round(sum(r.seconds for r in results), 2),
+                                     "max_shared": max((r.shared or 0) for r in results) if results else 0}
+        row["failures"] += [{"triton": version, "kernel": r.describe(), "problem": r.problem()}
+                            for r in gpu_kernels.failures(results)]
+    row["max_shared"] = max((v["max_shared"] for v in row["by_triton"].values()), default=0)
+    row["triton"] = ", ".join(row["by_triton"])
+    return row
 
 
 def _sweep_rows(set_name: str, only: list[str], candidates: int) -> list[dict]:
@@ -87,7 +97,10 @@ def main() -> None:
     ap.add_argument("--sweep", choices=["core", "wider"], help="the CPU sweep's models instead of the seeds")
     ap.add_argument("--only", nargs="*", default=[], help="with --sweep: these models of the set")
     ap.add_argument("--no-families", action="store_true", help="skip the tuner's kernel families")
+    ap.add_argument("--python", action="append", default=[],
+                    help="also compile with the Triton of this interpreter's environment (repeatable)")
     args = ap.parse_args()
+    PYTHONS.extend(args.python)
     rows = []
     t0 = time.perf_counter()
     if not args.no_families:
@@ -107,10 +120,10 @@ def main() -> None:
                                               loss if mode == "train" else None, args.candidates)
             rows.append(_row(f"{name} {mode} bs{args.batch} bf16", jobs, time.perf_counter() - t0))
             print(json.dumps(rows[-1])[:300], flush=True)
-    print(f"\n{'case':<66} {'kernels':>7} {'max shared':>10} {'failed':>6}")
+    print(f"\n{'case':<66} {'kernels':>7} {'max shared':>10} {'failed':>6}  triton")
     for r in rows:
-        print(f"{r['case']:<66} {r['kernels']:>7} {r.get('max_shared', '-'):>10} {len(r['failures']):>6} "
-              f"{r.get('error', '')[:100]}")
+        print(f"{r['case']:<66} {r['kernels']:>7} {r.get('max_shared', '-'):>10} {len(r['failures']):>6}  "
+              f"{r.get('triton', '')} {r.get('error', '')[:100]}")
     if args.json:
         commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
         env = {"python": platform.python_version(), "torch": torch.__version__, "triton": triton.__version__,

@@ -35,6 +35,7 @@ def test_every_tile_configuration_of_the_tuners_kernels_compiles_and_fits() -> N
     results = compile_for_target(jobs)
     assert _problems(results) == []
     assert all(0 < r.shared <= SHARED_LIMIT[90] for r in results if r.job.name != "split_k_sum")
+    assert len({r.triton for r in results}) == 1 and results[0].triton  # one compiler, the one named
 
 
 def test_a_bf16_convolutional_training_step_compiles_for_an_h100(tmp_path: Path) -> None:

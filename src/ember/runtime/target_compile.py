@@ -10,6 +10,9 @@ with Triton's target-only driver (runtime/worker_triton.py), so a machine withou
 included, can tell whether the kernels a GPU run would launch compile and fit.
 
     python -m ember.runtime.target_compile [--target cuda:90:32] < jobs.json   # results as JSON
+
+The children need Triton, not torch: EMBER_TARGET_COMPILE_PYTHON may name the Python of another
+environment, one with the Triton version of the GPU machine, to check the kernels against it.
 """
 
 from __future__ import annotations
@@ -24,10 +27,12 @@ import tempfile
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
+from pathlib import Path
 
 from ember.runtime.precompile import INT_VALUE, SCALAR_ARG, SCALAR_INT32, CompileJob
 
 H100 = "cuda:90:32"
+PYTHON_ENV = "EMBER_TARGET_COMPILE_PYTHON"  # the children's interpreter (compile_for_target)
 # Shared memory one block may use (bytes, the opt-in maximum Triton checks at load) per compute
 # capability: CUDA's table of the per-block limits.
 SHARED_LIMIT = {70: 98304, 75: 65536, 80: 166912, 86: 101376, 87: 166912, 89: 101376, 90: 232448,
@@ -44,6 +49,7 @@ class TargetCompile:
     shared: int | None = None
     shared_limit: int | None = None
     error: str | None = None
+    triton: str = ""  # the version of the Triton that compiled it
 
     @property
     def fits(self) -> bool:
@@ -67,10 +73,13 @@ class TargetCompile:
 
 
 def compile_for_target(jobs: Sequence[CompileJob], target: str = H100, processes: int | None = None,
-                       timeout_s: float = 1800.0) -> list[TargetCompile]:
+                       timeout_s: float = 1800.0, python: str | None = None) -> list[TargetCompile]:
     """Compile every distinct job for ``target`` (``backend:arch:warp_size``), in ``processes``
     child processes (default: the CPUs this process may use), each with an empty Triton cache so
-    that every kernel really compiles. Results in the order of ``jobs``."""
+    that every kernel really compiles. ``python``: the interpreter of the children (default
+    PYTHON_ENV's, else this one's): one whose environment holds another Triton (the GPU machine's
+    version, say; torch is not needed there) checks the kernels against that Triton. Results in
+    the order of ``jobs``."""
     distinct = list(dict.fromkeys(jobs))
     if not distinct:
         return []
@@ -78,7 +87,9 @@ def compile_for_target(jobs: Sequence[CompileJob], target: str = H100, processes
     shares = [distinct[i::processes] for i in range(processes)]
     by_job: dict[CompileJob, TargetCompile] = {}
     with tempfile.TemporaryDirectory(prefix="ember_target_compile_") as folder:
-        children = [(share, _start(share, target, os.path.join(folder, f"cache{i}"))) for i, share in enumerate(shares)]
+        python = python or os.environ.get(PYTHON_ENV) or sys.executable
+        children = [(share, _start(share, target, os.path.join(folder, f"cache{i}"), python))
+                    for i, share in enumerate(shares)]
         for share, (child, text) in children:
             out, err = child.communicate(text, timeout=timeout_s)
             if child.returncode == 0:
@@ -87,7 +98,7 @@ def compile_for_target(jobs: Sequence[CompileJob], target: str = H100, processes
             # A compiler that crashed its process (not an exception): each job again on its own,
             # so the crash is charged to the kernel that caused it.
             for job in share:
-                lone, lone_text = _start([job], target, os.path.join(folder, "lone"))
+                lone, lone_text = _start([job], target, os.path.join(folder, "lone"), python)
                 out, err = lone.communicate(lone_text, timeout=timeout_s)
                 by_job[job] = (TargetCompile(job, **json.loads(out)[0]) if lone.returncode == 0 else
                                TargetCompile(job, 0.0, error=f"the compile process died ({lone.returncode}): "
@@ -95,9 +106,11 @@ def compile_for_target(jobs: Sequence[CompileJob], target: str = H100, processes
     return [by_job[j] for j in jobs]
 
 
-def _start(share: Sequence[CompileJob], target: str, cache_dir: str) -> tuple[subprocess.Popen, str]:
-    env = {**os.environ, "TRITON_CACHE_DIR": cache_dir, "TRITON_INTERPRET": "0"}
-    child = subprocess.Popen([sys.executable, "-m", "ember.runtime.target_compile", "--target", target],
+def _start(share: Sequence[CompileJob], target: str, cache_dir: str, python: str) -> tuple[subprocess.Popen, str]:
+    source = str(Path(__file__).resolve().parents[2])  # the folder holding the ember package
+    path = os.pathsep.join(p for p in (source, os.environ.get("PYTHONPATH", "")) if p)
+    env = {**os.environ, "TRITON_CACHE_DIR": cache_dir, "TRITON_INTERPRET": "0", "PYTHONPATH": path}
+    child = subprocess.Popen([python, "-m", "ember.runtime.target_compile", "--target", target],
                              stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
     return child, json.dumps([dataclasses.asdict(j) for j in share])
 
@@ -105,8 +118,11 @@ def _start(share: Sequence[CompileJob], target: str, cache_dir: str) -> tuple[su
 def _compile_one(job: CompileJob, arch: int) -> dict:
     import importlib.util
 
+    import triton
+
     from ember.runtime.worker_triton import pointer_arg
     began = time.perf_counter()
+    version = triton.__version__
     try:
         spec = importlib.util.spec_from_file_location(f"ember_target_compile.{job.name}", job.path)
         module = importlib.util.module_from_spec(spec)
@@ -117,8 +133,10 @@ def _compile_one(job: CompileJob, arch: int) -> dict:
         compiled = fn.warmup(*args, grid=(1,), **dict(job.meta))
         shared = int(compiled.metadata.shared)
     except Exception as err:  # noqa: BLE001 - the compiler's error is the result
-        return {"seconds": time.perf_counter() - began, "error": f"{type(err).__name__}: {str(err)[:1500]}"}
-    return {"seconds": time.perf_counter() - began, "shared": shared, "shared_limit": SHARED_LIMIT.get(arch)}
+        return {"seconds": time.perf_counter() - began, "error": f"{type(err).__name__}: {str(err)[:1500]}",
+                "triton": version}
+    return {"seconds": time.perf_counter() - began, "shared": shared, "shared_limit": SHARED_LIMIT.get(arch),
+            "triton": version}
 
 
 def main(argv: Sequence[str] | None = None) -> None:
