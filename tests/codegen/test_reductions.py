@@ -305,3 +305,31 @@ def test_sums_to_another_dtype_stay_aten() -> None:
     check(lambda t: torch.sum(t + 1, 1, dtype=torch.int64), [x], allow_fallback=["aten.sum"])
     y = make_input((4, 9), "contiguous")
     check(lambda t: torch.sum(t * 3, 0, dtype=torch.bfloat16), [y], allow_fallback=["aten.sum"], norm_rtol=1e-2)
+
+
+@pytest.mark.parametrize("looped", MODES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_max_and_min_give_nan_to_rows_holding_one(looped, dtype):
+    # The interpreter reduces max/min with numpy's NaN-ignoring reductions (reduce_rows); a row
+    # with a NaN must still give NaN, as torch's max does, and the other rows their extremes.
+    x = make_input((6, 40), "contiguous").to(dtype)
+    x[1, 7] = float("nan")
+    x[4, :] = float("nan")
+    x[5, :] = float("-inf")
+    fn = lambda t: (torch.amax(t, 1) * 2, torch.amin(t, 1) - 1, torch.softmax(t.float(), -1))  # noqa: E731
+    with strict_env(looped=looped):
+        got = ember.compile(fn, target="triton-interpret")(x)
+    for g, w in zip(got, fn(x)):
+        assert torch.equal(torch.isnan(g), torch.isnan(w))
+        torch.testing.assert_close(torch.nan_to_num(g), torch.nan_to_num(w))
+
+
+def test_max_of_a_split_reduction_gives_nan_to_its_row():
+    # A long row split over programs: the partial results and their combination keep the NaN.
+    x = make_input((2, 20000), "contiguous")
+    x[0, 15000] = float("nan")
+    with strict_env(looped=True):
+        got = ember.compile(lambda t: (torch.amax(t, 1) * 2, torch.amin(t, 1) * 2), target="triton-interpret")(x)
+    for g, w in zip(got, (torch.amax(x, 1) * 2, torch.amin(x, 1) * 2)):
+        assert torch.isnan(g[0]) and not torch.isnan(g[1])
+        torch.testing.assert_close(g[1], w[1])

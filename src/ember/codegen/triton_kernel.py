@@ -68,13 +68,22 @@ def _min(a, b):
 """,
 }
 # Triton's interpreter truncates float32 -> bfloat16; round to nearest even by hand so the
-# interpreter computes exactly what the GPU computes.
+# interpreter computes exactly what the GPU computes. Float max and min reductions go through
+# Triton's combine functions there (numpy's speed), NaN put back (triton_reductions.reduce_rows).
 _HELPERS_INTERPRET = {**_HELPERS_GPU, "_round_to_bf16": """@triton.jit
 def _round_to_bf16(x):
     bits = x.to(tl.uint32, bitcast=True)
     bits = bits + 0x7FFF + ((bits >> 16) & 1)
     rounded = (bits & 0xFFFF0000).to(tl.float32, bitcast=True)
     return tl.where(x != x, x, rounded)
+""", "_max_rows": """@triton.jit
+def _max_rows(x):
+    nans = tl.reduce((x != x).to(tl.float32), 1, tl.standard._sum_combine)
+    return tl.where(nans > 0, tl.reduce(x, 1, tl.standard._sum_combine), tl.reduce(x, 1, tl.standard._elementwise_max))
+""", "_min_rows": """@triton.jit
+def _min_rows(x):
+    nans = tl.reduce((x != x).to(tl.float32), 1, tl.standard._sum_combine)
+    return tl.where(nans > 0, tl.reduce(x, 1, tl.standard._sum_combine), tl.reduce(x, 1, tl.standard._elementwise_min))
 """}
 _IMPORTS = "import triton\nimport triton.language as tl\n"
 

@@ -36,10 +36,25 @@ def combine_fn(kind: str, dtype: torch.dtype) -> str:
     return "tl.standard._sum_combine" if kind == "sum" and dtype.is_floating_point else f"_{kind}"
 
 
+def reduce_rows(value: str, kind: str, dtype: torch.dtype, interpret: bool) -> str:
+    """The expression reducing the rows of the ``[XBLOCK, N]`` tile ``value``, as a column.
+
+    On the interpreter a max or min goes through Triton's own combine functions, which it runs as
+    numpy reductions (NaN-ignoring: ``_max_rows``/``_min_rows`` give NaN back to a row holding
+    one, as torch does); ours (``_max``/``_min``) it runs element by element, which made a
+    softmax over a BERT's scores take minutes. The GPU compiles ours: the same answer, one pass."""
+    if interpret and kind in ("max", "min") and dtype != torch.bool:
+        if dtype.is_floating_point:
+            return f"_{kind}_rows({value})[:, None]"
+        return f"tl.reduce({value}, 1, tl.standard._elementwise_{kind})[:, None]"
+    return f"tl.reduce({value}, 1, {combine_fn(kind, dtype)})[:, None]"
+
+
 class TritonReductions(KernelWriter):
     """Reduction code of the Triton writer; the iteration space, loads and stores are
     ``TritonWriter``'s (codegen/triton_kernel.py)."""
 
+    interpret: bool
     persistent: bool
     rnumel: int
     xnumel: int
@@ -83,7 +98,7 @@ class TritonReductions(KernelWriter):
         inp, dtype = self._reduce_input(node, scope)
         var = self._tmp()
         masked = f"tl.where(xmask & rmask, {inp}, {self._identity(node, dtype)})"
-        reduced = f"tl.reduce({masked}, 1, {combine_fn(reduction_kind(node), dtype)})[:, None]"
+        reduced = reduce_rows(masked, reduction_kind(node), dtype, self.interpret)
         scope.lines.append(f"{var} = {self._finish(node, reduced)}  # {node_source(node)}")
         return TritonValue(var, dtype)
 
@@ -154,7 +169,7 @@ class TritonReductions(KernelWriter):
                               f"{self.split.split}), other={ident})")
             root.lines.append(f"    {acc} = {accumulate(TRITON, kind, acc, part, dtype)}")
             var = self._tmp()
-            reduced = f"tl.reduce({acc}, 1, {combine_fn(kind, dtype)})[:, None]"
+            reduced = reduce_rows(acc, kind, dtype, self.interpret)
             if into_cache:
                 root.lines.append(f"{var} = {self._finish(r, reduced)}  # {node_source(r)}")
                 root.cache[r] = TritonValue(var, dtype)
@@ -194,7 +209,7 @@ class TritonReductions(KernelWriter):
         root.lines += ["    " + line for line in inner.lines]
         for r, acc, kind, dtype in accs:
             var = self._tmp()
-            reduced = f"tl.reduce({acc}, 1, {combine_fn(kind, dtype)})[:, None]"
+            reduced = reduce_rows(acc, kind, dtype, self.interpret)
             if partial:  # the chunk's partial result, combined by the next kernels
                 root.lines.append(f"{var} = {reduced}  # partial {node_source(r)}")
                 root.lines.append(f"tl.store(ws + ({self._ws_offset(r, 'sid')}), {var}, xmask)")
