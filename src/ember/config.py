@@ -358,6 +358,10 @@ class Settings:
                                  "EMBER_LIBRARY_WARMUP")
     git_commit: str | None = _item(None, "the commit `ember bench` records, for runs from a copy of the working "
                                          "tree without its .git", "EMBER_GIT_COMMIT", "str")
+    target_compile_python: str | None = _item(None, "the Python that compiles kernels for a GPU that is not here "
+                                                    "(runtime/target_compile.py): another environment's, one with "
+                                                    "the GPU machine's Triton (torch not needed there)",
+                                              "EMBER_TARGET_COMPILE_PYTHON", "path")
 
     # Tuning constants (no environment variable): tests and benchmarks change them with patch().
     cpu_background_fault: str = _item("", "tests: every background CPU load job raises RuntimeError(this text) "

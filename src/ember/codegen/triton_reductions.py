@@ -39,14 +39,17 @@ def combine_fn(kind: str, dtype: torch.dtype) -> str:
 def reduce_rows(value: str, kind: str, dtype: torch.dtype, interpret: bool) -> str:
     """The expression reducing the rows of the ``[XBLOCK, N]`` tile ``value``, as a column.
 
-    On the interpreter a max or min goes through Triton's own combine functions, which it runs as
-    numpy reductions (NaN-ignoring: ``_max_rows``/``_min_rows`` give NaN back to a row holding
-    one, as torch does); ours (``_max``/``_min``) it runs element by element, which made a
-    softmax over a BERT's scores take minutes. The GPU compiles ours: the same answer, one pass."""
-    if interpret and kind in ("max", "min") and dtype != torch.bool:
+    On the interpreter every reduction goes through Triton's own combine functions, which it runs
+    as numpy reductions (max and min NaN-ignoring: ``_max_rows``/``_min_rows`` give NaN back to a
+    row holding one, as torch does; integer sums wrap to the type as the GPU's do); ours
+    (``_sum``/``_max``/``_min``) it runs element by element, which made a softmax over a BERT's
+    scores take minutes. The GPU compiles ours: the same answer, one pass."""
+    if interpret and kind in ("max", "min"):
         if dtype.is_floating_point:
             return f"_{kind}_rows({value})[:, None]"
         return f"tl.reduce({value}, 1, tl.standard._elementwise_{kind})[:, None]"
+    if interpret and kind == "sum":
+        return f"tl.reduce({value}, 1, tl.standard._sum_combine)[:, None]"
     return f"tl.reduce({value}, 1, {combine_fn(kind, dtype)})[:, None]"
 
 

@@ -32,7 +32,6 @@ from pathlib import Path
 from ember.runtime.precompile import INT_VALUE, SCALAR_ARG, SCALAR_INT32, CompileJob
 
 H100 = "cuda:90:32"
-PYTHON_ENV = "EMBER_TARGET_COMPILE_PYTHON"  # the children's interpreter (compile_for_target)
 # Shared memory one block may use (bytes, the opt-in maximum Triton checks at load) per compute
 # capability: CUDA's table of the per-block limits.
 SHARED_LIMIT = {70: 98304, 75: 65536, 80: 166912, 86: 101376, 87: 166912, 89: 101376, 90: 232448,
@@ -77,7 +76,7 @@ def compile_for_target(jobs: Sequence[CompileJob], target: str = H100, processes
     """Compile every distinct job for ``target`` (``backend:arch:warp_size``), in ``processes``
     child processes (default: the CPUs this process may use), each with an empty Triton cache so
     that every kernel really compiles. ``python``: the interpreter of the children (default
-    PYTHON_ENV's, else this one's): one whose environment holds another Triton (the GPU machine's
+    EMBER_TARGET_COMPILE_PYTHON's, else this one's): one whose environment holds another Triton (the GPU machine's
     version, say; torch is not needed there) checks the kernels against that Triton. Results in
     the order of ``jobs``."""
     distinct = list(dict.fromkeys(jobs))
@@ -87,7 +86,8 @@ def compile_for_target(jobs: Sequence[CompileJob], target: str = H100, processes
     shares = [distinct[i::processes] for i in range(processes)]
     by_job: dict[CompileJob, TargetCompile] = {}
     with tempfile.TemporaryDirectory(prefix="ember_target_compile_") as folder:
-        python = python or os.environ.get(PYTHON_ENV) or sys.executable
+        from ember.config import settings
+        python = python or settings().target_compile_python or sys.executable
         children = [(share, _start(share, target, os.path.join(folder, f"cache{i}"), python))
                     for i, share in enumerate(shares)]
         for share, (child, text) in children:
