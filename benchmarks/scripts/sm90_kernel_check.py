@@ -60,10 +60,21 @@ def _row(label: str, jobs: list, seconds_collect: float) -> dict:
     return row
 
 
-def _sweep_rows(set_name: str, only: list[str], candidates: int) -> list[dict]:
+def _write(path: str | None, rows: list[dict]) -> None:
+    """The JSON so far (after every row: a run cut short keeps what it measured)."""
+    if not path:
+        return
+    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
+    env = {"python": platform.python_version(), "torch": torch.__version__, "triton": triton.__version__,
+           "target": f"{H100} (sm_90)", "cpu": platform.processor() or platform.machine(), "git_commit": commit,
+           "date": time.strftime("%Y-%m-%d"), "argv": sys.argv[1:]}
+    Path(path).write_text(json.dumps({"env": env, "rows": rows}, indent=1))
+
+
+def _sweep_rows(set_name: str, only: list[str], candidates: int, rows: list[dict], path: str | None) -> list[dict]:
     sys.path.insert(0, str(Path(__file__).parent))
     import sweep_models
-    rows = []
+    sweep_models._register_all()
     names = [n for n, c in sweep_models.REGISTRY.items() if c.group == set_name and (not only or n in only)]
     for name in names:
         case = sweep_models.REGISTRY[name]
@@ -84,6 +95,7 @@ def _sweep_rows(set_name: str, only: list[str], candidates: int) -> list[dict]:
         else:
             rows.append(_row(name, jobs, time.perf_counter() - t0))
         print(json.dumps(rows[-1])[:300], flush=True)
+        _write(path, rows)
     return rows
 
 
@@ -109,7 +121,7 @@ def main() -> None:
         print(json.dumps(rows[-1])[:300], flush=True)
     modes = ["train", "infer"] if args.mode == "both" else [args.mode]
     if args.sweep:
-        rows += _sweep_rows(args.sweep, args.only, args.candidates)
+        _sweep_rows(args.sweep, args.only, args.candidates, rows, args.json)
     for name in args.models if not args.sweep else []:
         models.get_case(name)
         for mode in modes:
@@ -120,16 +132,12 @@ def main() -> None:
                                               loss if mode == "train" else None, args.candidates)
             rows.append(_row(f"{name} {mode} bs{args.batch} bf16", jobs, time.perf_counter() - t0))
             print(json.dumps(rows[-1])[:300], flush=True)
+            _write(args.json, rows)
     print(f"\n{'case':<66} {'kernels':>7} {'max shared':>10} {'failed':>6}  triton")
     for r in rows:
         print(f"{r['case']:<66} {r['kernels']:>7} {r.get('max_shared', '-'):>10} {len(r['failures']):>6}  "
               f"{r.get('triton', '')} {r.get('error', '')[:100]}")
-    if args.json:
-        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
-        env = {"python": platform.python_version(), "torch": torch.__version__, "triton": triton.__version__,
-               "target": f"{H100} (sm_90)", "cpu": platform.processor() or platform.machine(), "git_commit": commit,
-               "date": time.strftime("%Y-%m-%d"), "argv": sys.argv[1:]}
-        Path(args.json).write_text(json.dumps({"env": env, "rows": rows}, indent=1))
+    _write(args.json, rows)
 
 
 if __name__ == "__main__":
