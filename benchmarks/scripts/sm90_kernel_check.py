@@ -37,7 +37,7 @@ from ember.bench import gpu_kernels, models  # noqa: E402
 from ember.runtime.target_compile import H100, compile_for_target  # noqa: E402
 from ember.tune.session import load_model  # noqa: E402
 
-SEEDS = ["resnet50", "bert", "vgg16", "mobilenet_v3", "cyclegan", "style_transfer"]
+SEEDS = models.SEED_SUITE
 
 
 PYTHONS: list[str | None] = [None]  # the children's interpreters: None is the default (--python adds)
@@ -80,6 +80,7 @@ def _sweep_rows(set_name: str, only: list[str], candidates: int, rows: list[dict
         case = sweep_models.REGISTRY[name]
         t0 = time.perf_counter()
         try:
+            torch._dynamo.reset()  # one wrapper function for every model: Dynamo's recompile limit is per function
             torch.manual_seed(0)
             model = case.build().train(case.train)
             args, kwargs = case.make(torch.Generator().manual_seed(0))
