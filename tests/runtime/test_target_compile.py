@@ -135,3 +135,12 @@ def test_a_kernel_that_kills_its_compile_process_is_charged_alone(tmp_path: Path
     ok, dead = compile_for_target(jobs, processes=1)
     assert ok.ok and ok.shared is not None
     assert not dead.ok and "died (3)" in dead.error
+
+
+def test_a_model_that_runs_eagerly_has_no_kernels_to_check_and_says_so(tmp_path: Path) -> None:
+    def untraceable(x: torch.Tensor) -> torch.Tensor:
+        torch._dynamo.graph_break()
+        return x
+
+    with pytest.raises(RuntimeError, match="no graph of the model reached"):
+        gpu_kernels.model_jobs(untraceable, (torch.randn(4),), False, tmp_path)

@@ -85,6 +85,8 @@ def model_jobs(model: Callable, inputs: tuple, train: bool, folder: Path,
     compiled = ember.compile(model, target="triton-interpret", cache=False)
     with instrument(before=before):
         run_step(compiled, inputs, train, loss)
+    if not seen:  # Dynamo ran it eagerly (a trace it could not make, its recompile limit): nothing to check
+        raise RuntimeError("no graph of the model reached Ember's code generation; ember.explain(model, ...) says why")
     jobs: list[CompileJob] = []
     for gm, plan in seen:
         for group in plan.fused():
