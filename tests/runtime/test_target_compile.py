@@ -95,18 +95,20 @@ def test_a_kernel_past_the_shared_memory_limit_is_reported() -> None:
     assert result.shared > SHARED_LIMIT[90] and "shared memory" in result.problem()
 
 
-def test_a_kernel_the_compiler_rejects_is_reported_with_its_error(tmp_path: Path) -> None:
-    path = tmp_path / "bad_kernel.py"
-    path.write_text(textwrap.dedent("""
-        import triton
-        import triton.language as tl
+def _kernel_file(folder: Path, name: str, body: str) -> Path:
+    """A module holding one ``@triton.jit`` kernel ``name(x_ptr, BLOCK)`` with ``body``."""
+    path = folder / f"{name}.py"
+    path.write_text("import triton\nimport triton.language as tl\n\n\n@triton.jit\n"
+                    f"def {name}(x_ptr, BLOCK: tl.constexpr):\n" + textwrap.indent(textwrap.dedent(body), "    "))
+    return path
 
-        @triton.jit
-        def bad_kernel(x_ptr, BLOCK: tl.constexpr):
-            rows = tl.arange(0, BLOCK)
-            tile = tl.load(x_ptr + rows[:, None] * BLOCK + rows[None, :])
-            tl.store(x_ptr + rows, tl.dot(tile, tile))  # a 2-D result stored through 1-D pointers
-    """))
+
+def test_a_kernel_the_compiler_rejects_is_reported_with_its_error(tmp_path: Path) -> None:
+    path = _kernel_file(tmp_path, "bad_kernel", """
+        rows = tl.arange(0, BLOCK)
+        tile = tl.load(x_ptr + rows[:, None] * BLOCK + rows[None, :])
+        tl.store(x_ptr + rows, tl.dot(tile, tile))  # a 2-D result stored through 1-D pointers
+    """)
     (result,) = compile_for_target([job_for(path, "bad_kernel", ["float16"], {"BLOCK": 16})])
     assert result.error is not None and not result.ok
     assert result.problem() == result.error
@@ -119,16 +121,10 @@ def test_a_target_that_is_not_one_is_refused(capsys: pytest.CaptureFixture) -> N
 
 
 def test_a_kernel_that_kills_its_compile_process_is_charged_alone(tmp_path: Path) -> None:
-    good = tmp_path / "good_kernel.py"
-    good.write_text(textwrap.dedent("""
-        import triton
-        import triton.language as tl
-
-        @triton.jit
-        def good_kernel(x_ptr, BLOCK: tl.constexpr):
-            rows = tl.arange(0, BLOCK)
-            tl.store(x_ptr + rows, tl.load(x_ptr + rows) * 2)
-    """))
+    good = _kernel_file(tmp_path, "good_kernel", """
+        rows = tl.arange(0, BLOCK)
+        tl.store(x_ptr + rows, tl.load(x_ptr + rows) * 2)
+    """)
     dying = tmp_path / "dying_kernel.py"
     dying.write_text("import os\nos._exit(3)  # a crash outside Python's exceptions\n")
     jobs = [job_for(good, "good_kernel", ["float32"], {"BLOCK": 128}), job_for(dying, "dying_kernel", ["float32"], {})]

@@ -200,15 +200,8 @@ def compile_job(job: CompileJob) -> tuple[str | None, float, float]:
         _use_cache_dir(job.cache_dir)
     try:
         from ember.runtime import triton_key
-        from ember.runtime.worker_triton import pointer_arg
         triton_key.install()  # after the cache folder is set: the stored key lives there
-        spec = importlib.util.spec_from_file_location(f"ember_precompile.{job.name}", job.path)
-        module = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(module)
-        fn = getattr(module, job.name)
-        args = [SCALAR_ARG if d == SCALAR_INT32 else int(d[len(INT_VALUE):]) if d.startswith(INT_VALUE)
-                else pointer_arg(d) for d in job.arg_dtypes]
-        compiled = fn.warmup(*args, grid=(1,), **dict(job.meta))
+        compiled = warm_up(job)
         if job.cubin_tag:
             _record_binary(job, compiled)
         else:
@@ -216,6 +209,20 @@ def compile_job(job: CompileJob) -> tuple[str | None, float, float]:
     except Exception as err:  # the launch in the parent compiles it again and reports properly
         return f"{job.name}: {type(err).__name__}: {err}", began, time.time() - began
     return None, began, time.time() - began
+
+
+def warm_up(job: CompileJob) -> object:
+    """Triton's compiled kernel of ``job``, built in this process by ``JITFunction.warmup`` (the
+    kernel's module imported from its file; stand-ins for its tensors, no torch needed): for
+    whatever target Triton's active driver names (runtime/target_compile.py's for a GPU not here)."""
+    from ember.runtime.worker_triton import pointer_arg
+    spec = importlib.util.spec_from_file_location(f"ember_precompile.{job.name}", job.path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    fn = getattr(module, job.name)
+    args = [SCALAR_ARG if d == SCALAR_INT32 else int(d[len(INT_VALUE):]) if d.startswith(INT_VALUE)
+            else pointer_arg(d) for d in job.arg_dtypes]
+    return fn.warmup(*args, grid=(1,), **dict(job.meta))
 
 
 def _record_binary(job: CompileJob, compiled: object) -> None:

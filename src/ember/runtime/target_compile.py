@@ -29,7 +29,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from ember.runtime.precompile import INT_VALUE, SCALAR_ARG, SCALAR_INT32, CompileJob
+from ember.runtime.precompile import CompileJob, warm_up
 
 H100 = "cuda:90:32"
 # Shared memory one block may use (bytes, the opt-in maximum Triton checks at load) per compute
@@ -116,22 +116,12 @@ def _start(share: Sequence[CompileJob], target: str, cache_dir: str, python: str
 
 
 def _compile_one(job: CompileJob, arch: int) -> dict:
-    import importlib.util
-
     import triton
 
-    from ember.runtime.worker_triton import pointer_arg
     began = time.perf_counter()
     version = triton.__version__
     try:
-        spec = importlib.util.spec_from_file_location(f"ember_target_compile.{job.name}", job.path)
-        module = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(module)
-        fn = getattr(module, job.name)
-        args = [SCALAR_ARG if d == SCALAR_INT32 else int(d[len(INT_VALUE):]) if d.startswith(INT_VALUE)
-                else pointer_arg(d) for d in job.arg_dtypes]
-        compiled = fn.warmup(*args, grid=(1,), **dict(job.meta))
-        shared = int(compiled.metadata.shared)
+        shared = int(warm_up(job).metadata.shared)
     except Exception as err:  # noqa: BLE001 - the compiler's error is the result
         return {"seconds": time.perf_counter() - began, "error": f"{type(err).__name__}: {str(err)[:1500]}",
                 "triton": version}
