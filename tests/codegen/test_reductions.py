@@ -13,6 +13,7 @@ from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
 import ember
+from ember import config
 
 pytestmark = pytest.mark.filterwarnings("ignore:.*encountered in:RuntimeWarning")
 
@@ -328,7 +329,7 @@ def test_max_of_a_split_reduction_gives_nan_to_its_row():
     # A long row split over programs: the partial results and their combination keep the NaN.
     x = make_input((2, 20000), "contiguous")
     x[0, 15000] = float("nan")
-    with strict_env(looped=True):
+    with strict_env(looped=True), config.patch(interpret_split_target_programs=64):
         got = ember.compile(lambda t: (torch.amax(t, 1) * 2, torch.amin(t, 1) * 2), target="triton-interpret")(x)
     for g, w in zip(got, (torch.amax(x, 1) * 2, torch.amin(x, 1) * 2)):
         assert torch.isnan(g[0]) and not torch.isnan(g[1])
