@@ -10,8 +10,11 @@ Per model (training, bf16 autocast, the registry's default batch, SGD with momen
      per tile configuration; depthwise convolutions: cuDNN or Ember's kernels), then measure the
      candidates of each (every one checked on fresh random inputs, library calls first) within
      ``--budget`` seconds, into a fresh tuning database (``--library-only``: the library calls alone);
-  3. tuned Ember: compile again (the database now answers), time the same steps;
-  4. a second tune of the same model: must finish in seconds when the first one finished
+  3. the whole-model check ``ember tune`` ends with (tune/model_check.py): the model compiled with
+     the rules and with subsets of the tuned choices, timed in turn, the choices that do not pay
+     in the model demoted (``--no-model-check`` skips it: the standalone choices alone);
+  4. tuned Ember: compile again (the database now answers), time the same steps;
+  5. a second tune of the same model: must finish in seconds when the first one finished
      (everything in the database); a kernel the first tune's budget cut short (the budget is
      checked between one kernel's candidates) is finished by the second, so then it takes longer:
      the ``cut`` column counts those kernels and the ones never reached.
@@ -38,11 +41,13 @@ from typing import Any
 import torch
 
 import ember
+from ember import config
 from ember.bench import models
 from ember.instruments import instrument
 from ember.tune.apply import forget_open
 from ember.tune.db import TuningDB
 from ember.tune.device import describe, device_key
+from ember.tune.model_check import check_in_model
 from ember.tune.report import config_label
 from ember.tune.session import collect_work, tune_groups
 
@@ -84,7 +89,7 @@ def _env(**values: str):
 
 
 def run_model(name: str, budget: float, steps: int, warmup: int, cache: Path, top: int,
-              library_only: bool) -> dict[str, Any]:
+              library_only: bool, model_check: bool = True) -> dict[str, Any]:
     case = models.get_case(name)
     device = torch.device("cuda")
     torch.manual_seed(0)
@@ -106,6 +111,14 @@ def run_model(name: str, budget: float, steps: int, warmup: int, cache: Path, to
         report = tune_groups([] if library_only else groups, db, cache / "kernels", budget, top=top,
                              progress=False, sites=sites)
         forget_open()
+        check = None
+        if model_check:
+            with config.patch(tuning_db=str(db.path)):
+                check = check_in_model(copy.deepcopy(base), tuple(inputs), True, "auto", db, device_key("cuda"),
+                                       loss=lambda out: case.loss(out, target), precision=torch.bfloat16,
+                                       budget_s=max(20.0, budget - report.seconds))
+            print(check.line(), flush=True)
+            forget_open()
         torch._dynamo.reset()
         tuned_in_use: list[int] = []
         with instrument(after=lambda stage, rec, art: tuned_in_use.append(len(rec.tuned)) if stage == "codegen" else None):
@@ -136,10 +149,13 @@ def run_model(name: str, budget: float, steps: int, warmup: int, cache: Path, to
         "second_tune_measured": len(again.measured),
         "top_gains": [{"kernel": k.label, "default_ms": k.default_ms, "best_ms": k.best_ms, "config": k.best_config}
                       for k in gains[:8]],
+        "model_check": None if check is None else {
+            "line": check.line(), "kept": check.kept, "demoted": len(check.demoted), "seconds": check.seconds,
+            "variants": {v.name: v.ms if v.ms is not None else v.error for v in check.variants}},
         "library_sites": len(sites), "library_measured": len(library),
         "library_not_rule": sum(bool(k.best_config) for k in library),
         "library": [{"site": k.label, "rule_ms": k.default_ms, "best_ms": k.best_ms,
-                     "best": config_label(k.best_config, True), "tried": k.tried, "failed": k.failed}
+                     "best": config_label(k.best_config) if k.best_config else "the rule", "tried": k.tried, "failed": k.failed}
                     for k in library],
     })
     return row
@@ -154,6 +170,8 @@ def main() -> int:
     parser.add_argument("--top", type=int, default=4, help="candidates timed per kernel")
     parser.add_argument("--json", type=Path, default=None)
     parser.add_argument("--library-only", action="store_true", help="tune the library calls' implementations only")
+    parser.add_argument("--no-model-check", action="store_true",
+                        help="skip the whole-model check (the standalone choices are used as measured)")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("gpu_tune.py needs a CUDA device")
@@ -162,7 +180,7 @@ def main() -> int:
         with tempfile.TemporaryDirectory(prefix=f"ember-tune-{name}-") as tmp:
             try:
                 rows.append(run_model(name, args.budget, args.steps, args.warmup, Path(tmp), args.top,
-                                      args.library_only))
+                                      args.library_only, not args.no_model_check))
             except Exception as err:  # noqa: BLE001 - one model's failure is a row, not the end
                 import traceback
                 traceback.print_exc()
