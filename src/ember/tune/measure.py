@@ -162,9 +162,10 @@ def _cuda_graph_times(runs: list[Callable[[], None]], budget_s: float, rounds: i
 
 def _event_times(runs: list[Callable[[], None]], budget_s: float, rounds: int) -> list[float]:
     """Per run: the median over rounds of (device time of back-to-back calls / calls), the runs
-    taken in turn each round, nothing captured. For whole compiled models: a model that replays its
-    own CUDA graphs cannot be captured into another (the replay is no kernel launch of the capturing
-    stream), and the host time it spends per call is part of what its user pays."""
+    taken in turn each round, nothing captured. For whole compiled models: a model replays CUDA
+    graphs of its own, and capturing its calls into another graph recorded an empty graph (torch's
+    warning, bert's whole-model check on an H100); the host time it spends per call is part of what
+    its user pays too."""
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     per_round_ms = max(0.5, budget_s * 1e3 / (rounds * len(runs)))
     calls = []

@@ -199,7 +199,7 @@ def check_in_model(model: Callable, inputs: tuple, train: bool, target: str, db:
             variant.error = f"differs from the rules' program (outputs {worst_out:.2e}, gradients {worst_grad:.2e})"
     correct = [i for i, v in enumerate(variants) if not v.error]
     per_variant = max(1.0, (budget_s - (time.perf_counter() - start)) / len(correct))
-    # Uncaptured: each variant replays CUDA graphs of its own, which no outer capture can take.
+    # Uncaptured: each variant replays CUDA graphs of its own (measure._event_times says why).
     times = time_interleaved_ms([runs[i] for i in correct], dev, per_variant, rounds=7, capture=False)
     for i, ms in zip(correct, times):
         variants[i].ms = ms
