@@ -131,6 +131,99 @@ def test_tuned_choices_compiled_and_trained_like_eager(sites, tmp_path: Path) ->
     assert "impl=tiled " in text and "warps" in text and "impl=cublas" in text and "2.00x" in text
 
 
+class ProjectActivate(torch.nn.Module):
+    """A linear layer whose output only a ReLU reads (cuBLASLt can apply it in its epilogue), one
+    followed by a tanh GELU (decomposed for fusion before the pass), one by an exact GELU and one
+    whose output is read twice."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = torch.nn.Linear(24, 40)
+        self.b = torch.nn.Linear(40, 32)
+        self.c = torch.nn.Linear(32, 32)
+        self.d = torch.nn.Linear(32, 16)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = torch.relu(self.a(x))
+        h = torch.nn.functional.gelu(self.b(h), approximate="tanh")
+        h = torch.nn.functional.gelu(self.c(h))
+        y = self.d(h)
+        return y + torch.relu(y)
+
+
+def _activate(dtype: torch.dtype = torch.bfloat16) -> ProjectActivate:
+    torch.manual_seed(5)
+    return ProjectActivate().to(dtype)
+
+
+def _epilogue_sites(train: bool, x: torch.Tensor) -> list:
+    sites = collect_work(_activate(), (x.bfloat16(),), train=train, target="triton-interpret", loss=_loss)[1]
+    return [s for s in sites if s.op == "matmul"]
+
+
+def _prefer_epilogues(sites: list, db_path: Path) -> None:
+    dev = device_key("cpu")
+    rows = []
+    for site in sites:
+        rows += [Result(site.key, dev, {}, 2.0, "ok", label=site.label),
+                 Result(site.key, dev, {"impl": "cublaslt"}, 1.0, "ok")]
+    TuningDB(db_path).record(rows)
+
+
+def test_activation_epilogue_sites_checked_and_a_wrong_one_rejected(tmp_path: Path) -> None:
+    x = torch.randn(6, 24, generator=torch.Generator().manual_seed(4))
+    matmuls = _epilogue_sites(False, x)
+    with_epilogue = [s for s in matmuls if "cublaslt" in s.impls]
+    # Layer a alone (its ReLU); b's and c's GELUs and d's two readers keep the rule without it.
+    assert [s.epilogue for s in with_epilogue] == ["relu"]
+    assert all(s.epilogue == "none" for s in matmuls if s not in with_epilogue)
+    dev = device_key("cpu")
+    db = TuningDB(tmp_path / "check.sqlite")
+    for site in with_epilogue:  # every candidate, the activation included, against float64
+        found = tune_site(site, db, dev, per_candidate_s=0.01)
+        assert found.failed == 0 and found.tried == len(site_candidates(site)) - 1
+    corrupted = []
+
+    def corrupt_epilogue(candidate, outputs) -> None:
+        if "impl=cublaslt" in candidate.source:
+            corrupted.append(candidate.name)
+            outputs[0].view(-1)[1] += 1.0
+
+    bad_db = TuningDB(tmp_path / "bad.sqlite")
+    with candidate_output_hook(corrupt_epilogue):
+        for site in with_epilogue:
+            tune_site(site, bad_db, dev, per_candidate_s=0.01)
+            assert any(r.failed for r in bad_db.results(site.key, dev) if r.config.get("impl") == "cublaslt")
+    assert len(corrupted) == 1
+
+
+def test_activation_epilogue_chosen_in_inference_and_training(tmp_path: Path) -> None:
+    x = torch.randn(6, 24, generator=torch.Generator().manual_seed(4))
+    infer_sites = [s for s in _epilogue_sites(False, x) if "cublaslt" in s.impls]
+    train_sites = [s for s in _epilogue_sites(True, x) if "cublaslt" in s.impls]
+    assert [s.epilogue for s in train_sites] == ["relu"]
+    db_path = tmp_path / "tuning.sqlite"
+    _prefer_epilogues(infer_sites + train_sites, db_path)
+
+    with config.patch(tuning_db=str(db_path)), torch.no_grad():
+        compiled = ember.compile(_activate().eval(), target="triton-interpret", cache=False)
+        got = compiled(x.bfloat16())
+        program = compiled._ember_backend.log.graphs[0].program
+    want, eager = _activate(torch.float32)(x), _activate()(x.bfloat16())
+    assert (got.float() - want).abs().max().item() <= 3 * (eager.float() - want).abs().max().item() + 1e-3
+    assert program.count("aten._addmm_activation.default") == 1 and "aten.addmm.default" in program
+
+    want = _step(_activate(torch.float32), x)
+    eager = _step(_activate(), x.bfloat16())
+    with config.patch(tuning_db=str(db_path)):
+        compiled = ember.compile(_activate(), target="triton-interpret", cache=False)
+        got = _step(compiled, x.bfloat16())
+    for g, e, w in zip(got, eager, want):
+        assert (g.float() - w).abs().max().item() <= 3 * (e.float() - w).abs().max().item() + 1e-3
+    forward = compiled._ember_backend.log.graphs[0].program
+    assert forward.count("aten._addmm_activation.default") == 1
+
+
 def test_an_answer_the_pass_cannot_apply_is_not_listed(sites, tmp_path: Path, monkeypatch) -> None:
     from ember.passes import gpu_library_choices
 

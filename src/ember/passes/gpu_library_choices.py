@@ -4,7 +4,12 @@ Matmuls: every ``mm``, ``addmm`` (a bias with one value per column), ``bmm`` and
 ``ember::small_bmm`` left by the passes before this one, with bf16/fp16 operands of static sizes,
 is a ``LibrarySite`` ("matmul"). Its first implementation is what the rules produced (``cublas``,
 or ``small_bmm`` where that rule took the product); the others are ``cublas`` and ``tiled``
-(``ember::tiled_matmul`` with a tile configuration).
+(``ember::tiled_matmul`` with a tile configuration). An ``addmm`` whose only reader is a ReLU has
+it as the site's epilogue, and also ``cublaslt``: ``aten._addmm_activation``, which asks cuBLASLt
+for the ReLU in its epilogue (ATen applies it after the product where cuBLASLt cannot); the rule
+leaves the ReLU to a generated kernel. (cuBLASLt's GELU epilogue is the tanh approximation; the
+GPU code path has decomposed every GELU into its formula for fusion before this pass, so none is
+offered.)
 
 Depthwise convolutions: every ``aten.convolution`` / ``convolution_backward`` that Ember's
 depthwise kernels take (passes/depthwise.py's rule) and cuDNN runs, is a site ("conv" /
@@ -66,8 +71,23 @@ def matmul_site(node: fx.Node, device_type: str) -> LibrarySite | None:
         return None
     rule = "small_bmm" if node.target is torch.ops.ember.small_bmm.default else "cublas"
     impls = (rule, "tiled") if rule == "cublas" else (rule, "cublas", "tiled")
+    activation = activation_after(node)
+    if activation is not None:
+        impls += ("cublaslt",)
     return LibrarySite("matmul", tensor_sig(a), tensor_sig(b), tensor_sig(bias) if bias is not None else None, (),
-                       "none", impls=impls, device_type=device_type)
+                       activation[0] if activation is not None else "none", impls=impls, device_type=device_type)
+
+
+def activation_after(node: fx.Node) -> tuple[str, fx.Node] | None:
+    """("relu", node) where an ``addmm``'s only reader is a ReLU of it (cuBLASLt can apply it in its
+    epilogue); None otherwise. In training the ReLU's backward reads the ReLU's output, not the
+    product, so the product has no other reader there either."""
+    if node.target is not aten.addmm.default or len(node.users) != 1:
+        return None
+    (user,) = node.users
+    if user.op == "call_function" and user.target is aten.relu.default and user.args == (node,) and not user.kwargs:
+        return "relu", user
+    return None
 
 
 _GRADS = ("input", "weight", "bias")
@@ -103,6 +123,8 @@ def conv_site(node: fx.Node, device_type: str) -> LibrarySite | None:
 
 def _replace_product(gm: fx.GraphModule, mode: object, node: fx.Node, choice: LibraryChoice) -> bool:
     a, b, bias = _operands(node)  # type: ignore[misc]
+    if choice.impl == "cublaslt":
+        return _fuse_activation(gm, mode, node, a, b, bias)
     with gm.graph.inserting_before(node):
         if choice.impl == "tiled":
             new = add_node(gm.graph, mode, torch.ops.ember.tiled_matmul.default,
@@ -114,6 +136,24 @@ def _replace_product(gm: fx.GraphModule, mode: object, node: fx.Node, choice: Li
         return False
     new.meta["stack_trace"] = node.meta.get("stack_trace")
     node.replace_all_uses_with(new)
+    gm.graph.erase_node(node)
+    return True
+
+
+def _fuse_activation(gm: fx.GraphModule, mode: object, node: fx.Node, a: object, b: object, bias: object) -> bool:
+    """The addmm and the activation that alone reads it, as one ``_addmm_activation``."""
+    found = activation_after(node)
+    if found is None:
+        return False
+    _, activation = found
+    with gm.graph.inserting_before(activation):
+        new = add_node(gm.graph, mode, aten._addmm_activation.default, (bias, a, b))
+    if not same_value(new.meta["val"], node_val(activation)):
+        gm.graph.erase_node(new)
+        return False
+    new.meta["stack_trace"] = activation.meta.get("stack_trace")
+    activation.replace_all_uses_with(new)
+    gm.graph.erase_node(activation)
     gm.graph.erase_node(node)
     return True
 

@@ -13,6 +13,8 @@ the choice; ``impls`` are the implementations Ember can emit for it, the fixed r
   matmul  cublas     mm / addmm / bmm as captured (GPU code path, passes/gpu_library_choices.py)
           small_bmm  ember::small_bmm, where its rule takes the product
           tiled      ember::tiled_matmul with a tile configuration (the choice's ``config``)
+          cublaslt   aten._addmm_activation: an addmm whose only reader is a ReLU (the site's
+                     epilogue), the ReLU computed in cuBLASLt's epilogue
   conv, conv_backward (GPU code path: a depthwise convolution, its gradients)
           cudnn      aten.convolution / convolution_backward as captured
           ember      Ember's depthwise kernels (ops/depthwise_conv.py)

@@ -35,6 +35,7 @@ class OpClass(enum.Enum):
 # Library calls: cuBLAS / cuDNN / flash attention through ATen; the kernel vendors beat us here.
 EXTERN_OPS = {
     aten.mm.default, aten.addmm.default, aten.bmm.default, aten.baddbmm.default,
+    aten._addmm_activation.default,  # an activation in cuBLASLt's epilogue (passes/gpu_library_choices.py)
     aten.convolution.default, aten.convolution_backward.default,
     aten._scaled_dot_product_flash_attention.default,
     aten._scaled_dot_product_flash_attention_backward.default,

@@ -8,7 +8,9 @@ outside the timing), and run with the epilogue the rule would fuse: as a oneDNN 
 the implementation fuses it, else as the ATen op after it (what a separate kernel costs). A GPU
 matmul site's candidates are cuBLAS, Ember's small-product kernel where the rule took it, and
 Ember's tiled kernel in the tile configurations the cost model ranks best (ops/tiled_matmul.py),
-compiled by the compile workers side by side before the first is run; a depthwise convolution's
+compiled by the compile workers side by side before the first is run, and for an addmm read only
+by a ReLU, ``aten._addmm_activation`` (the ReLU in cuBLASLt's epilogue; the others run it after
+the product); a depthwise convolution's
 (or its gradients') are cuDNN and Ember's kernels; attention's are its backends.
 
 Every candidate, the rule's included, is checked against a float64 computation of the captured
@@ -138,7 +140,8 @@ def _captured(site: LibrarySite, ops: Operands) -> torch.Tensor | tuple[torch.Te
     """The ops as captured, in ATen (no prepared weight, no fused epilogue)."""
     if site.op == "matmul":
         product = torch.bmm if ops.x.dim() == 3 else torch.mm
-        return product(ops.x, ops.weight) if ops.bias is None else torch.addmm(ops.bias, ops.x, ops.weight)
+        y = product(ops.x, ops.weight) if ops.bias is None else torch.addmm(ops.bias, ops.x, ops.weight)
+        return _epilogue(site, y, None)
     if site.op == "conv_backward":
         return _conv_backward(site, ops)
     if site.op == "attention":  # ATen's composite: the reference (the rule is a backend: ``_attention``)
@@ -182,11 +185,13 @@ def implementation(site: LibrarySite, impl: str, ops: Operands, config: dict | N
     if site.op == "conv_backward" and impl == "ember":
         return lambda: _ember_conv_backward(site, ops)
     if site.op == "matmul" and impl == "small_bmm":
-        return lambda: torch.ops.ember.small_bmm(ops.x, ops.weight)
+        return lambda: _epilogue(site, torch.ops.ember.small_bmm(ops.x, ops.weight), None)
     if site.op == "matmul" and impl == "tiled":
         from ember.ops.tiled_matmul import tiles_of
         tiles = tiles_of(config or {})
-        return lambda: torch.ops.ember.tiled_matmul(ops.x, ops.weight, ops.bias, tiles)
+        return lambda: _epilogue(site, torch.ops.ember.tiled_matmul(ops.x, ops.weight, ops.bias, tiles), None)
+    if site.op == "matmul" and impl == "cublaslt":  # (a ReLU epilogue: passes/gpu_library_choices.py)
+        return lambda: aten._addmm_activation(ops.bias, ops.x, ops.weight)
     if site.op == "linear" and impl == "mkl":
         batch = site.x[0][0]
         packed = torch.ops.mkl._mkl_reorder_linear_weight(ops.weight, batch)
