@@ -8,6 +8,7 @@ naming each choice."""
 
 from __future__ import annotations
 
+import contextlib
 from pathlib import Path
 
 import pytest
@@ -37,6 +38,21 @@ class ProjectAttend(torch.nn.Module):
         h = self.proj(x)
         scores = torch.bmm(h, h.transpose(1, 2))
         return self.out(torch.bmm(scores.softmax(-1), h))
+
+
+@contextlib.contextmanager
+def _corrupting(impl: str, output: int = 0, index: int = 0, by: float = 1.0):
+    """Every candidate of implementation ``impl`` returns one wrong element (``outputs[output]``'s
+    element ``index`` moved by ``by``); yields the names of the candidates corrupted."""
+    corrupted: list[str] = []
+
+    def corrupt(candidate, outputs) -> None:
+        if f"impl={impl}" in candidate.source:
+            corrupted.append(candidate.name)
+            outputs[output].view(-1)[index] += by
+
+    with candidate_output_hook(corrupt):
+        yield corrupted
 
 
 def _loss(out: torch.Tensor) -> torch.Tensor:
@@ -77,15 +93,8 @@ def test_candidates_checked_and_a_wrong_one_rejected(sites, tmp_path: Path) -> N
     assert good.failed == 0 and good.tried == len(site_candidates(site)) - 1
     assert all(r.status == "ok" for r in db.results(site.key, dev))
 
-    corrupted = []
-
-    def corrupt_tiled(candidate, outputs) -> None:
-        if "impl=tiled" in candidate.source:
-            corrupted.append(candidate.name)
-            outputs[0].view(-1)[3] += 1.0
-
     bad_db = TuningDB(tmp_path / "bad.sqlite")
-    with candidate_output_hook(corrupt_tiled):
+    with _corrupting("tiled", index=3) as corrupted:
         bad = tune_site(site, bad_db, dev, per_candidate_s=0.01)
     assert corrupted and bad.failed == len(corrupted) == good.tried
     rows = bad_db.results(site.key, dev)
@@ -182,15 +191,8 @@ def test_activation_epilogue_sites_checked_and_a_wrong_one_rejected(tmp_path: Pa
     for site in with_epilogue:  # every candidate, the activation included, against float64
         found = tune_site(site, db, dev, per_candidate_s=0.01)
         assert found.failed == 0 and found.tried == len(site_candidates(site)) - 1
-    corrupted = []
-
-    def corrupt_epilogue(candidate, outputs) -> None:
-        if "impl=cublaslt" in candidate.source:
-            corrupted.append(candidate.name)
-            outputs[0].view(-1)[1] += 1.0
-
     bad_db = TuningDB(tmp_path / "bad.sqlite")
-    with candidate_output_hook(corrupt_epilogue):
+    with _corrupting("cublaslt", index=1) as corrupted:
         for site in with_epilogue:
             tune_site(site, bad_db, dev, per_candidate_s=0.01)
             assert any(r.failed for r in bad_db.results(site.key, dev) if r.config.get("impl") == "cublaslt")
@@ -287,14 +289,7 @@ def test_depthwise_sites_checked_and_ember_kernels_applied(tmp_path: Path) -> No
         result = tune_site(site, db, dev, per_candidate_s=0.01)
         assert result.failed == 0 and result.tried == 1, result.failures
 
-    corrupted = []
-
-    def corrupt_ember(candidate, outputs) -> None:
-        if "impl=ember" in candidate.source:
-            corrupted.append(candidate.name)
-            outputs[-1].view(-1)[0] += 1.0  # the last gradient asked for
-
-    with candidate_output_hook(corrupt_ember):
+    with _corrupting("ember", output=-1) as corrupted:  # the last gradient asked for
         bad = tune_site(backward, TuningDB(tmp_path / "bad.sqlite"), dev, per_candidate_s=0.01)
     assert corrupted and bad.failed == 1
 
@@ -344,11 +339,7 @@ def test_attention_backend_chosen_for_inference(target: str, masked: bool, tmp_p
     result = tune_site(site, TuningDB(tmp_path / "t.sqlite"), dev, per_candidate_s=0.01)
     assert result.failed == 0 and result.tried == 1, result.failures
 
-    def corrupt_math(candidate, outputs) -> None:
-        if "impl=math" in candidate.source:
-            outputs[0].view(-1)[1] += 0.5
-
-    with candidate_output_hook(corrupt_math):
+    with _corrupting("math", index=1, by=0.5):
         assert tune_site(site, TuningDB(tmp_path / "bad.sqlite"), dev, per_candidate_s=0.01).failed == 1
 
     db_path = tmp_path / "tuning.sqlite"
@@ -381,10 +372,7 @@ def test_embers_attention_kernel_checked_chosen_and_run(masked: bool, tmp_path: 
     result = tune_site(site, TuningDB(tmp_path / "t.sqlite"), dev, per_candidate_s=0.01)
     assert result.failed == 0 and result.tried == 1 + len(configs), result.failures
 
-    def corrupt_ember(candidate, outputs) -> None:
-        if "impl=ember" in candidate.source:
-            outputs[0].view(-1)[5] += 0.5
-    with candidate_output_hook(corrupt_ember):
+    with _corrupting("ember", index=5, by=0.5):
         assert tune_site(site, TuningDB(tmp_path / "bad.sqlite"), dev, per_candidate_s=0.01).failed == len(configs)
 
     db_path = tmp_path / "tuning.sqlite"
